@@ -1,0 +1,111 @@
+"""The run directory: the files every stage reads and writes (DESIGN.md "The run directory").
+
+    plan.json      {"version": 1, "plan": Plan.to_dict(), "description": str,
+                    "inputs": {"model": ModelSpec.to_dict(), "cluster": ClusterSpec.to_dict(),
+                               "train": TrainSpec.to_dict(), "scale": str|None, "model_arg": str,
+                               "profile": path, "command": str}}
+    estimate.json  {"plan": ..., "estimate": Estimate.to_json(),
+                    "baseline": {"plan": ..., "estimate": ...} | {"plan": ..., "fits": false, "needs_gb": x}}
+    ds_config.json DeepSpeed config (no "auto")
+    launch.sh      deepspeed command line (+ hostfile for multi-node)
+    trials.csv     one row per evaluated plan (see planner/search)
+    study.db       the Optuna study
+    metrics.json   the executor's measurements
+    report.html    the report
+
+Every write goes to a temporary file in the same directory and is renamed into place, so an
+interrupted run never leaves a half-written file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from planner.errors import SpecError
+from planner.specs.hardware import ClusterSpec, Link, find_device, load_profile
+from planner.specs.model import ModelSpec
+from planner.specs.plan import Plan
+from planner.specs.train import TrainSpec
+
+VERSION = 1
+
+
+def atomic_write_text(path: str | Path, text: str, mode: int | None = None) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def atomic_write_json(path: str | Path, data: Any) -> None:
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False, default=_json_default) + "\n")
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, (tuple, set, frozenset)):
+        return list(obj)
+    if hasattr(obj, "to_dict"):
+        return obj.to_dict()
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def read_json(path: str | Path, what: str) -> Any:
+    p = Path(path)
+    try:
+        return json.loads(p.read_text())
+    except FileNotFoundError:
+        raise SpecError(what, f"{p} does not exist", "run `planner search` first or give the right directory") from None
+    except OSError as exc:
+        raise SpecError(what, f"cannot read {p}: {exc.strerror}", "check the path") from None
+    except json.JSONDecodeError as exc:
+        raise SpecError(what, f"{p} is not valid JSON ({exc.msg} at line {exc.lineno})",
+                        "re-create it with `planner search`") from None
+
+
+def plan_document(plan: Plan, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *,
+                  scale: str | None = None, model_arg: str = "", command: str = "") -> dict[str, Any]:
+    return {"version": VERSION, "plan": plan.to_dict(), "description": plan.describe(),
+            "inputs": {"model": model.to_dict(), "cluster": cluster.to_dict(), "train": train.to_dict(),
+                       "scale": scale, "model_arg": model_arg, "profile": cluster.device.path,
+                       "command": command}}
+
+
+def load_run(path: str | Path) -> tuple[Plan, ModelSpec, ClusterSpec, TrainSpec, dict[str, Any]]:
+    """Read plan.json (a run directory or the file itself) back into specs."""
+    p = Path(path)
+    plan_file = p / "plan.json" if p.is_dir() else p
+    doc = read_json(plan_file, "plan.json")
+    if not isinstance(doc, dict) or "plan" not in doc or "inputs" not in doc:
+        raise SpecError(str(plan_file), "is not a planner plan.json (no plan/inputs sections)",
+                        "give a directory written by `planner search`")
+    if doc.get("version") != VERSION:
+        raise SpecError(str(plan_file), f"has version {doc.get('version')!r}, this planner reads {VERSION}",
+                        "re-run `planner search`")
+    inputs = doc["inputs"]
+    try:
+        plan = Plan.from_dict(doc["plan"])
+        model = ModelSpec.from_dict(inputs["model"])
+        train = TrainSpec(**inputs["train"])
+        c = inputs["cluster"]
+        prof = load_profile(c["profile"]) if c.get("profile") and Path(c["profile"]).exists() \
+            else find_device(c["device"])[0]
+        cluster = ClusterSpec(nodes=c["nodes"], gpus_per_node=c["gpus_per_node"], device=prof,
+                              intra_node=Link(**c["intra_node"]), inter_node=Link(**c["inter_node"]),
+                              spec=c.get("spec", ""), note=c.get("note", ""))
+    except (KeyError, TypeError) as exc:
+        raise SpecError(str(plan_file), f"is missing or has a malformed field ({exc})", "re-run `planner search`") from None
+    return plan, model, cluster, train, doc

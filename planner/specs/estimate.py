@@ -1,0 +1,119 @@
+"""Estimate: what the cost model predicts for one plan, with its breakdowns.
+
+Times are seconds per optimizer step; memory is bytes per device (GB = 1e9 bytes in JSON).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+GB = 1e9
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TimeBreakdown:
+    """Seconds per step on the critical path (the slowest pipeline stage)."""
+
+    forward: float = 0.0
+    backward: float = 0.0
+    recompute: float = 0.0
+    tp_comm: float = 0.0
+    """Exposed tensor-parallel all-reduces / reduce-scatters."""
+    pp_comm: float = 0.0
+    """Pipeline point-to-point sends on the critical path."""
+    bubble: float = 0.0
+    """Pipeline fill and drain idle time."""
+    dp_sync: float = 0.0
+    """Gradient all-reduce / reduce-scatter not hidden behind backward."""
+    zero_gather: float = 0.0
+    """ZeRO-3 parameter all-gathers not hidden behind compute."""
+    optimizer: float = 0.0
+    overhead: float = 0.0
+    """Fixed per-step runtime overhead (launch, logging, data), from the profile."""
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in dataclasses.fields(self))
+
+    def to_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryBreakdown:
+    """Bytes held by one device of one pipeline stage at its peak."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    """Optimizer states and fp32 master weights."""
+    activations: float = 0.0
+    """Saved activations of all in-flight micro-batches (+ the working set of one layer)."""
+    logits: float = 0.0
+    """Output-layer logits and loss buffers (last stage)."""
+    buckets: float = 0.0
+    """Communication buckets (gradient reduce, ZeRO-3 gather/prefetch)."""
+    overhead: float = 0.0
+    """Runtime allowance: CUDA context / allocator fragmentation (stated in the profile)."""
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in dataclasses.fields(self))
+
+    def to_gb(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) / GB for f in dataclasses.fields(self)}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Estimate:
+    feasible: bool
+    reasons: tuple[str, ...] = ()
+    """Why the plan is infeasible (empty when feasible)."""
+    step_time_s: float
+    time: TimeBreakdown
+    tokens_per_s: float
+    tflops_per_gpu: float
+    """Model FLOPs (no recompute) per device per second, in TFLOP/s."""
+    mfu: float
+    """Model FLOPs utilisation (fraction of the device's dense peak)."""
+    hfu: float
+    """Hardware FLOPs utilisation (recompute counted)."""
+    stage_memory: tuple[MemoryBreakdown, ...]
+    """Per pipeline stage."""
+    capacity_bytes: float
+    bubble_fraction: float
+    model_flops_per_step: float = 0.0
+    hardware_flops_per_step: float = 0.0
+
+    @property
+    def peak_stage(self) -> int:
+        return max(range(len(self.stage_memory)), key=lambda i: self.stage_memory[i].total)
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return self.stage_memory[self.peak_stage].total
+
+    @property
+    def peak_memory_gb(self) -> float:
+        return self.peak_memory_bytes / GB
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "feasible": self.feasible,
+            "reasons": list(self.reasons),
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "mfu": self.mfu,
+            "hfu": self.hfu,
+            "peak_memory_gb": self.peak_memory_gb,
+            "capacity_gb": self.capacity_bytes / GB,
+            "peak_stage": self.peak_stage,
+            "memory_breakdown_gb": self.stage_memory[self.peak_stage].to_gb(),
+            "stage_memory_gb": [m.to_gb() for m in self.stage_memory],
+            "time_breakdown_s": self.time.to_dict(),
+            "bubble_fraction": self.bubble_fraction,
+            "model_flops_per_step": self.model_flops_per_step,
+            "hardware_flops_per_step": self.hardware_flops_per_step,
+        }

@@ -1,0 +1,291 @@
+"""Hardware: device profiles (data files in profiles/) and the cluster a plan runs on.
+
+A device profile is a JSON file with the same schema whether it is built in or measured by
+`planner profile`. Every number carries its source in the file's "sources" map.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from planner.errors import ProfileError, SpecError
+
+SCHEMA_VERSION = 1
+PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
+PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Link:
+    """A communication tier, described as nccl-tests would measure it."""
+
+    name: str
+    """Human name, e.g. "NVLink3 (NVSwitch)" or "8x HDR 200Gb/s"."""
+    busbw_gbps: float
+    """Achievable all-reduce bus bandwidth in GB/s (nccl-tests busbw convention)."""
+    latency_us: float
+    """Per-step latency alpha of a collective on this tier, microseconds."""
+
+    def __post_init__(self) -> None:
+        if not (self.busbw_gbps > 0 and math.isfinite(self.busbw_gbps)):
+            raise ProfileError("link.busbw_gbps", f"must be a positive number, got {self.busbw_gbps!r}",
+                               "give the measured bus bandwidth in GB/s")
+        if not (self.latency_us >= 0 and math.isfinite(self.latency_us)):
+            raise ProfileError("link.latency_us", f"must be >= 0, got {self.latency_us!r}",
+                               "give the latency in microseconds")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceProfile:
+    """One accelerator type (or the CPU), with its links and the runtime's fitted factors."""
+
+    name: str
+    kind: str
+    """gpu or cpu."""
+    aliases: tuple[str, ...] = ()
+    memory_gb: float
+    """Usable device memory in GB (1e9 bytes)."""
+    peak_tflops: Mapping[str, float]
+    """Dense peak per precision (bf16, fp16, fp32), TFLOP/s."""
+    hbm_bandwidth_gbps: float
+    """Memory bandwidth, GB/s; bounds element-wise kernels."""
+    gemm_efficiency: tuple[tuple[float, float], ...]
+    """Achievable fraction of peak vs GEMM size: (flops of one GEMM, efficiency) points,
+    interpolated in log(flops); clamped at both ends."""
+    gpus_per_node: int
+    """Default devices per node."""
+    intra_node: Link
+    inter_node: Link
+    factors: Mapping[str, float] = field(default_factory=dict)
+    """Named runtime factors (DeepSpeed on this device); see planner/cost/factors.py."""
+    sources: Mapping[str, str] = field(default_factory=dict)
+    """Where each number came from (field path -> citation or measurement)."""
+    measured: Mapping[str, Any] = field(default_factory=dict)
+    """Raw measurements of a profiled machine (empty for built-in profiles)."""
+    path: str = ""
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gb * 1e9
+
+    def supports(self, precision: str) -> bool:
+        return self.peak_tflops.get(precision, 0.0) > 0
+
+    def peak_flops(self, precision: str) -> float:
+        """Dense peak in FLOP/s for a precision (0 when unsupported)."""
+        return self.peak_tflops[precision] * 1e12
+
+    def gemm_eff(self, flops: float) -> float:
+        """Achievable GEMM efficiency for one GEMM of `flops` floating-point operations."""
+        pts = self.gemm_efficiency
+        if flops <= pts[0][0]:
+            return pts[0][1]
+        if flops >= pts[-1][0]:
+            return pts[-1][1]
+        x = math.log(flops)
+        for (f0, e0), (f1, e1) in zip(pts, pts[1:]):
+            if f0 <= flops <= f1:
+                w = (x - math.log(f0)) / (math.log(f1) - math.log(f0))
+                return e0 + w * (e1 - e0)
+        return pts[-1][1]
+
+    def factor(self, name: str, default: float) -> float:
+        return float(self.factors.get(name, default))
+
+
+def _need(data: Mapping[str, Any], key: str, where: str, kind: type | tuple = (int, float)) -> Any:
+    if key not in data:
+        raise ProfileError(f"{where}.{key}" if where else key, "missing", "add it (see profiles/A100-80GB.json)")
+    value = data[key]
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ProfileError(f"{where}.{key}" if where else key, f"has the wrong type ({type(value).__name__})",
+                           "see profiles/A100-80GB.json for the schema")
+    return value
+
+
+def _positive(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ProfileError(where, f"must be a positive number, got {value!r}", "fix the profile file")
+    return float(value)
+
+
+def profile_from_dict(data: Any, path: str = "") -> DeviceProfile:
+    """Validate and build a DeviceProfile from parsed JSON."""
+    if not isinstance(data, Mapping):
+        raise ProfileError(path or "profile", "must be a JSON object", "see profiles/A100-80GB.json")
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise ProfileError("schema_version", f"is {version!r}, this planner reads {SCHEMA_VERSION}",
+                           "re-create the profile with `planner profile`")
+    name = _need(data, "name", "", str)
+    kind = _need(data, "kind", "", str)
+    if kind not in ("gpu", "cpu"):
+        raise ProfileError("kind", f"unknown kind {kind!r}", "use gpu or cpu")
+    peaks = _need(data, "peak_tflops", "", dict)
+    for p in PRECISIONS:
+        if p not in peaks:
+            raise ProfileError(f"peak_tflops.{p}", "missing", "give the dense peak for bf16, fp16 and fp32")
+        v = peaks[p]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ProfileError(f"peak_tflops.{p}", f"must be >= 0 (0 = unsupported), got {v!r}", "fix the profile file")
+    if peaks["fp32"] <= 0:
+        raise ProfileError("peak_tflops.fp32", "must be positive", "fix the profile file")
+    curve = _need(data, "gemm_efficiency", "", list)
+    try:
+        points = tuple(sorted((float(f), float(e)) for f, e in curve))
+    except (TypeError, ValueError):
+        raise ProfileError("gemm_efficiency", "must be a list of [flops, efficiency] pairs",
+                           "see profiles/A100-80GB.json") from None
+    if not points or any(not (0 < e <= 1) or f <= 0 for f, e in points):
+        raise ProfileError("gemm_efficiency", "needs at least one point with flops > 0 and 0 < efficiency <= 1",
+                           "fix the curve")
+    links = {}
+    for tier in ("intra_node", "inter_node"):
+        raw = _need(data, tier, "", dict)
+        links[tier] = Link(name=str(raw.get("name", tier)),
+                           busbw_gbps=_positive(_need(raw, "busbw_gbps", tier), f"{tier}.busbw_gbps"),
+                           latency_us=float(_need(raw, "latency_us", tier)))
+    factors = data.get("factors", {})
+    if not isinstance(factors, dict) or any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) for v in factors.values()):
+        raise ProfileError("factors", "must map names to numbers", "see planner/cost/factors.py")
+    gpn = _need(data, "gpus_per_node", "", int)
+    if gpn <= 0:
+        raise ProfileError("gpus_per_node", f"must be positive, got {gpn}", "fix the profile file")
+    return DeviceProfile(
+        name=name, kind=kind, aliases=tuple(str(a) for a in data.get("aliases", [])),
+        memory_gb=_positive(_need(data, "memory_gb", ""), "memory_gb"),
+        peak_tflops={p: float(peaks[p]) for p in PRECISIONS},
+        hbm_bandwidth_gbps=_positive(_need(data, "hbm_bandwidth_gbps", ""), "hbm_bandwidth_gbps"),
+        gemm_efficiency=points, gpus_per_node=gpn,
+        intra_node=links["intra_node"], inter_node=links["inter_node"],
+        factors={k: float(v) for k, v in factors.items()},
+        sources=dict(data.get("sources", {})), measured=dict(data.get("measured", {})), path=path)
+
+
+def load_profile(path: str | Path) -> DeviceProfile:
+    """Read a profile JSON file; any problem is one ProfileError line."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ProfileError("--profile", f"cannot read {p}: {exc.strerror}", "give an existing profile JSON") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ProfileError(str(p), f"is not valid JSON ({exc.msg} at line {exc.lineno})",
+                           "re-create it with `planner profile`") from None
+    return profile_from_dict(data, str(p))
+
+
+def builtin_profiles() -> dict[str, Path]:
+    """Built-in profile files by lower-case name and alias."""
+    out: dict[str, Path] = {}
+    for f in sorted(PROFILES_DIR.glob("*.json")):
+        try:
+            data = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
+            continue
+        if data.get("builtin") is False:
+            continue
+        for key in [data.get("name", f.stem), *data.get("aliases", [])]:
+            out.setdefault(str(key).lower(), f)
+    return out
+
+
+def find_device(name: str) -> tuple[DeviceProfile, str]:
+    """Look up a device by name or alias. Returns the profile and a note when an alias was resolved."""
+    table = builtin_profiles()
+    key = name.strip().lower()
+    if key not in table:
+        names = sorted({json.loads(p.read_text())["name"] for p in table.values()})
+        raise SpecError("--gpus", f"unknown GPU type {name!r}", f"use one of {', '.join(names)}")
+    prof = load_profile(table[key])
+    note = "" if key == prof.name.lower() else f"{name} means {prof.name}"
+    return prof, note
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClusterSpec:
+    """Nodes x devices per node of one device type, and the links between them."""
+
+    nodes: int
+    gpus_per_node: int
+    device: DeviceProfile
+    intra_node: Link
+    inter_node: Link
+    spec: str = ""
+    """The --gpus string as the user wrote it."""
+    note: str = ""
+    """e.g. "A100 means A100-80GB"."""
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise SpecError("--gpus", f"needs at least one node and one GPU, got {self.nodes}x{self.gpus_per_node}",
+                            "write e.g. 8xA100 or 4x8xH100")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def memory_bytes(self) -> float:
+        """Capacity of one device. CPU "devices" are processes sharing the host's memory."""
+        if self.device.kind == "cpu":
+            return self.device.memory_bytes / self.gpus_per_node
+        return self.device.memory_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"spec": self.spec, "nodes": self.nodes, "gpus_per_node": self.gpus_per_node,
+                "device": self.device.name, "profile": self.device.path,
+                "intra_node": {"name": self.intra_node.name, "busbw_gbps": self.intra_node.busbw_gbps,
+                               "latency_us": self.intra_node.latency_us},
+                "inter_node": {"name": self.inter_node.name, "busbw_gbps": self.inter_node.busbw_gbps,
+                               "latency_us": self.inter_node.latency_us},
+                "note": self.note}
+
+
+_GPUS_RE = re.compile(r"^\s*(?:(\d+)\s*[xX]\s*)?(?:(\d+)\s*[xX]\s*)?([A-Za-z][A-Za-z0-9_.\-]*)\s*$")
+
+
+def parse_cluster(text: str, profile: DeviceProfile | None = None, *, inter_gbps: float | None = None,
+                  inter_latency_us: float | None = None, intra_gbps: float | None = None) -> ClusterSpec:
+    """Parse `8xA100`, `4x8xH100`, `96x8xA100-40GB`, `2xcpu`.
+
+    One number is GPUs on one node; two are nodes x GPUs per node. `profile` (from
+    --profile) replaces the built-in profile of the named type. Flags override the network.
+    """
+    if not isinstance(text, str):
+        raise SpecError("--gpus", "missing", "write e.g. 8xA100")
+    m = _GPUS_RE.match(text)
+    if not m:
+        raise SpecError("--gpus", f"cannot read {text!r}", "write COUNTxTYPE or NODESxGPUSxTYPE, e.g. 96x8xA100-40GB")
+    a, b, kind = m.groups()
+    if a is None:
+        nodes, per_node = 1, 1
+    elif b is None:
+        nodes, per_node = 1, int(a)
+    else:
+        nodes, per_node = int(a), int(b)
+    if nodes < 1 or per_node < 1 or nodes > 100_000 or per_node > 1024:
+        raise SpecError("--gpus", f"{nodes} node(s) x {per_node} GPU(s) is not a cluster",
+                        "use positive counts, e.g. 8xA100")
+    note = ""
+    if profile is None:
+        profile, note = find_device(kind)
+    intra = profile.intra_node
+    inter = profile.inter_node
+    if intra_gbps is not None:
+        intra = Link(name=f"{intra.name} (--intra-gbps)", busbw_gbps=intra_gbps, latency_us=intra.latency_us)
+    if inter_gbps is not None or inter_latency_us is not None:
+        inter = Link(name=f"{inter.name} (overridden)",
+                     busbw_gbps=inter_gbps if inter_gbps is not None else inter.busbw_gbps,
+                     latency_us=inter_latency_us if inter_latency_us is not None else inter.latency_us)
+    return ClusterSpec(nodes=nodes, gpus_per_node=per_node, device=profile, intra_node=intra,
+                       inter_node=inter, spec=text.strip(), note=note)

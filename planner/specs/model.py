@@ -1,0 +1,233 @@
+"""ModelSpec: the shape of a GLM-family (or other decoder) transformer, and its presets.
+
+Parameter counts are computed from the real GEMM shapes (query/key/value projections with
+grouped KV heads, two- or three-matrix FFNs), so that GLU and multi-query variants are
+counted exactly. For the plain GPT shape this reduces to Megatron-LM eq. 2
+(Narayanan et al. 2021, arXiv 2104.04473): P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12 l h)).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from planner.errors import SpecError
+
+NORMS = ("layernorm", "rmsnorm")
+NORM_POSITIONS = ("pre", "post", "deepnorm")
+ACTIVATIONS = ("gelu", "swiglu", "geglu")
+POSITIONS = ("rotary", "learned", "alibi")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSpec:
+    """A decoder-only transformer, as the cost model and the executor see it."""
+
+    name: str
+    """Preset or config name; used in reports only."""
+    hidden: int
+    """Hidden size h."""
+    layers: int
+    """Number of transformer blocks L."""
+    heads: int
+    """Attention (query) heads a."""
+    kv_groups: int | None = None
+    """KV heads for grouped/multi-query attention (ChatGLM2+: 2). None: multi-head (= heads)."""
+    ffn_hidden: int
+    """FFN inner size (per matrix; a GLU FFN has two input matrices of this size)."""
+    activation: str = "gelu"
+    """gelu (two matrices), swiglu or geglu (GLU: three matrices)."""
+    vocab: int
+    """Vocabulary size V (padded size as trained)."""
+    max_seq: int
+    """Longest sequence the model supports."""
+    norm: str = "layernorm"
+    """layernorm or rmsnorm."""
+    norm_position: str = "pre"
+    """pre (pre-LN), post (post-LN) or deepnorm (post-LN with DeepNorm scaling, GLM-130B)."""
+    position: str = "rotary"
+    """rotary, learned (absolute embeddings of max_seq rows) or alibi."""
+    qkv_bias: bool = True
+    """Bias on the query/key/value projection."""
+    linear_bias: bool = True
+    """Bias on the attention output and FFN matrices."""
+    tied_embeddings: bool = False
+    """Output layer shares the input embedding matrix."""
+    head_dim: int | None = None
+    """Per-head size; None means hidden // heads."""
+    model_type: str = "glm"
+    """Family the spec came from (preset family or Hugging Face model_type)."""
+
+    def __post_init__(self) -> None:
+        for field in ("hidden", "layers", "heads", "ffn_hidden", "vocab", "max_seq"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise SpecError(f"model.{field}", f"must be a positive integer, got {value!r}",
+                                f"set {field} to a positive integer")
+        if self.kv_groups is not None:
+            if not isinstance(self.kv_groups, int) or isinstance(self.kv_groups, bool) or self.kv_groups <= 0:
+                raise SpecError("model.kv_groups", f"must be a positive integer, got {self.kv_groups!r}",
+                                "omit it for multi-head attention")
+            if self.heads % self.kv_groups:
+                raise SpecError("model.kv_groups", f"{self.kv_groups} does not divide heads={self.heads}",
+                                "use a KV group count that divides the head count")
+        if self.head_dim is None and self.hidden % self.heads:
+            raise SpecError("model.heads", f"{self.heads} does not divide hidden={self.hidden}",
+                            "set head_dim or a head count that divides hidden")
+        if self.head_dim is not None and (not isinstance(self.head_dim, int) or self.head_dim <= 0):
+            raise SpecError("model.head_dim", f"must be a positive integer, got {self.head_dim!r}", "omit it")
+        for field, allowed in (("activation", ACTIVATIONS), ("norm", NORMS),
+                               ("norm_position", NORM_POSITIONS), ("position", POSITIONS)):
+            if getattr(self, field) not in allowed:
+                raise SpecError(f"model.{field}", f"unknown value {getattr(self, field)!r}",
+                                f"use one of {', '.join(allowed)}")
+
+    # --- derived shapes -------------------------------------------------------------
+    @property
+    def kv_heads(self) -> int:
+        return self.kv_groups if self.kv_groups is not None else self.heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden // self.heads
+
+    @property
+    def q_size(self) -> int:
+        """Output width of the query projection (heads x head_dim)."""
+        return self.heads * self.dim_per_head
+
+    @property
+    def kv_size(self) -> int:
+        """Output width of each of the key and value projections."""
+        return self.kv_heads * self.dim_per_head
+
+    @property
+    def glu(self) -> bool:
+        return self.activation in ("swiglu", "geglu")
+
+    @property
+    def ffn_in_matrices(self) -> int:
+        """Number of h x ffn input matrices in the FFN (2 for GLU: gate and up)."""
+        return 2 if self.glu else 1
+
+    # --- parameter counts -----------------------------------------------------------
+    @property
+    def attention_params(self) -> int:
+        h = self.hidden
+        weights = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        biases = (self.q_size + 2 * self.kv_size if self.qkv_bias else 0) + (h if self.linear_bias else 0)
+        return weights + biases
+
+    @property
+    def ffn_params(self) -> int:
+        h, f, k = self.hidden, self.ffn_hidden, self.ffn_in_matrices
+        weights = k * h * f + f * h
+        biases = (k * f + h) if self.linear_bias else 0
+        return weights + biases
+
+    @property
+    def norm_params(self) -> int:
+        """Parameters of one norm (LayerNorm: weight and bias; RMSNorm: weight)."""
+        return 2 * self.hidden if self.norm == "layernorm" else self.hidden
+
+    @property
+    def layer_params(self) -> int:
+        """One transformer block: attention, FFN and two norms."""
+        return self.attention_params + self.ffn_params + 2 * self.norm_params
+
+    @property
+    def embedding_params(self) -> int:
+        """Input embedding (+ learned positions)."""
+        pos = self.max_seq * self.hidden if self.position == "learned" else 0
+        return self.vocab * self.hidden + pos
+
+    @property
+    def output_params(self) -> int:
+        """Final norm and (untied) output projection."""
+        return self.norm_params + (0 if self.tied_embeddings else self.vocab * self.hidden)
+
+    @property
+    def params(self) -> int:
+        """Total parameters Psi."""
+        return self.layers * self.layer_params + self.embedding_params + self.output_params
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ModelSpec":
+        if not isinstance(data, Mapping):
+            raise SpecError("model", "must be a JSON object", "pass the model section of a plan.json")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise SpecError("model", f"unknown field(s) {sorted(unknown)}", f"use only {sorted(names)}")
+        try:
+            return cls(**dict(data))
+        except TypeError as exc:
+            raise SpecError("model", str(exc), "give every required field") from None
+
+
+# Public configs; reference/calibration.md "GLM family architectures" and the models'
+# Hugging Face config.json files (THUDM/chatglm-6b, chatglm2-6b, chatglm3-6b, glm-4-9b).
+PRESETS: dict[str, ModelSpec] = {
+    "glm-10b": ModelSpec(
+        name="glm-10b", model_type="glm", hidden=4096, layers=48, heads=64, ffn_hidden=16384,
+        activation="gelu", vocab=50304, max_seq=1024, norm="layernorm", norm_position="pre",
+        position="learned", tied_embeddings=True),
+    "glm-130b": ModelSpec(
+        name="glm-130b", model_type="glm", hidden=12288, layers=70, heads=96, ffn_hidden=32768,
+        activation="geglu", vocab=150528, max_seq=2048, norm="layernorm", norm_position="deepnorm",
+        position="rotary", tied_embeddings=False),
+    "chatglm-6b": ModelSpec(
+        name="chatglm-6b", model_type="chatglm", hidden=4096, layers=28, heads=32, ffn_hidden=16384,
+        activation="gelu", vocab=130528, max_seq=2048, norm="layernorm", norm_position="deepnorm",
+        position="rotary", tied_embeddings=False),
+    "chatglm2-6b": ModelSpec(
+        name="chatglm2-6b", model_type="chatglm", hidden=4096, layers=28, heads=32, kv_groups=2,
+        ffn_hidden=13696, activation="swiglu", vocab=65024, max_seq=32768, norm="rmsnorm",
+        norm_position="pre", position="rotary", qkv_bias=True, linear_bias=False),
+    "chatglm3-6b": ModelSpec(
+        name="chatglm3-6b", model_type="chatglm", hidden=4096, layers=28, heads=32, kv_groups=2,
+        ffn_hidden=13696, activation="swiglu", vocab=65024, max_seq=8192, norm="rmsnorm",
+        norm_position="pre", position="rotary", qkv_bias=True, linear_bias=False),
+    "glm-4-9b": ModelSpec(
+        name="glm-4-9b", model_type="glm4", hidden=4096, layers=40, heads=32, kv_groups=2,
+        ffn_hidden=13696, activation="swiglu", vocab=151552, max_seq=131072, norm="rmsnorm",
+        norm_position="pre", position="rotary", qkv_bias=True, linear_bias=False),
+}
+
+# --scale shrinks a preset to run on a CPU machine: fewer layers, smaller hidden, same
+# shape family (norm, activation, GQA ratio, biases, position scheme).
+SCALES: dict[str, dict[str, int]] = {
+    "tiny": {"hidden": 128, "layers": 4, "heads": 4, "vocab": 1024, "max_seq": 256},
+    "small": {"hidden": 512, "layers": 8, "heads": 8, "vocab": 8192, "max_seq": 1024},
+}
+
+
+def scale(spec: ModelSpec, size: str | None) -> ModelSpec:
+    """Shrink a spec to `size` (tiny|small), keeping its family; None or 'full' returns it."""
+    if size in (None, "full"):
+        return spec
+    if size not in SCALES:
+        raise SpecError("--scale", f"unknown scale {size!r}", f"use one of full, {', '.join(SCALES)}")
+    s = SCALES[size]
+    ratio = spec.ffn_hidden / spec.hidden
+    kv = None
+    if spec.kv_groups is not None:
+        # keep attention grouped (>= 2 KV groups where the original had >= 2) so TP 2 stays legal
+        kv = max(min(2, spec.kv_groups, s["heads"]), s["heads"] * spec.kv_groups // spec.heads)
+        while s["heads"] % kv:
+            kv -= 1
+    return dataclasses.replace(
+        spec, name=f"{spec.name}-{size}", hidden=s["hidden"], layers=s["layers"], heads=s["heads"],
+        kv_groups=kv, ffn_hidden=int(round(s["hidden"] * ratio / 8)) * 8, vocab=s["vocab"],
+        max_seq=min(spec.max_seq, s["max_seq"]), head_dim=None)
+
+
+def preset(name: str) -> ModelSpec:
+    key = name.strip().lower()
+    if key not in PRESETS:
+        raise SpecError("--model", f"unknown model {name!r}",
+                        f"use a preset ({', '.join(PRESETS)}) or a path to a Hugging Face config.json")
+    return PRESETS[key]

@@ -1,0 +1,37 @@
+"""TrainSpec: what the user wants trained, independent of how it is parallelised."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from planner.errors import SpecError
+from planner.specs.hardware import PRECISIONS
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainSpec:
+    global_batch: int
+    """Sequences per optimizer step (micro-batch x accumulation x DP)."""
+    seq_len: int
+    """Tokens per sequence."""
+    precision: str = "bf16"
+    """bf16, fp16 (mixed precision with fp32 master weights) or fp32."""
+    optimizer: str = "adamw"
+    """Adam(W): 12 bytes of fp32 state per parameter in mixed precision (ZeRO, K=12)."""
+
+    def __post_init__(self) -> None:
+        for f in ("global_batch", "seq_len"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise SpecError(f"--{f.replace('_', '-')}", f"must be a positive integer, got {v!r}",
+                                "give a positive integer")
+        if self.precision not in PRECISIONS:
+            raise SpecError("--precision", f"unknown precision {self.precision!r}", f"use one of {', '.join(PRECISIONS)}")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

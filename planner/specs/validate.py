@@ -1,0 +1,50 @@
+"""Structural legality of a plan for a model, cluster and training setup.
+
+These are DeepSpeed's and Megatron's hard rules (DESIGN.md "What DeepSpeed can actually
+run"); memory feasibility is the cost model's job. Each problem is one sentence with the fix.
+"""
+from __future__ import annotations
+
+from planner.specs.hardware import ClusterSpec
+from planner.specs.model import ModelSpec
+from planner.specs.plan import Plan
+from planner.specs.train import TrainSpec
+
+
+def plan_problems(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan) -> list[str]:
+    """Everything that makes `plan` impossible to launch as written (empty list: legal)."""
+    out: list[str] = []
+    if plan.world_size != cluster.world_size:
+        out.append(f"dp {plan.dp} x tp {plan.tp} x pp {plan.pp} = {plan.world_size} processes, "
+                   f"but the cluster has {cluster.world_size} devices: choose degrees whose product is {cluster.world_size}")
+    if plan.tp > cluster.gpus_per_node or cluster.gpus_per_node % plan.tp:
+        out.append(f"tp {plan.tp} must divide the {cluster.gpus_per_node} devices of a node "
+                   "(tensor parallelism stays inside a node)")
+    if model.heads % plan.tp:
+        out.append(f"tp {plan.tp} does not divide the {model.heads} attention heads")
+    if model.kv_heads % plan.tp:
+        out.append(f"tp {plan.tp} does not divide the {model.kv_heads} KV groups")
+    if model.ffn_hidden % plan.tp:
+        out.append(f"tp {plan.tp} does not divide the FFN size {model.ffn_hidden}")
+    if plan.pp * plan.interleave > model.layers:
+        out.append(f"pp {plan.pp} x interleave {plan.interleave} exceeds the {model.layers} layers")
+    if plan.stage_layers:
+        if sum(plan.stage_layers) != model.layers:
+            out.append(f"stage_layers sum to {sum(plan.stage_layers)}, the model has {model.layers} layers")
+        if plan.pp > 1 and any(n == 0 for n in plan.stage_layers):
+            out.append("every pipeline stage needs at least one layer")
+    if plan.global_batch != train.global_batch:
+        out.append(f"micro-batch {plan.micro_batch} x accumulation {plan.grad_accum} x dp {plan.dp} = "
+                   f"{plan.global_batch}, not the global batch {train.global_batch}")
+    if plan.schedule == "interleaved" and plan.grad_accum % plan.pp:
+        out.append(f"the interleaved schedule needs accumulation ({plan.grad_accum}) divisible by pp ({plan.pp})")
+    if train.seq_len > model.max_seq:
+        out.append(f"sequence length {train.seq_len} exceeds the model's maximum {model.max_seq}")
+    if plan.sequence_parallel and train.seq_len % plan.tp:
+        out.append(f"sequence parallel needs seq_len {train.seq_len} divisible by tp {plan.tp}")
+    if not cluster.device.supports(plan.precision):
+        out.append(f"{cluster.device.name} does not support {plan.precision}: use "
+                   + " or ".join(p for p in ("bf16", "fp16", "fp32") if cluster.device.supports(p)))
+    if cluster.device.kind == "cpu" and plan.precision == "fp16":
+        out.append("fp16 does not train on CPU under DeepSpeed: use bf16 or fp32")
+    return out
