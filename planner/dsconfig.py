@@ -1,0 +1,142 @@
+"""Plan -> DeepSpeed config, launch script and hostfile (DESIGN.md "dsconfig" layer).
+
+Every value DeepSpeed would otherwise pick itself ("auto" or a default that matters for
+memory) is written out, so the run does exactly what the plan and its estimate assumed.
+
+Optimizer choice (measured, /work/shared/notes/deepspeed-on-cpu.md "One-time compiles"):
+- on GPUs the config names AdamW, so DeepSpeed uses its fused CUDA Adam;
+- on CPU the config names no optimizer and sets `zero_allow_untested_optimizer`; the
+  executor passes a `torch.optim.AdamW` built from `OPTIMIZER` (naming AdamW on CPU would
+  JIT-compile DeepSpeed's CPU FusedAdam, ~30 s per fresh machine, for no benefit here).
+Both use the same hyperparameters (`OPTIMIZER`).
+
+The model the config refers to is planner.executor.model.GLMModel; its linears carry
+ChatGLM's names (query_key_value, dense, dense_h_to_4h, dense_4h_to_h), which the AutoTP
+partition_config below splits (Megatron column/row parallel, Shoeybi et al. 2019, sec. 3).
+"""
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+from planner.specs.hardware import ClusterSpec
+from planner.specs.model import ModelSpec
+from planner.specs.plan import Plan
+from planner.specs.train import TrainSpec
+
+OPTIMIZER: dict[str, Any] = {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
+"""AdamW hyperparameters (GLM-130B used AdamW, beta2 0.95, weight decay 0.1; Zeng et al. 2022, sec. 3)."""
+GRADIENT_CLIPPING = 1.0
+"""Global gradient-norm clip (GLM-130B sec. 3: clip 1.0)."""
+STEPS_PER_PRINT = 10
+MONITOR_DIR = "logs"
+"""TensorBoard and CSV monitor output, relative to the run directory (the launch cwd)."""
+ENTRY_MODULE = "planner.executor.worker"
+"""The training entry the launch script runs (one process per rank)."""
+
+
+def _zero_block(plan: Plan, model: ModelSpec) -> dict[str, Any]:
+    z: dict[str, Any] = {
+        "stage": plan.zero,
+        "overlap_comm": bool(plan.overlap_comm),
+        "contiguous_gradients": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": plan.bucket_elements,
+        "allgather_partitions": True,
+        "allgather_bucket_size": plan.bucket_elements,
+        "round_robin_gradients": False,
+    }
+    if plan.zero == 3:
+        z.update({
+            "stage3_prefetch_bucket_size": plan.bucket_elements,
+            # HF Trainer's "auto" rule for persistence: 10 x hidden (small params stay whole)
+            "stage3_param_persistence_threshold": 10 * model.hidden,
+            "stage3_max_live_parameters": plan.bucket_elements,
+            "stage3_max_reuse_distance": plan.bucket_elements,
+            "stage3_gather_16bit_weights_on_model_save": False,
+            "sub_group_size": plan.bucket_elements,
+        })
+    return z
+
+
+def partition_config(model: ModelSpec) -> dict[str, Any]:
+    """AutoTP layer specs for GLMModel: column-parallel QKV / FFN-in, row-parallel outputs.
+
+    The fused query_key_value weight is [q | k | v] along dim 0 with grouped KV heads, so it
+    is split as three unequal sub-parameters; a GLU dense_h_to_4h is [gate | up] (ChatGLM2).
+    """
+    qkv: dict[str, Any] = {"patterns": [r".*\.query_key_value\.(weight|bias)$"], "partition_type": "column",
+                           "shape": [[model.q_size, model.kv_size, model.kv_size], -1], "partition_dim": 0}
+    h_to_4h: dict[str, Any] = {"patterns": [r".*\.dense_h_to_4h\.(weight|bias)$"], "partition_type": "column"}
+    if model.glu:
+        h_to_4h.update({"shape": [2, -1], "partition_dim": 0})
+    rows = {"patterns": [r".*\.self_attention\.dense\.weight$", r".*\.dense_4h_to_h\.weight$"],
+            "partition_type": "row"}
+    return {"use_default_specs": False, "strict_mode": False, "layer_specs": [qkv, h_to_4h, rows]}
+
+
+def ds_config(plan: Plan, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec) -> dict[str, Any]:
+    """The DeepSpeed config for `plan`: batch sizes, precision, ZeRO, AutoTP, pipeline, monitor."""
+    gpu = cluster.device.kind != "cpu"
+    cfg: dict[str, Any] = {
+        "train_batch_size": plan.global_batch,
+        "train_micro_batch_size_per_gpu": plan.micro_batch,
+        "gradient_accumulation_steps": plan.grad_accum,
+        "gradient_clipping": GRADIENT_CLIPPING,
+        "steps_per_print": STEPS_PER_PRINT,
+        "wall_clock_breakdown": False,
+        "prescale_gradients": False,
+        "bf16": {"enabled": plan.precision == "bf16"},
+        "fp16": {"enabled": plan.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16,
+                 "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+        "zero_optimization": _zero_block(plan, model),
+        "activation_checkpointing": {
+            # which blocks are checkpointed is the plan's recompute_layers (executor); these
+            # settings say how: plain recompute, activations neither partitioned nor offloaded
+            "partition_activations": False, "cpu_checkpointing": False,
+            "contiguous_memory_optimization": False, "number_checkpoints": None,
+            "synchronize_checkpoint_boundary": False, "profile": False},
+        "tensorboard": {"enabled": True, "output_path": MONITOR_DIR, "job_name": "tensorboard"},
+        "csv_monitor": {"enabled": True, "output_path": MONITOR_DIR, "job_name": "csv"},
+    }
+    if gpu:
+        cfg["optimizer"] = {"type": "AdamW", "params": dict(OPTIMIZER)}
+    else:
+        cfg["zero_allow_untested_optimizer"] = True
+    if plan.tp > 1:
+        cfg["tensor_parallel"] = {"autotp_size": plan.tp, "partition_config": partition_config(model)}
+    if plan.pp > 1:
+        # DeepSpeed reads stages/seed/interval here; stage_layers records the plan's explicit
+        # boundaries, which the executor's PipelineModule applies (DeepSpeed has no such method)
+        cfg["pipeline"] = {"stages": plan.pp, "stage_layers": list(plan.layers_per_stage(model.layers)),
+                           "seed_layers": True, "activation_checkpoint_interval": 0,
+                           "pipe_partitioned": False, "grad_partitioned": False}
+    return cfg
+
+
+def hostfile(cluster: ClusterSpec) -> str | None:
+    """A DeepSpeed hostfile for multi-node clusters (None on one node); edit the host names."""
+    if cluster.nodes == 1:
+        return None
+    lines = ["# one line per node: <hostname> slots=<devices>; replace node-<i> with your hosts"]
+    lines += [f"node-{i} slots={cluster.gpus_per_node}" for i in range(cluster.nodes)]
+    return "\n".join(lines) + "\n"
+
+
+def launch_script(plan: Plan, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, run_dir: str) -> str:
+    """A bash script that launches the plan with the deepspeed launcher from its run directory."""
+    cpu = cluster.device.kind == "cpu"
+    args = ["${DEEPSPEED:-deepspeed}"]
+    if cluster.nodes > 1:
+        args += ["--hostfile", "hostfile", "--num_nodes", str(cluster.nodes)]
+    args += ["--num_gpus", str(cluster.gpus_per_node), "--module", ENTRY_MODULE, "--run-dir", "."]
+    env = ["export DS_ACCELERATOR=cpu", "export MALLOC_MMAP_THRESHOLD_=65536"] if cpu else []
+    lines = ["#!/usr/bin/env bash",
+             f"# {model.name}: {plan.describe()}",
+             f"# {cluster.world_size} processes; config: ds_config.json; plan: plan.json (run dir {shlex.quote(str(run_dir))})",
+             "# extra arguments go to the training entry, e.g. --steps 20 --warmup 3 --resume",
+             "set -euo pipefail",
+             'cd "$(dirname "$0")"',
+             *env,
+             " ".join(args) + ' "$@"']
+    return "\n".join(lines) + "\n"
