@@ -1,0 +1,43 @@
+"""Named runtime factors: how the runtime we emit for (DeepSpeed) departs from the ideal.
+
+They live in each profile's "factors" map (per device and runtime), are fitted from measured
+runs by `planner calibrate`, and default to the values below. None is a silent fudge: each
+has one meaning, and a built-in profile states where its value came from in "sources".
+"""
+from __future__ import annotations
+
+from planner.specs.hardware import DeviceProfile
+
+DEFAULTS: dict[str, float] = {
+    "compute_scale": 1.0,
+    # multiplier on GEMM time (1.0: the profile's gemm_efficiency curve holds as measured)
+    "attention_scale": 1.0,
+    # multiplier on the attention-core batched GEMMs (QK^T, AV) relative to the GEMM curve
+    "elementwise_scale": 1.0,
+    # multiplier on memory-bound (non-GEMM) time: norms, activations, softmax, dropout, adds
+    "comm_efficiency": 1.0,
+    # fraction of the link's bus bandwidth the runtime's collectives reach
+    "dp_overlap": 0.7,
+    # fraction of the data-parallel gradient traffic hidden behind backward when overlap_comm
+    "step_overhead_s": 0.0,
+    # fixed seconds per optimizer step (launcher, logging, data loading, host sync)
+    "microbatch_overhead_s": 0.0,
+    # fixed seconds per micro-batch per stage (kernel launches, pipeline engine bookkeeping)
+    "optimizer_scale": 1.0,
+    # multiplier on the memory-bound Adam step time
+    "activation_scale": 1.0,
+    # multiplier on saved-activation bytes (a less fused runtime keeps more than Table 2)
+    "memory_overhead_gb": 1.0,
+    # fixed per-device allowance: CUDA context, NCCL buffers (CPU: interpreter and libraries)
+    "memory_fragmentation": 0.1,
+    # allocator fragmentation as a fraction of the dynamic memory (activations, logits, buckets)
+}
+
+
+def factor(device: DeviceProfile, name: str) -> float:
+    """The device's fitted value of a factor, or its default."""
+    return float(device.factors.get(name, DEFAULTS[name]))
+
+
+def all_factors(device: DeviceProfile) -> dict[str, float]:
+    return {k: factor(device, k) for k in DEFAULTS}
