@@ -1,0 +1,113 @@
+"""The cost model pinned to published numbers (shared/reference/calibration.md)."""
+from __future__ import annotations
+
+import pytest
+
+from planner.cost.compute import block_forward_flops, logits_forward_flops, model_flops_per_sequence
+from planner.cost.memory import block_activation_bytes, layer_activation_bytes, model_state_bytes
+from planner.specs import ModelSpec
+
+# ZeRO (Rajbhandari et al. 2020) Table 1: GB per device, stage 1 / 2 / 3, K = 12.
+ZERO_TABLE1 = {
+    1: {7.5: (120, 120, 120), 128: (2048, 2048, 2048), 1000: (16000, 16000, 16000)},
+    4: {7.5: (52.5, 41.3, 30), 128: (896, 704, 512), 1000: (7000, 5500, 4000)},
+    16: {7.5: (35.6, 21.6, 7.5), 128: (608, 368, 128), 1000: (4750, 2875, 1000)},
+    64: {7.5: (31.4, 16.6, 1.88), 128: (536, 284, 32), 1000: (4187, 2218, 250)},
+    256: {7.5: (30.4, 15.4, 0.47), 128: (518, 263, 8), 1000: (4046, 2054, 62.5)},
+    1024: {7.5: (30.1, 15.1, 0.12), 128: (513, 257, 2), 1000: (4011, 2013, 15.6)},
+}
+
+
+def _digits(x: float) -> int:
+    """Decimal places the paper printed for x."""
+    text = repr(x)
+    return len(text.split(".")[1]) if "." in text and not text.endswith(".0") else 0
+
+
+@pytest.mark.parametrize("dp", sorted(ZERO_TABLE1))
+@pytest.mark.parametrize("size_b", [7.5, 128, 1000])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_table1_to_rounding(dp, size_b, stage):
+    published = ZERO_TABLE1[dp][size_b][stage - 1]
+    gb = sum(model_state_bytes(size_b * 1e9, dp, stage, "bf16")) / 1e9
+    # the paper truncates or rounds to its printed digits (e.g. 4187.5 -> 4187, 2218.75 -> 2218)
+    tol = 10 ** -_digits(published)
+    assert abs(gb - published) <= tol, (gb, published)
+
+
+def test_zero_stage0_is_16_bytes_per_parameter():
+    assert sum(model_state_bytes(1e9, 64, 0, "fp16")) == 16e9
+    # fp32 Adam: 4 + 4 + 8 bytes, partitioned the same way
+    assert model_state_bytes(1e9, 4, 3, "fp32") == (1e9, 1e9, 2e9)
+
+
+# Korthikanti et al. 2022, Table 2, bytes per layer
+@pytest.mark.parametrize("s,b,h,a,t", [(2048, 1, 12288, 96, 8), (2048, 4, 4096, 32, 4), (1024, 2, 2304, 24, 2)])
+def test_korthikanti_table2_exact(s, b, h, a, t):
+    sbh = s * b * h
+    assert layer_activation_bytes(s, b, h, a) == sbh * (34 + 5 * a * s / h)
+    assert layer_activation_bytes(s, b, h, a, t) == sbh * (10 + 24 / t + 5 * a * s / (h * t))
+    assert layer_activation_bytes(s, b, h, a, t, sequence_parallel=True) == pytest.approx(
+        sbh * (34 / t + 5 * a * s / (h * t)), rel=1e-12)
+    assert layer_activation_bytes(s, b, h, a, t, recompute="selective") == sbh * (10 + 24 / t)
+    assert layer_activation_bytes(s, b, h, a, t, sequence_parallel=True, recompute="selective") == pytest.approx(
+        sbh * 34 / t, rel=1e-12)
+    assert layer_activation_bytes(s, b, h, a, t, recompute="full") == 2 * sbh
+
+
+def gpt(h: int, a: int, L: int, V: int = 51200, s: int = 2048) -> ModelSpec:
+    return ModelSpec(name="gpt", hidden=h, heads=a, layers=L, ffn_hidden=4 * h, activation="gelu", vocab=V,
+                     max_seq=s, position="learned", tied_embeddings=True)
+
+
+@pytest.mark.parametrize("t", [1, 2, 8])
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("rc", ["none", "selective", "full"])
+def test_shape_based_activations_reduce_to_table2_for_gpt(t, sp, rc):
+    m = gpt(4096, 32, 4)
+    got = block_activation_bytes(m, 2048, 2, t, sequence_parallel=sp, recompute=rc)
+    want = layer_activation_bytes(2048, 2, 4096, 32, t, sequence_parallel=sp, recompute=rc)
+    if rc == "full" and sp:
+        want /= t  # the checkpointed input is sharded by sequence under SP
+    assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_glu_and_grouped_kv_change_activations_from_shapes():
+    mha = gpt(4096, 32, 4)
+    gqa = ModelSpec(name="g", hidden=4096, heads=32, kv_groups=2, layers=4, ffn_hidden=13696,
+                    activation="swiglu", vocab=65024, max_seq=8192)
+    sb = 2048
+    # K and V are 2/32 as wide; the FFN stores 2 x 13696 (gate, up) + 13696 (down input)
+    expected = sb * (4 * 2 * 4096 + 2 * 4096) + sb * 2 * (4096 + 256 + 256 + 4096 + 2 * 13696 + 13696) \
+        + 32 * 2048 * 2048 * 5
+    assert block_activation_bytes(gqa, 2048, 1, 1, sequence_parallel=False, recompute="none") == expected
+    assert expected != block_activation_bytes(mha, 2048, 1, 1, sequence_parallel=False, recompute="none")
+
+
+# Megatron-LM (Narayanan et al. 2021) Table 1 models: eq. 2 parameter counts
+TABLE1 = [(1.7, 24, 2304, 24), (3.6, 32, 3072, 30), (7.5, 32, 4096, 36), (18.4, 48, 6144, 40),
+          (39.1, 64, 8192, 48), (76.1, 80, 10240, 60), (145.6, 96, 12288, 80), (310.1, 128, 16384, 96),
+          (529.6, 128, 20480, 105), (1008.0, 160, 25600, 128)]
+
+
+@pytest.mark.parametrize("params_b,a,h,L", TABLE1)
+def test_megatron_eq2_parameter_counts(params_b, a, h, L):
+    m = gpt(h, a, L)
+    V, s = 51200, 2048
+    eq2 = 12 * L * h * h * (1 + 13 / (12 * h) + (V + s) / (12 * L * h))
+    # our count adds only the final LayerNorm (2h), which eq. 2 leaves out
+    assert m.params == pytest.approx(eq2 + 2 * h, rel=1e-12)
+    assert round(m.params / 1e9, 1) == pytest.approx(params_b, abs=0.051)
+
+
+@pytest.mark.parametrize("params_b,a,h,L", TABLE1)
+def test_megatron_eq3_flops(params_b, a, h, L):
+    m = gpt(h, a, L)
+    B, s, V = 512, 2048, 51200
+    # model FLOPs without recompute: Korthikanti et al. 2022: 72 B L s h^2 (1 + s/(6h) + V/(12 h L))
+    model_flops = 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+    assert model_flops_per_sequence(m, s) * B == pytest.approx(model_flops, rel=1e-12)
+    # full recompute adds one forward of every block: 96 instead of 72 (eq. 3)
+    with_recompute = model_flops_per_sequence(m, s) * B + L * block_forward_flops(m, s, 1) * B
+    assert with_recompute == pytest.approx(96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h)), rel=1e-12)
+    assert logits_forward_flops(m, s, 1) == 2 * s * h * V
