@@ -8,7 +8,6 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps -e .
 	@$(PY) -c "import torch, sys; v = torch.__version__; print('torch', v); sys.exit(0 if '+cpu' in v or '+cu' not in v else 1)"
