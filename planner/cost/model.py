@@ -55,13 +55,14 @@ def _block_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
 def _stage_params(model: ModelSpec, plan: Plan, layers: tuple[int, ...]) -> list[float]:
     """Parameters held by one device of each stage (TP-split; embedding first, output last)."""
     out = []
+    per_layer, last = model.layer_params, len(layers) - 1
     for i, n in enumerate(layers):
-        psi = n * model.layer_params
+        psi = n * per_layer
         if i == 0:
             psi += model.embedding_params
-        if i == len(layers) - 1:
+        if i == last:
             psi += model.output_params
-            if model.tied_embeddings and len(layers) > 1:
+            if model.tied_embeddings and last > 0:
                 psi += model.vocab * model.hidden  # the last stage keeps a copy for the output layer
         out.append(psi / plan.tp)
     return out

@@ -34,7 +34,8 @@ class TimeBreakdown:
 
     @property
     def total(self) -> float:
-        return sum(getattr(self, f.name) for f in dataclasses.fields(self))
+        return (self.forward + self.backward + self.recompute + self.tp_comm + self.pp_comm + self.bubble
+                + self.dp_sync + self.zero_gather + self.optimizer + self.overhead)
 
     def to_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
@@ -59,7 +60,8 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> float:
-        return sum(getattr(self, f.name) for f in dataclasses.fields(self))
+        return (self.params + self.grads + self.optimizer + self.activations + self.logits + self.buckets
+                + self.overhead)
 
     def to_gb(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) / GB for f in dataclasses.fields(self)}

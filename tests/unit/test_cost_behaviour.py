@@ -123,3 +123,10 @@ def test_cost_model_imports_no_heavy_libraries():
             "bad = [m for m in ('torch', 'deepspeed', 'optuna', 'pandas') if m in sys.modules]; "
             "sys.exit(1 if bad else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_breakdown_totals_cover_every_field(glm130b):
+    est = estimate(*glm130b, published_plan())
+    for mem in est.stage_memory:
+        assert mem.total == pytest.approx(sum(mem.to_gb().values()) * 1e9)
+    assert est.time.total == pytest.approx(sum(est.time.to_dict().values()))
