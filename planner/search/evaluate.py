@@ -1,0 +1,106 @@
+"""Evaluate one outer point: exact inner solvers, then the cost model.
+
+An outer point (space.Outer) is completed into a Plan by the stage-partition solver (and,
+for recompute=full, the fewest checkpointed blocks per stage), then estimated. An outer
+point no partition can fit is a value too: Trial.feasible is False, with the memory it would
+need at least (never an exception, never a silent drop).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.cost import estimate, layer_costs
+from planner.search.checkpoint import StageModel
+from planner.search.partition import NoFit, solve
+from planner.search.space import Outer
+from planner.specs.estimate import GB, Estimate
+from planner.specs.hardware import ClusterSpec
+from planner.specs.model import ModelSpec
+from planner.specs.plan import Plan
+from planner.specs.train import TrainSpec
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Trial:
+    """One evaluated plan."""
+
+    outer: Outer
+    plan: Plan
+    """The completed plan (uniform split when no partition fits)."""
+    estimate: Estimate | None
+    """None when the solvers proved that no stage split fits (see `reason`)."""
+    feasible: bool
+    reason: str
+    needs_bytes: float
+    """Peak bytes per device: the estimate's, or the least any split would need."""
+    capacity_bytes: float
+    source: str = "exhaustive"
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.estimate.tokens_per_s if self.feasible and self.estimate else 0.0
+
+    @property
+    def needs_gb(self) -> float:
+        return self.needs_bytes / GB
+
+
+class Evaluator:
+    """Evaluates outer points for one (model, cluster, train), remembering each result."""
+
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> None:
+        self.model, self.cluster, self.train = model, cluster, train
+        self.capacity = cluster.memory_bytes
+        self.cache: dict[Outer, Trial] = {}
+
+    def __call__(self, outer: Outer, source: str = "exhaustive") -> Trial:
+        hit = self.cache.get(outer)
+        if hit is not None:
+            return hit if hit.source == source else _with_source(hit, source)
+        trial = self._evaluate(outer, source)
+        self.cache[outer] = trial
+        return trial
+
+    def _evaluate(self, outer: Outer, source: str) -> Trial:
+        model, train = self.model, self.train
+        base = outer.plan(train.precision)
+        lc = layer_costs(model, self.cluster, train, base)
+        full = outer.recompute == "full"
+        sol = solve(StageModel(model, self.cluster, base, lc), model.layers, checkpoint=full)
+        if isinstance(sol, NoFit):
+            return Trial(outer=outer, plan=base, estimate=None, feasible=False, reason=sol.reason,
+                         needs_bytes=sol.needs_bytes, capacity_bytes=self.capacity, source=source)
+        plan = outer.plan(train.precision, stage_layers=sol.stage_layers,
+                          recompute_layers=sol.checkpointed if full else ())
+        est = estimate(model, self.cluster, train, plan)
+        return Trial(outer=outer, plan=plan, estimate=est, feasible=est.feasible, reason="; ".join(est.reasons),
+                     needs_bytes=est.peak_memory_bytes, capacity_bytes=est.capacity_bytes, source=source)
+
+
+def _with_source(trial: Trial, source: str) -> Trial:
+    return Trial(outer=trial.outer, plan=trial.plan, estimate=trial.estimate, feasible=trial.feasible,
+                 reason=trial.reason, needs_bytes=trial.needs_bytes, capacity_bytes=trial.capacity_bytes,
+                 source=source)
+
+
+def rank(trials: list[Trial] | tuple[Trial, ...]) -> list[Trial]:
+    """Feasible trials, distinct plans, fastest first (ties: less memory, then fewer devices idle)."""
+    seen: set[Plan] = set()
+    out = []
+    for t in sorted((t for t in trials if t.feasible), key=lambda t: (-t.tokens_per_s, t.needs_bytes)):
+        if t.plan in seen:
+            continue
+        seen.add(t.plan)
+        out.append(t)
+    return out
+
+
+def pareto_front(trials: list[Trial] | tuple[Trial, ...]) -> list[Trial]:
+    """Feasible plans no other plan beats on both throughput (higher) and peak memory (lower)."""
+    front: list[Trial] = []
+    best_mem = float("inf")
+    for t in sorted(rank(trials), key=lambda t: (-t.tokens_per_s, t.needs_bytes)):
+        if t.needs_bytes < best_mem:
+            front.append(t)
+            best_mem = t.needs_bytes
+    return front

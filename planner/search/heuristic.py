@@ -1,0 +1,28 @@
+"""The heuristic plan Optuna starts from (enqueued as its first trial).
+
+Megatron-LM's rule of thumb (Narayanan et al. 2021, arXiv 2104.04473, sec. 3.3 "Takeaway #1
+and #2"): tensor parallelism up to the devices of a node, pipeline parallelism only as far as
+needed to fit the model, data parallelism for the rest; small micro-batches; here with ZeRO-1
+(optimizer states sharded over DP at no extra traffic), selective recompute and sequence
+parallelism (Korthikanti et al. 2022). The smallest PP whose solved plan fits wins.
+"""
+from __future__ import annotations
+
+from planner.search.evaluate import Evaluator
+from planner.search.space import Outer, Space
+
+
+def heuristic(space: Space, evaluate: Evaluator) -> Outer:
+    layouts = space.require_nonempty()
+    tp = max(t for t, _, _ in layouts)
+    fallback: Outer | None = None
+    for recompute in ("selective", "full"):
+        for t, pp, dp in sorted((x for x in layouts if x[0] == tp), key=lambda x: x[1]):
+            outer = Outer(tp=t, pp=pp, dp=dp, zero=1 if dp > 1 else 0, micro_batch=1,
+                          grad_accum=space.train.global_batch // dp, recompute=recompute,
+                          sequence_parallel=max(space.sequence_parallel(t)), interleave=1)
+            fallback = fallback or outer
+            if evaluate(outer, "heuristic").feasible:
+                return outer
+    assert fallback is not None
+    return fallback

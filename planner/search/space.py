@@ -1,0 +1,136 @@
+"""The legal plan space: every outer choice DeepSpeed can run for a model, cluster and batch.
+
+Outer choices (what Optuna or the exhaustive sweep decides): TP and PP degrees (DP follows,
+DP x TP x PP = devices), ZeRO stage, micro-batch (accumulation follows: micro-batch x
+accumulation x DP = global batch, exactly), recompute mode, sequence parallelism and the
+pipeline schedule (1F1B, or interleaved with v chunks per stage). The inner choices -- stage
+boundaries and which layers are checkpointed -- are solved exactly per outer point
+(planner/search/partition.py, checkpoint.py).
+
+Rules (DESIGN.md "What DeepSpeed can actually run", planner.specs.validate.plan_problems):
+TP inside a node and dividing heads, KV groups and the FFN; PP at most the layers; ZeRO 2-3
+only without pipeline parallelism; interleaving needs accumulation divisible by PP and at
+least one layer per chunk; sequence parallelism needs TP > 1 and seq_len divisible by TP.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Iterator
+
+from planner.errors import SpecError
+from planner.specs.hardware import ClusterSpec
+from planner.specs.model import ModelSpec
+from planner.specs.plan import RECOMPUTE, Plan
+from planner.specs.train import TrainSpec
+from planner.specs.validate import plan_problems
+
+MAX_INTERLEAVE = 4
+"""Largest number of virtual chunks per stage the space offers. The interleaved bubble is
+(p-1)/(v m) (Narayanan et al. 2021, sec. 2.2.2) while point-to-point traffic grows with v;
+beyond 4 the remaining gain is under 1/20 of the 1F1B bubble. A Space argument."""
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Outer:
+    """One point of the outer space; the inner solvers complete it into a Plan."""
+
+    tp: int
+    pp: int
+    dp: int
+    zero: int
+    micro_batch: int
+    grad_accum: int
+    recompute: str
+    """none, selective or full (full: the checkpoint solver picks how many layers per stage)."""
+    sequence_parallel: bool
+    interleave: int
+    """1 = 1F1B; v > 1 = interleaved with v chunks per stage."""
+
+    def plan(self, precision: str, stage_layers: tuple[int, ...] = (),
+             recompute_layers: tuple[int, ...] = ()) -> Plan:
+        return Plan(dp=self.dp, tp=self.tp, pp=self.pp, zero=self.zero, micro_batch=self.micro_batch,
+                    grad_accum=self.grad_accum, recompute=self.recompute, sequence_parallel=self.sequence_parallel,
+                    schedule="interleaved" if self.interleave > 1 else "1f1b", interleave=self.interleave,
+                    precision=precision, stage_layers=stage_layers, recompute_layers=recompute_layers)
+
+    def params(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Space:
+    model: ModelSpec
+    cluster: ClusterSpec
+    train: TrainSpec
+    max_interleave: int = MAX_INTERLEAVE
+
+    def layouts(self) -> list[tuple[int, int, int]]:
+        """Legal (tp, pp, dp) triples, checked with planner.specs.validate.plan_problems."""
+        return self._layouts(self.train)
+
+    def _layouts(self, train: TrainSpec) -> list[tuple[int, int, int]]:
+        world, batch = self.cluster.world_size, train.global_batch
+        out = []
+        for tp in divisors(self.cluster.gpus_per_node):
+            if world % tp:
+                continue
+            for pp in divisors(world // tp):
+                dp = world // (tp * pp)
+                if pp > self.model.layers or batch % dp:
+                    continue
+                probe = Plan(dp=dp, tp=tp, pp=pp, micro_batch=batch // dp, grad_accum=1, precision=train.precision)
+                if not plan_problems(self.model, self.cluster, train, probe):
+                    out.append((tp, pp, dp))
+        return out
+
+    def zero_stages(self, pp: int) -> tuple[int, ...]:
+        return (0, 1, 2, 3) if pp == 1 else (0, 1)
+
+    def micro_batches(self, dp: int) -> list[int]:
+        return divisors(self.train.global_batch // dp)
+
+    def interleaves(self, pp: int, grad_accum: int) -> list[int]:
+        if pp == 1 or grad_accum % pp:
+            return [1]
+        return [1] + list(range(2, min(self.max_interleave, self.model.layers // pp) + 1))
+
+    def sequence_parallel(self, tp: int) -> tuple[bool, ...]:
+        return (False, True) if tp > 1 and self.train.seq_len % tp == 0 else (False,)
+
+    def points(self) -> Iterator[Outer]:
+        """Every legal outer point, in a fixed order."""
+        for tp, pp, dp in self.layouts():
+            for mb in self.micro_batches(dp):
+                ga = self.train.global_batch // (dp * mb)
+                for zero in self.zero_stages(pp):
+                    for rc in RECOMPUTE:
+                        for sp in self.sequence_parallel(tp):
+                            for v in self.interleaves(pp, ga):
+                                yield Outer(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=mb, grad_accum=ga,
+                                            recompute=rc, sequence_parallel=sp, interleave=v)
+
+    def size(self) -> int:
+        return sum(1 for _ in self.points())
+
+    def require_nonempty(self) -> list[tuple[int, int, int]]:
+        """The legal layouts, or one SpecError line saying why there are none and what to change."""
+        layouts = self.layouts()
+        if layouts:
+            return layouts
+        world, batch = self.cluster.world_size, self.train.global_batch
+        probe = Plan(dp=world, micro_batch=max(1, batch // world), precision=self.train.precision)
+        problems = [p for p in plan_problems(self.model, self.cluster, self.train, probe)
+                    if "global batch" not in p and "processes" not in p]
+        if problems:
+            raise SpecError("plan space", f"no legal plan: {problems[0]}", "change the inputs named above")
+        any_batch = dataclasses.replace(self.train, global_batch=world)
+        dps = sorted({dp for _, _, dp in self._layouts(any_batch)})
+        raise SpecError("--global-batch", f"{batch} is not divisible by any legal data-parallel degree "
+                        f"({', '.join(map(str, dps[:12]))})",
+                        f"use a multiple of {dps[0]}, e.g. {dps[0] * max(1, -(-batch // dps[0]))}")

@@ -1,0 +1,56 @@
+"""trials.csv: one row per evaluated plan (docs/CONTRACTS.md "trials.csv").
+
+Columns: trial, source, every Plan field (tuples `;`-joined), feasible, reason, the Estimate
+scalars, time_<part> (seconds) and mem_<part> (GB, the peak stage). Plans the solvers proved
+cannot fit have no estimate: their scalars are empty and peak_memory_gb is the least any
+stage split would need.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+from pathlib import Path
+from typing import Any, Iterable
+
+from planner.rundir import atomic_write_text
+from planner.search.evaluate import Trial
+from planner.specs.estimate import GB, MemoryBreakdown, TimeBreakdown
+from planner.specs.plan import Plan
+
+PLAN_FIELDS = [f.name for f in dataclasses.fields(Plan)]
+SCALARS = ["step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "hfu", "peak_memory_gb", "capacity_gb",
+           "bubble_fraction"]
+TIME_FIELDS = [f"time_{f.name}" for f in dataclasses.fields(TimeBreakdown)]
+MEM_FIELDS = [f"mem_{f.name}" for f in dataclasses.fields(MemoryBreakdown)]
+COLUMNS = ["trial", "source", *PLAN_FIELDS, "feasible", "reason", *SCALARS, *TIME_FIELDS, *MEM_FIELDS]
+
+
+def row(number: int, trial: Trial) -> dict[str, Any]:
+    out: dict[str, Any] = {"trial": number, "source": trial.source}
+    for name, value in trial.plan.to_dict().items():
+        out[name] = ";".join(str(x) for x in value) if isinstance(value, list) else value
+    out["feasible"] = trial.feasible
+    out["reason"] = trial.reason
+    est = trial.estimate
+    out["peak_memory_gb"] = trial.needs_bytes / GB
+    out["capacity_gb"] = trial.capacity_bytes / GB
+    if est is not None:
+        out.update(step_time_s=est.step_time_s, tokens_per_s=est.tokens_per_s, tflops_per_gpu=est.tflops_per_gpu,
+                   mfu=est.mfu, hfu=est.hfu, bubble_fraction=est.bubble_fraction)
+        out.update({f"time_{k}": v for k, v in est.time.to_dict().items()})
+        out.update({f"mem_{k}": v for k, v in est.stage_memory[est.peak_stage].to_gb().items()})
+    return out
+
+
+def to_csv(trials: Iterable[tuple[int, Trial]]) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=COLUMNS, restval="", lineterminator="\n")
+    writer.writeheader()
+    for number, trial in trials:
+        writer.writerow(row(number, trial))
+    return buf.getvalue()
+
+
+def write_trials(path: str | Path, trials: Iterable[tuple[int, Trial]]) -> None:
+    atomic_write_text(path, to_csv(trials))

@@ -1,0 +1,210 @@
+"""Hugging Face config.json -> ModelSpec.
+
+Each supported `model_type` names its fields differently; one small mapping per family turns
+them into the planner's vocabulary. Field names follow the families' public configuration
+classes (transformers' LlamaConfig, GPTNeoXConfig, GPT2Config, BloomConfig, GlmConfig,
+Glm4Config; THUDM's remote-code ChatGLMConfig and GLMConfig). Any problem is one SpecError
+line naming the field and the fix; nothing here raises anything else for bad input.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from planner.errors import SpecError
+from planner.specs.model import ModelSpec
+
+_UNSET = object()
+
+
+class _Config:
+    """Typed access to one parsed config.json, with errors that name the file and field."""
+
+    def __init__(self, data: Mapping[str, Any], where: str) -> None:
+        self.data = data
+        self.where = where
+
+    def has(self, key: str) -> bool:
+        return self.data.get(key) is not None
+
+    def int(self, *keys: str, default: Any = _UNSET) -> int:
+        """First present key among `keys`, as a positive integer."""
+        for key in keys:
+            value = self.data.get(key)
+            if value is None:
+                continue
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise SpecError(f"{self.where}: {key}", f"must be a positive integer, got {value!r}",
+                                "fix the config.json")
+            return value
+        if default is _UNSET:
+            raise SpecError(f"{self.where}: {keys[0]}", "missing",
+                            f"add {' or '.join(keys)} to the config.json")
+        return default
+
+    def bool(self, key: str, default: bool) -> bool:
+        value = self.data.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise SpecError(f"{self.where}: {key}", f"must be true or false, got {value!r}", "fix the config.json")
+        return value
+
+    def str(self, key: str, default: str) -> str:
+        value = self.data.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, str):
+            raise SpecError(f"{self.where}: {key}", f"must be a string, got {value!r}", "fix the config.json")
+        return value
+
+
+def _activation(cfg: _Config, key: str, default: str, glu: str | None) -> str:
+    """Map an HF activation name to gelu / swiglu / geglu. `glu`: the family's gated form."""
+    act = cfg.str(key, default).lower()
+    if glu is None:
+        return "gelu"          # two-matrix MLP: the nonlinearity itself does not change the cost
+    if act in ("silu", "swish"):
+        return "swiglu"
+    if act.startswith("gelu"):
+        return "geglu"
+    return glu
+
+
+def _kv(cfg: _Config, heads: int, key: str) -> int | None:
+    kv = cfg.int(key, default=heads)
+    return None if kv == heads else kv
+
+
+def _llama_like(cfg: _Config, name: str, family: str) -> ModelSpec:
+    """llama, glm (GlmForCausalLM) and glm4 (Glm4ForCausalLM): SwiGLU, RMSNorm, rotary, GQA."""
+    heads = cfg.int("num_attention_heads")
+    bias = cfg.bool("attention_bias", family != "llama")   # GLM-4 has a QKV bias (GlmConfig default True)
+    return ModelSpec(
+        name=name, model_type=family, hidden=cfg.int("hidden_size"), layers=cfg.int("num_hidden_layers"),
+        heads=heads, kv_groups=_kv(cfg, heads, "num_key_value_heads"), ffn_hidden=cfg.int("intermediate_size"),
+        activation=_activation(cfg, "hidden_act", "silu", "swiglu"), vocab=cfg.int("vocab_size"),
+        max_seq=cfg.int("max_position_embeddings", default=4096 if family == "llama" else 131072),
+        norm="rmsnorm", norm_position="pre", position="rotary", qkv_bias=bias,
+        linear_bias=cfg.bool("mlp_bias", False), tied_embeddings=cfg.bool("tie_word_embeddings", False),
+        head_dim=cfg.int("head_dim", default=None))
+
+
+def _chatglm(cfg: _Config, name: str, family: str) -> ModelSpec:
+    """THUDM ChatGLM-6B (GLU-free, post-LN with DeepNorm-style residual scaling) and
+    ChatGLM2/3-6B and GLM-4-9B-chat (SwiGLU, RMSNorm, multi-query groups)."""
+    heads = cfg.int("num_attention_heads")
+    hidden = cfg.int("hidden_size")
+    if cfg.has("ffn_hidden_size") or cfg.has("multi_query_attention") or cfg.has("padded_vocab_size"):
+        groups = cfg.int("multi_query_group_num") if cfg.bool("multi_query_attention", False) else heads
+        return ModelSpec(
+            name=name, model_type=family, hidden=hidden, layers=cfg.int("num_layers", "num_hidden_layers"),
+            heads=heads, kv_groups=None if groups == heads else groups,
+            ffn_hidden=cfg.int("ffn_hidden_size"), activation="swiglu",
+            vocab=cfg.int("padded_vocab_size", "vocab_size"), max_seq=cfg.int("seq_length", "max_sequence_length"),
+            norm="rmsnorm" if cfg.bool("rmsnorm", True) else "layernorm",
+            norm_position="post" if cfg.bool("apply_residual_connection_post_layernorm", False) else "pre",
+            position="rotary", qkv_bias=cfg.bool("add_qkv_bias", False), linear_bias=cfg.bool("add_bias_linear", False),
+            tied_embeddings=False, head_dim=cfg.int("kv_channels", default=None))
+    # ChatGLM-6B (first generation)
+    return ModelSpec(
+        name=name, model_type=family, hidden=hidden, layers=cfg.int("num_layers"), heads=heads,
+        ffn_hidden=cfg.int("inner_hidden_size", default=4 * hidden), activation="gelu",
+        vocab=cfg.int("vocab_size"), max_seq=cfg.int("max_sequence_length", "seq_length"),
+        norm="layernorm", norm_position="deepnorm", position="rotary", qkv_bias=True, linear_bias=True,
+        tied_embeddings=False)
+
+
+def _glm(cfg: _Config, name: str, family: str) -> ModelSpec:
+    """model_type "glm": transformers' GlmForCausalLM (llama-style keys, glm-4-9b-hf) or the
+    original THUDM GLM-10B remote-code config (num_layers, max_sequence_length, 4h GELU MLP)."""
+    if cfg.has("num_hidden_layers"):
+        return _llama_like(cfg, name, family)
+    hidden = cfg.int("hidden_size")
+    return ModelSpec(
+        name=name, model_type=family, hidden=hidden, layers=cfg.int("num_layers"),
+        heads=cfg.int("num_attention_heads"), ffn_hidden=cfg.int("intermediate_size", default=4 * hidden),
+        activation="gelu", vocab=cfg.int("vocab_size"), max_seq=cfg.int("max_sequence_length"),
+        norm="layernorm", norm_position="pre", position="learned", tied_embeddings=True)
+
+
+def _gpt_neox(cfg: _Config, name: str, family: str) -> ModelSpec:
+    hidden = cfg.int("hidden_size")
+    return ModelSpec(
+        name=name, model_type=family, hidden=hidden, layers=cfg.int("num_hidden_layers"),
+        heads=cfg.int("num_attention_heads"), ffn_hidden=cfg.int("intermediate_size", default=4 * hidden),
+        activation="gelu", vocab=cfg.int("vocab_size"), max_seq=cfg.int("max_position_embeddings", default=2048),
+        norm="layernorm", norm_position="pre", position="rotary",
+        qkv_bias=cfg.bool("attention_bias", True), linear_bias=True,
+        tied_embeddings=cfg.bool("tie_word_embeddings", False))
+
+
+def _gpt2(cfg: _Config, name: str, family: str) -> ModelSpec:
+    hidden = cfg.int("n_embd", "hidden_size")
+    return ModelSpec(
+        name=name, model_type=family, hidden=hidden, layers=cfg.int("n_layer", "num_hidden_layers"),
+        heads=cfg.int("n_head", "num_attention_heads"), ffn_hidden=cfg.int("n_inner", default=4 * hidden),
+        activation="gelu", vocab=cfg.int("vocab_size"), max_seq=cfg.int("n_positions", "n_ctx", default=1024),
+        norm="layernorm", norm_position="pre", position="learned",
+        tied_embeddings=cfg.bool("tie_word_embeddings", True))
+
+
+def _bloom(cfg: _Config, name: str, family: str) -> ModelSpec:
+    hidden = cfg.int("hidden_size", "n_embed")
+    # ALiBi has no position table; BLOOM trained at sequence length 2048 (Le Scao et al. 2022,
+    # arXiv 2211.05100, Table 3), used when the config names none.
+    return ModelSpec(
+        name=name, model_type=family, hidden=hidden, layers=cfg.int("n_layer", "num_hidden_layers"),
+        heads=cfg.int("n_head", "num_attention_heads"), ffn_hidden=4 * hidden, activation="gelu",
+        vocab=cfg.int("vocab_size"), max_seq=cfg.int("seq_length", default=2048), norm="layernorm",
+        norm_position="pre", position="alibi", tied_embeddings=cfg.bool("tie_word_embeddings", True))
+
+
+FAMILIES: dict[str, Callable[[_Config, str, str], ModelSpec]] = {
+    "chatglm": _chatglm, "glm": _glm, "glm4": _llama_like, "llama": _llama_like,
+    "gpt_neox": _gpt_neox, "gpt2": _gpt2, "bloom": _bloom,
+}
+
+
+def spec_from_hf(data: Any, name: str = "hf-model", where: str = "config.json") -> ModelSpec:
+    """Build a ModelSpec from a parsed Hugging Face config dict."""
+    if not isinstance(data, Mapping):
+        raise SpecError(where, "must be a JSON object", "give a Hugging Face config.json")
+    model_type = data.get("model_type")
+    if model_type is None:
+        raise SpecError(f"{where}: model_type", "missing", f"add one of {', '.join(FAMILIES)}")
+    if not isinstance(model_type, str) or model_type.lower() not in FAMILIES:
+        raise SpecError(f"{where}: model_type", f"unsupported type {model_type!r}",
+                        f"use a config of type {', '.join(FAMILIES)}")
+    family = model_type.lower()
+    return FAMILIES[family](_Config(data, where), name, family)
+
+
+def load_hf_config(path: str | Path) -> ModelSpec:
+    """Read a config.json file (or a directory holding one) into a ModelSpec."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError("--model", f"{p} does not exist",
+                        "give a preset name or the path of a Hugging Face config.json") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError("--model", f"cannot read {p}: {getattr(exc, 'strerror', None) or exc}",
+                        "give a readable UTF-8 config.json") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SpecError(str(p), f"is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})",
+                        "re-download or repair the config.json") from None
+    except RecursionError:
+        raise SpecError(str(p), "is nested too deeply to read", "give a Hugging Face config.json") from None
+    name = p.parent.name if p.name == "config.json" and p.parent.name else p.stem
+    raw_name = data.get("_name_or_path") if isinstance(data, dict) else None
+    if isinstance(raw_name, str) and raw_name.strip():
+        name = raw_name.strip().rstrip("/").split("/")[-1]
+    return spec_from_hf(data, name=name, where=str(p))
