@@ -1,0 +1,65 @@
+"""`planner profile` (measure this machine) and `planner calibrate` (fit the cost model's factors)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+from planner.errors import SpecError
+
+
+@click.command()
+@click.option("--quick", is_flag=True, help="A sub-minute pass: fewer shapes, points, message sizes and repeats.")
+@click.option("--out", "out", default=None, metavar="PROFILE.JSON",
+              help="Where to write the profile (default profiles/<device>-measured.json).")
+@click.option("--model", "model_arg", default=None, metavar="NAME|CONFIG.JSON",
+              help="Model whose layer shapes and block are measured (default chatglm3-6b on CPU, glm-4-9b on GPU).")
+@click.option("--scale", type=click.Choice(["full", "tiny", "small"]), default=None,
+              help="Shrink the model (default tiny on CPU, full on GPU).")
+@click.option("--procs", type=int, default=None,
+              help="Processes for the collective benchmarks (default: GPUs, or 2 on CPU); 1 skips them.")
+@click.option("--max-tp", type=int, default=None, help="Largest TP degree whose per-rank shapes are measured (default --procs).")
+@click.option("--precision", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True,
+              help="Precision of the GEMM sweep and block timings.")
+@click.option("--name", default=None, help="Profile name (default <device>-measured).")
+@click.option("--cpu", "force_cpu", is_flag=True, help="Profile the CPU even when a GPU is present.")
+def profile(quick: bool, out: str | None, model_arg: str | None, scale: str | None, procs: int | None,
+            max_tp: int | None, precision: str, name: str | None, force_cpu: bool) -> None:
+    """Measure this machine and write a device profile (use it with --profile)."""
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from planner.cli.common import load_model
+    from planner.profiler import ProfileOptions, profile_machine, write
+
+    gpu = torch.cuda.is_available() and not force_cpu
+    if procs is None:
+        procs = torch.cuda.device_count() if gpu else min(2, os.cpu_count() or 1)
+    if procs < 1 or (gpu and procs > torch.cuda.device_count()):
+        raise SpecError("--procs", f"{procs} is not between 1 and the {torch.cuda.device_count() if gpu else 'CPU'} "
+                        "devices here", "give a smaller count")
+    if max_tp is not None and max_tp < 1:
+        raise SpecError("--max-tp", f"must be >= 1, got {max_tp}", "give a TP degree such as 2")
+    model = load_model(model_arg or ("glm-4-9b" if gpu else "chatglm3-6b"), scale or ("full" if gpu else "tiny"))
+    opts = ProfileOptions(model=model, precision=precision, quick=quick, procs=procs, max_tp=max_tp or max(1, procs))
+    console = Console(stderr=True)
+    with Progress(TextColumn("[bold]profile"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.description}"), console=console, transient=True) as bar:
+        task = bar.add_task("starting", total=None)
+        data = profile_machine(opts, name=name, force_cpu=force_cpu,
+                               on_plan=lambda p: bar.update(task, total=p.total),
+                               tick=lambda d: bar.update(task, advance=1, description=d))
+    path = Path(out or Path("profiles") / f"{data['name']}.json")
+    write.write(path, data)
+    m = data["measured"]
+    click.echo(f"wrote {path} ({data['kind']}, {m['environment']['device']}, {m['wall_s']:.1f} s)")
+    click.echo("peak TFLOP/s: " + ", ".join(f"{p} {v:.3g}" for p, v in data["peak_tflops"].items()))
+    click.echo(f"memory bandwidth: {data['hbm_bandwidth_gbps']:.1f} GB/s; memory {data['memory_gb']:.1f} GB")
+    click.echo(f"intra-node: {data['intra_node']['busbw_gbps']:.3g} GB/s busbw, "
+               f"{data['intra_node']['latency_us']:.1f} us per step ({data['sources']['intra_node'].split(':')[0]})")
+    for note in m["notes"]:
+        click.echo(f"note: {note}")
+    click.echo(f"use it: planner search --gpus {data['gpus_per_node']}x{'cpu' if data['kind'] == 'cpu' else 'GPU'} "
+               f"--profile {path} ...")

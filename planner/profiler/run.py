@@ -1,0 +1,127 @@
+"""`planner profile`: what to measure (quick or full), and running it with progress ticks."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from planner.profiler import comm, gemm, layers
+from planner.profiler.device import Target
+from planner.profiler.stats import time_call
+from planner.specs.model import ModelSpec
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProfileOptions:
+    model: ModelSpec
+    """Model whose GEMM shapes and block are measured."""
+    precision: str = "bf16"
+    """Precision of the GEMM sweep (efficiency curve) and the block timings."""
+    quick: bool = False
+    """A sub-minute pass: fewer shapes, points, sizes and repeats."""
+    procs: int = 2
+    """Processes for the collective benchmarks; group sizes 2, 4, ... up to procs."""
+    max_tp: int = 2
+    """Largest TP degree whose per-rank shapes are measured."""
+    tokens: tuple[int, ...] = ()
+    """Token counts (micro-batch x sequence) of the GEMM sweep; () = from the layer points."""
+    points: tuple[tuple[int, int, int], ...] = ()
+    """(micro-batch, sequence, TP) points of the block timings; () = defaults for the device."""
+    comm_timeout_s: float = 900.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkList:
+    """The work list, known up front so the progress bar has a total."""
+
+    points: tuple[tuple[int, int, int], ...]
+    shapes: tuple[gemm.GemmShape, ...]
+    squares: dict[str, list[int]] = field(default_factory=dict)
+    groups: tuple[int, ...] = ()
+    sizes: tuple[int, ...] = ()
+
+    @property
+    def total(self) -> int:
+        ticks_comm = len(self.groups) * len(self.sizes) * len(comm.OPS)
+        return len(self.points) + len(self.shapes) + sum(map(len, self.squares.values())) + 1 + ticks_comm
+
+
+def default_points(target: Target, model: ModelSpec, quick: bool, max_tp: int) -> tuple[tuple[int, int, int], ...]:
+    tps = gemm.legal_tp(model, max_tp)
+    seq_cap = model.max_seq
+    if target.kind == "gpu":
+        mbs, seqs = ((1, 2), (2048,)) if quick else ((1, 2, 4), (1024, 2048, 4096))
+    else:
+        mbs, seqs = ((1, 4), (128,)) if quick else ((1, 2, 4, 8), (64, 128, 256))
+    tps = tps[:2] if quick else tps
+    return tuple((b, s, t) for t in tps for s in seqs if s <= seq_cap for b in mbs)
+
+
+def make_plan(opts: ProfileOptions, target: Target) -> WorkList:
+    points = opts.points or default_points(target, opts.model, opts.quick, opts.max_tp)
+    tokens = opts.tokens or tuple(sorted({b * s for b, s, _ in points}))
+    tps = sorted({t for _, _, t in points} | set(gemm.legal_tp(opts.model, opts.max_tp)))
+    shapes = tuple(sh for t in tps for tok in tokens for sh in gemm.model_shapes(opts.model, tok, t))
+    if target.kind == "gpu":
+        big = [1024, 2048, 4096] if opts.quick else [1024, 2048, 4096, 8192, 16384]
+    else:
+        big = [256, 1024] if opts.quick else [256, 512, 1024, 2048]
+    squares = {p: list(big) for p in ("bf16", "fp16", "fp32")}
+    if target.kind == "cpu":
+        squares["fp16"] = [256, 512]  # no native fp16 GEMM on most CPUs: a few GFLOP/s
+    groups = tuple(comm.group_sizes(opts.procs))
+    sizes = tuple(comm.message_sizes(opts.quick, target.kind))
+    return WorkList(points=points, shapes=shapes, squares=squares, groups=groups, sizes=sizes)
+
+
+def copy_bandwidth(target: Target, quick: bool) -> dict[str, Any]:
+    """Memory bandwidth from a large tensor copy: bytes read + written per second (STREAM "copy")."""
+    import torch
+    nbytes = (64 << 20) if quick else (256 << 20) if target.kind == "cpu" else (2 << 30)
+    src = torch.ones(nbytes // 4, device=target.device)
+    dst = torch.empty_like(src)
+    t = time_call(lambda: dst.copy_(src), sync=target.sync, warmup=2, repeats=5 if quick else 10)
+    return {"bytes": nbytes, "time_s": t.to_dict(), "gbps": 2 * nbytes / t.median / 1e9,
+            "gbps_max": 2 * nbytes / t.min / 1e9, "method": "torch copy_ of a float32 tensor; 2 x bytes per copy"}
+
+
+def measure_all(opts: ProfileOptions, target: Target, plan: WorkList,
+                tick: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Run every measurement; returns the raw figures (planner.profiler.write turns them into a profile)."""
+    import torch
+    if target.kind == "cpu":
+        torch.set_num_threads(os.cpu_count() or 1)
+    started = time.perf_counter()
+    window = 0.05 if opts.quick else 0.2
+    out: dict[str, Any] = {"notes": []}
+    results: list[gemm.GemmResult] = []
+    for sh in plan.shapes:
+        results.append(gemm.measure(sh, opts.precision, target, window_s=window))
+        tick(f"GEMM {sh.name} tp={sh.tp} T={sh.tokens}")
+    squares: list[gemm.GemmResult] = []
+    for prec, sizes in plan.squares.items():
+        squares += gemm.square_probe(prec, target, sizes, window_s=window, call_budget_s=0.5, tick=tick)
+        for _ in range(len(sizes) - len([r for r in squares if r.precision == prec])):
+            tick(f"GEMM {prec} (skipped: slow)")
+    out["gemm"] = results
+    out["gemm_square"] = squares
+    out["copy"] = copy_bandwidth(target, opts.quick)
+    tick("memory copy")
+    pts = []
+    for b, s, t in plan.points:
+        pts.append(layers.measure_point(opts.model, b, s, t, opts.precision, target, repeats=3 if opts.quick else 7))
+        tick(f"block b={b} s={s} tp={t}")
+    out["layers"] = pts
+    backend = "nccl" if target.kind == "gpu" else "gloo"
+    out["comm"] = {}
+    if not plan.groups:
+        out["notes"].append(f"collectives skipped: {opts.procs} process(es); a collective needs at least 2 "
+                            "(run with --procs 2 or more)")
+    for n in plan.groups:
+        raw = comm.run_group(n, list(plan.sizes), backend=backend, repeats=3, window_s=window / 2,
+                             timeout_s=opts.comm_timeout_s, tick=tick)
+        out["comm"][str(n)] = comm.summarize_group(raw)
+    out["backend"] = backend
+    out["wall_s"] = time.perf_counter() - started
+    return out

@@ -1,0 +1,138 @@
+"""Raw measurements -> a profile in the schema of planner/specs/hardware.py, written atomically.
+
+Measured profiles carry `"builtin": false` so the built-in lookup by name ignores them; they
+are used through `--profile PATH`. Every number's source is in "sources"; raw figures with
+sample counts and spreads are in "measured".
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from planner.profiler.gemm import efficiency_curve, peak_tflops
+from planner.profiler.layers import korthikanti_bytes
+from planner.profiler.run import ProfileOptions
+from planner.rundir import atomic_write_json
+from planner.specs.hardware import PRECISIONS, SCHEMA_VERSION, find_device, profile_from_dict
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "device"
+
+
+def _builtin_for(kind: str, device_name: str) -> Any:
+    """The built-in profile closest to the measured device (for the tiers we cannot measure)."""
+    if kind == "cpu":
+        return find_device("cpu")[0]
+    for word in re.findall(r"[A-Za-z]+\d+[A-Za-z0-9-]*", device_name):
+        try:
+            return find_device(word)[0]
+        except Exception:
+            continue
+    return None
+
+
+def build(raw: dict[str, Any], env: dict[str, Any], opts: ProfileOptions, *, name: str, kind: str,
+          memory_gb: float, per_node: int) -> dict[str, Any]:
+    """The profile dict (validated by profile_from_dict before it is returned)."""
+    best = peak_tflops(raw["gemm"] + raw["gemm_square"])
+    peaks = {p: (best[p].tflops if p in best else 0.0) for p in PRECISIONS}
+    curve_prec = opts.precision if opts.precision in best else "fp32"
+    curve = efficiency_curve([r for r in raw["gemm"] + raw["gemm_square"] if r.precision == curve_prec],
+                             best[curve_prec].tflops)
+    sources = {
+        "peak_tflops": "measured: best GEMM per precision (model-shape sweep + square probes), torch.matmul, "
+                       "median of timed repeats after warm-up",
+        "gemm_efficiency": f"measured: {curve_prec} GEMMs of {opts.model.name}'s layer shapes (QKV, attention output, "
+                           f"FFN, output layer; per TP rank) / peak, median per half-decade of FLOPs",
+        "hbm_bandwidth_gbps": "measured: " + raw["copy"]["method"],
+        "memory_gb": "measured: " + ("torch.cuda total_memory" if kind == "gpu" else "/proc/meminfo MemTotal "
+                                     "(shared by all processes)"),
+        "gpus_per_node": "measured: CUDA device count" if kind == "gpu" else "the --procs used for profiling",
+    }
+    builtin = _builtin_for(kind, env.get("device", ""))
+    links: dict[str, dict[str, Any]] = {}
+    groups = sorted(raw["comm"], key=int)
+    if groups:
+        n = groups[-1]
+        fit = raw["comm"][n]["all_reduce"]["fit"]
+        steps = 2 * (int(n) - 1)  # ring all-reduce latency steps, as planner/cost/comm.py counts them
+        links["intra_node"] = {"name": f"{raw['backend']} between {n} processes (measured)",
+                               "busbw_gbps": fit["busbw_gbps"], "latency_us": fit["alpha_us"] / steps}
+        sources["intra_node"] = (f"measured: {raw['backend']} all-reduce on {n} processes, alpha-beta fit over "
+                                 f"{fit['points']} sizes; busbw = algbw x 2(n-1)/n (nccl-tests); latency = alpha / "
+                                 f"2(n-1) ring steps")
+    elif builtin is not None:
+        links["intra_node"] = {"name": builtin.intra_node.name, "busbw_gbps": builtin.intra_node.busbw_gbps,
+                               "latency_us": builtin.intra_node.latency_us}
+        sources["intra_node"] = f"not measured (one process): copied from built-in profile {builtin.name}"
+    else:
+        raise ValueError("no collective measured and no built-in profile to take the link from")
+    if builtin is not None:
+        links["inter_node"] = {"name": builtin.inter_node.name, "busbw_gbps": builtin.inter_node.busbw_gbps,
+                               "latency_us": builtin.inter_node.latency_us}
+        sources["inter_node"] = f"not measured (one machine): copied from built-in profile {builtin.name}"
+    else:
+        links["inter_node"] = dict(links["intra_node"], name="unknown network (set --inter-gbps)")
+        sources["inter_node"] = "not measured (one machine) and no built-in profile matches: intra-node figures"
+    data: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION, "name": name, "kind": kind, "builtin": False, "aliases": [],
+        "memory_gb": memory_gb, "peak_tflops": peaks, "hbm_bandwidth_gbps": raw["copy"]["gbps"],
+        "gemm_efficiency": curve, "gpus_per_node": per_node, **links, "factors": {}, "sources": sources,
+    }
+    data["measured"] = measured_section(raw, env, opts, best, data)
+    profile_from_dict(data, name)  # the schema check the loader applies
+    return data
+
+
+def measured_section(raw: dict[str, Any], env: dict[str, Any], opts: ProfileOptions, best: dict[str, Any],
+                     data: dict[str, Any]) -> dict[str, Any]:
+    layer_rows = []
+    prof = profile_from_dict(data, data["name"])
+    elem = 4 if opts.precision == "fp32" else 2
+    for p in raw["layers"]:
+        row = p.to_dict()
+        row["korthikanti_bytes"] = korthikanti_bytes(opts.model, p.micro_batch, p.seq, p.tp, elem)
+        row["cost_model"] = cost_model_point(opts, prof, p.micro_batch, p.seq, p.tp)
+        layer_rows.append(row)
+    return {
+        "environment": env,
+        "options": {"model": opts.model.to_dict(), "precision": opts.precision, "quick": opts.quick,
+                    "procs": opts.procs, "max_tp": opts.max_tp},
+        "wall_s": raw["wall_s"],
+        "gemm": [r.to_dict() for r in raw["gemm"]],
+        "gemm_square": [r.to_dict() for r in raw["gemm_square"]],
+        "peak_gemm": {p: r.to_dict() for p, r in best.items()},
+        "copy": raw["copy"],
+        "layers": layer_rows,
+        "comm": {"backend": raw["backend"], "groups": raw["comm"]},
+        "notes": raw["notes"],
+    }
+
+
+def cost_model_point(opts: ProfileOptions, prof: Any, b: int, s: int, tp: int) -> dict[str, Any]:
+    """What planner.cost predicts for this block (time and saved bytes), beside the measurement."""
+    try:
+        from planner.cost import layer_costs
+        from planner.specs.hardware import ClusterSpec
+        from planner.specs.plan import Plan
+        from planner.specs.train import TrainSpec
+        per_node = max(tp, prof.gpus_per_node)
+        per_node += (-per_node) % tp
+        cluster = ClusterSpec(nodes=1, gpus_per_node=per_node, device=prof, intra_node=prof.intra_node,
+                              inter_node=prof.inter_node)
+        plan = Plan(dp=1, tp=tp, pp=1, micro_batch=b, grad_accum=1, precision=opts.precision)
+        lc = layer_costs(opts.model, cluster, TrainSpec(global_batch=b, seq_len=s, precision=opts.precision), plan)
+        return {"block_time_s": lc.block_time, "block_time_full_recompute_s": lc.block_time_full_recompute,
+                "block_act_bytes": lc.block_act_bytes,
+                "block_act_bytes_full_recompute": lc.block_act_bytes_full_recompute,
+                "note": "cost model with this profile's default factors; for tp > 1 its block time includes "
+                        "the TP all-reduces, the measurement does not"}
+    except Exception as exc:  # the comparison is informative only; never lose a profile over it
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def write(path: str | Path, data: dict[str, Any]) -> None:
+    """Write atomically: an interrupted run never leaves a half-written profile."""
+    atomic_write_json(path, data)
