@@ -63,3 +63,60 @@ def profile(quick: bool, out: str | None, model_arg: str | None, scale: str | No
         click.echo(f"note: {note}")
     click.echo(f"use it: planner search --gpus {data['gpus_per_node']}x{'cpu' if data['kind'] == 'cpu' else 'GPU'} "
                f"--profile {path} ...")
+
+
+@click.command()
+@click.argument("run_dirs", nargs=-1, required=True, metavar="RUN_DIRS...")
+@click.option("--profile", "profile_path", default=None, metavar="PROFILE.JSON",
+              help="Profile whose factors are fitted (default: the one the runs were planned with).")
+@click.option("--out", "out", default=None, metavar="PROFILE.JSON",
+              help="Where to write the calibrated profile (default: over --profile; required for a built-in one).")
+@click.option("--no-layers", is_flag=True, help="Fit to the runs only, not to the profile's per-block timings.")
+def calibrate(run_dirs: tuple[str, ...], profile_path: str | None, out: str | None, no_layers: bool) -> None:
+    """Fit the cost model's runtime factors to measured runs (metrics.json) and write them into the profile."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from planner.calibrate import apply, calibrate as fit, load_measured
+    from planner.specs.hardware import load_profile
+
+    device = load_profile(profile_path) if profile_path else None  # a bad profile fails before any run is read
+    runs = [load_measured(d) for d in run_dirs]
+    if device is None:
+        paths = {r.cluster.device.path for r in runs}
+        if len(paths) != 1 or not next(iter(paths)):
+            raise SpecError("--profile", "the runs were planned with different or unknown profiles",
+                            "pass --profile PROFILE.JSON")
+        device = runs[0].cluster.device
+        profile_path = device.path
+    raw = json.loads(Path(profile_path).read_text())
+    if out is None:
+        if raw.get("builtin", True) is not False:
+            raise SpecError("--out", f"{profile_path} is a built-in profile", "write the calibrated copy elsewhere: "
+                            "--out profiles/<name>-calibrated.json")
+        out = profile_path
+    cal = fit(device, runs, use_layers=not no_layers)
+    from planner.rundir import atomic_write_json
+    atomic_write_json(out, apply(raw, cal))
+    console = Console(highlight=False)
+    table = Table(title=f"{len(runs)} run(s): measured vs predicted (before / after / held out)")
+    for col in ("plan", "step s", "before", "after", "held-out", "mem GB", "before", "after", "held-out"):
+        table.add_column(col, justify="left" if col == "plan" else "right")
+    for r in cal.rows:
+        t, m = r["step_time_s"], r["peak_memory_gb"]
+        table.add_row(r["plan"], *(f"{t[k]:.3g}" for k in ("measured", "before", "after", "held_out")),
+                      *(f"{m[k]:.3g}" for k in ("measured", "before", "after", "held_out")))
+    console.print(table)
+    s = cal.summary
+    for key, label in (("step_time_mape_pct", "step time"), ("memory_mape_pct", "memory")):
+        v = s[key]
+        console.print(f"{label} MAPE: before {v['before']:.1f}%, after {v['after']:.1f}%, held out {v['held_out']:.1f}%")
+    if s["layer_points"]:
+        v = s["layer_time_mape_pct"]
+        console.print(f"block time MAPE ({s['layer_points']} profiler points): before {v['before']:.1f}%, after {v['after']:.1f}%")
+    console.print("factors: " + ", ".join(f"{k}={v:.4g}" for k, v in cal.factors.items()))
+    if s["undetermined"]:
+        console.print("not determined by these runs (kept near default): " + ", ".join(s["undetermined"]))
+    console.print(f"wrote {out}")

@@ -16,20 +16,44 @@ from typing import Any
 from planner.specs.model import ModelSpec
 
 
-def executor_block(model: ModelSpec, tp: int, layer_index: int = 0) -> tuple[Any, str] | None:
-    """A block from planner.executor.model, when that module provides one for TP=1."""
+def executor_block(model: ModelSpec, tp: int) -> tuple[Any, str] | None:
+    """One TP rank's share of planner.executor.model.Block, taking and returning [b, s, h].
+
+    The executor's attention infers its local head count from the projection widths (as under
+    DeepSpeed AutoTP), so a TP rank is the same Block with its four linears narrowed to 1/t.
+    None when the executor's model is not installed.
+    """
     try:
         mod = importlib.import_module("planner.executor.model")
+        block_cls = mod.Block
     except Exception:
         return None
-    for name in ("build_block", "make_block"):
-        fn = getattr(mod, name, None)
-        if fn is not None and tp == 1:
-            try:
-                return fn(model, layer_index), f"planner.executor.model.{name}"
-            except TypeError:
-                return None
-    return None
+    import torch
+    from torch import nn
+
+    block = block_cls(model)
+    if tp > 1:
+        attn, mlp = block.self_attention, block.mlp
+        h, q, kv, f = model.hidden, model.q_size, model.kv_size, model.ffn_hidden
+        attn.query_key_value = nn.Linear(h, (q + 2 * kv) // tp, bias=model.qkv_bias)
+        attn.dense = nn.Linear(q // tp, h, bias=model.linear_bias)
+        mlp.dense_h_to_4h = nn.Linear(h, model.ffn_in_matrices * f // tp, bias=model.linear_bias)
+        mlp.dense_4h_to_h = nn.Linear(f // tp, h, bias=model.linear_bias)
+
+    class OneSequencePerRow(nn.Module):
+        """Feeds the block positions 0..s-1 and one document per row (causal mask)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = block
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, s = x.shape[:2]
+            pos = torch.arange(s, device=x.device).expand(b, s)
+            seg = torch.ones(b, s, dtype=torch.long, device=x.device)
+            return self.block((x, pos, seg))[0]
+
+    return OneSequencePerRow(), "planner.executor.model.Block" + (f" (linears narrowed to 1/{tp})" if tp > 1 else "")
 
 
 def make_block(model: ModelSpec, tp: int = 1, prefer_executor: bool = True) -> tuple[Any, str]:
@@ -38,7 +62,7 @@ def make_block(model: ModelSpec, tp: int = 1, prefer_executor: bool = True) -> t
         found = executor_block(model, tp)
         if found is not None:
             return found
-    return _stand_in(model, tp), "planner.profiler.block (stand-in: executor model not available for this TP)"
+    return _stand_in(model, tp), "planner.profiler.block stand-in (same GEMM shapes as the executor block)"
 
 
 def _stand_in(model: ModelSpec, tp: int) -> Any:
