@@ -1,0 +1,1 @@
+"""Executor: run a plan for real under DeepSpeed and measure it (issue 3)."""

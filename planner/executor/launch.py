@@ -1,0 +1,176 @@
+"""Launch the ranks of a plan on this machine, watch them, and write metrics.json.
+
+Processes: one `python -m planner.executor.worker` per rank with torchrun's standalone
+environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT on a free port, OMP threads
+split between ranks). We start them ourselves rather than through torchrun because torchrun
+puts each worker in its own session: if torchrun itself is killed, its workers cannot be
+reached through our process group. Here every rank is a direct child in one new process
+group, so we know each rank's pid and exit status (the failing rank is named with its
+signal or error) and cleanup signals only that group. Multi-node runs use launch.sh (the
+deepspeed launcher), which runs the same worker.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from planner import dsconfig
+from planner.errors import ExecutionError
+from planner.executor.metrics import build_metrics, failure_metrics
+from planner.executor.worker import CKPT_DIR, RANKS_DIR
+from planner.rundir import atomic_write_json, load_run, read_json
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _tail(path: Path, n: int = 3) -> str:
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return " | ".join(lines[-n:])
+
+
+def _cause(run_dir: Path, rank: int, code: int | None) -> str:
+    st = _read(run_dir / RANKS_DIR / f"rank{rank}.json")
+    if st.get("error"):
+        return st["error"]
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name} in phase {st.get('phase', '?')} at step {st.get('step', 0)}"
+    return f"exited with status {code} in phase {st.get('phase', '?')}: {_tail(run_dir / RANKS_DIR / f'rank{rank}.log')}"
+
+
+def _pick_failed(run_dir: Path, failed: dict[int, int]) -> int:
+    """The rank that failed first: a signal death, else an error that is not a peer's lost connection."""
+    def score(r: int) -> tuple:
+        err = str(_read(run_dir / RANKS_DIR / f"rank{r}.json").get("error") or "")
+        secondary = any(w in err.lower() for w in ("connection", "gloo", "nccl", "broken pipe", "timed out"))
+        return (failed[r] >= 0, secondary, r)
+    return min(failed, key=score)
+
+
+def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: bool = False,
+             timeout: float = 600.0, batching: str = "dynamic", checkpoint_every: int = 0,
+             inject_nan: int = -1, data: str = "", seed: int = 1234, data_workers: int = 1,
+             echo: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Run the plan in `run_dir` for `steps` optimizer steps; returns (and writes) metrics.json."""
+    run = Path(run_dir).resolve()
+    if steps < 1 or warmup < 0 or warmup >= steps:
+        raise ExecutionError("--steps/--warmup", f"need steps >= 1 and 0 <= warmup < steps, got {steps}/{warmup}",
+                             "e.g. --steps 10 --warmup 2")
+    plan, model, cluster, train, _ = load_run(run)
+    if cluster.nodes > 1:
+        raise ExecutionError("cluster", f"{cluster.nodes} nodes: `planner run` launches on this machine only",
+                             "use launch.sh with a hostfile (deepspeed launcher) for multi-node runs")
+    if not (run / "ds_config.json").exists():
+        atomic_write_json(run / "ds_config.json", dsconfig.ds_config(plan, model, train, cluster))
+        echo("ds_config.json was missing: written from plan.json")
+    ranks = run / RANKS_DIR
+    if not resume:
+        shutil.rmtree(run / CKPT_DIR, ignore_errors=True)
+        shutil.rmtree(ranks, ignore_errors=True)
+        shutil.rmtree(run / "logs", ignore_errors=True)
+    ranks.mkdir(parents=True, exist_ok=True)
+    for f in ranks.glob("rank*.json"):
+        f.unlink()
+    (ranks / "result.json").unlink(missing_ok=True)
+    world = plan.world_size
+    cpu = cluster.device.kind == "cpu"
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
+               LOCAL_WORLD_SIZE=str(world), PYTHONUNBUFFERED="1",
+               DEEPSPEED_TIMEOUT=str(max(1, int(timeout // 60) + 1)))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
+    if cpu:
+        env.update(DS_ACCELERATOR="cpu", MALLOC_MMAP_THRESHOLD_="65536")
+    cmd = [sys.executable, "-m", "planner.executor.worker", "--run-dir", str(run), "--steps", str(steps),
+           "--batching", batching, "--checkpoint-every", str(checkpoint_every), "--inject-nan", str(inject_nan),
+           "--seed", str(seed), "--data-workers", str(data_workers)]
+    if data:
+        cmd += ["--data", str(Path(data).resolve())]
+    if resume:
+        cmd.append("--resume")
+    echo(f"launching {world} rank(s): {plan.describe()}")
+    procs: list[subprocess.Popen] = []
+    logs = []
+    pgid = 0
+    start = time.monotonic()
+    try:
+        for r in range(world):
+            log = open(ranks / f"rank{r}.log", "w")
+            logs.append(log)
+            kw = {"process_group": 0 if r == 0 else pgid}  # one new group, same session
+            procs.append(subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), cwd=str(run),
+                                          stdout=log, stderr=subprocess.STDOUT, **kw))
+            if r == 0:
+                pgid = procs[0].pid
+        failure = _watch(run, procs, start, timeout)
+    finally:
+        _cleanup(procs, pgid)
+        for log in logs:
+            log.close()
+    estimate = _read(run / "estimate.json")
+    if failure is not None:
+        rank, cause = failure
+        metrics = failure_metrics(run, plan, model, world, cluster, warmup, steps, batching, rank, cause)
+        atomic_write_json(run / "metrics.json", metrics)
+        raise ExecutionError(f"rank {rank}" if rank is not None else "run", cause,
+                             f"see {ranks}/rank{rank if rank is not None else 0}.log; metrics.json records the failure")
+    result = read_json(ranks / "result.json", "result.json")
+    metrics = build_metrics(result, plan, model, warmup, steps, estimate, run)
+    atomic_write_json(run / "metrics.json", metrics)
+    return metrics
+
+
+def _watch(run: Path, procs: list[subprocess.Popen], start: float, timeout: float) -> tuple[int | None, str] | None:
+    while True:
+        codes = {r: p.poll() for r, p in enumerate(procs)}
+        failed = {r: c for r, c in codes.items() if c not in (None, 0)}
+        if failed:
+            time.sleep(0.5)  # let simultaneous failures land before choosing the first
+            failed = {r: p.poll() for r, p in enumerate(procs) if p.poll() not in (None, 0)}
+            r = _pick_failed(run, failed)
+            return r, _cause(run, r, failed[r])
+        if all(c == 0 for c in codes.values()):
+            return None
+        if time.monotonic() - start > timeout:
+            states = {r: _read(run / RANKS_DIR / f"rank{r}.json") for r in codes if codes[r] is None}
+            r = min(states, key=lambda k: (states[k].get("step", 0), states[k].get("time", 0)))
+            st = states[r]
+            return r, (f"hung: no finish within --timeout {timeout:g} s; rank {r} stuck in phase "
+                       f"{st.get('phase', 'start')} at step {st.get('step', 0)}")
+        time.sleep(0.1)
+
+
+def _cleanup(procs: list[subprocess.Popen], pgid: int) -> None:
+    """Stop what is left of our own process group: SIGTERM, then SIGKILL after a grace period."""
+    if not procs or all(p.poll() is not None for p in procs):
+        return
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(0.1)
+        if all(p.poll() is not None for p in procs):
+            return

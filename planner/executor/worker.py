@@ -1,0 +1,82 @@
+"""One training rank: `python -m planner.executor.worker --run-dir DIR [...]`.
+
+Started by planner.executor.launch (or by launch.sh through the deepspeed launcher). Reads
+plan.json and ds_config.json from the run directory, trains, and writes per-rank state under
+DIR/.ranks/: rank<r>.json (pid, phase, step, error; the launcher reads it to name a failing
+rank), progress.jsonl (rank 0: one line per step and event) and result.json (rank 0: every
+rank's measurements, gathered at the end). Checkpoints go to DIR/checkpoints/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from planner.rundir import atomic_write_json
+
+RANKS_DIR = ".ranks"
+CKPT_DIR = "checkpoints"
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="planner.executor.worker")
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--batching", choices=["static", "dynamic"], default="dynamic")
+    ap.add_argument("--checkpoint-every", type=int, default=0)
+    ap.add_argument("--inject-nan", type=int, default=-1, help="poison the batch of this step (test)")
+    ap.add_argument("--data", default="")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--data-workers", type=int, default=1)
+    ap.add_argument("--local_rank", type=int, default=None)  # passed by the deepspeed launcher
+    return ap.parse_args(argv)
+
+
+class Status:
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        self.path = run_dir / RANKS_DIR / f"rank{rank}.json"
+        self.state = {"rank": rank, "pid": os.getpid(), "phase": "start", "step": 0, "error": None}
+        self.write()
+
+    def write(self, **kw) -> None:
+        self.state.update(kw, time=time.time())
+        atomic_write_json(self.path, self.state)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    run_dir = Path(args.run_dir).resolve()
+    rank = int(os.environ.get("RANK", "0"))
+    status = Status(run_dir, rank)
+    signal.signal(signal.SIGTERM, lambda *_: (status.write(phase="terminated"), os._exit(143)))
+    try:
+        from planner.executor.train import train
+        train(args, run_dir, rank, status)
+    except BaseException as exc:  # record the cause for the launcher, then fail
+        last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        status.write(phase="error", error=last[:2000])
+        traceback.print_exc()
+        return 1
+    status.write(phase="done")
+    return 0
+
+
+def progress(run_dir: Path, record: dict) -> None:
+    with open(run_dir / RANKS_DIR / "progress.jsonl", "a") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
+def finite(x: float | None) -> bool:
+    return x is None or math.isfinite(x)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
