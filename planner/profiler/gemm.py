@@ -2,8 +2,8 @@
 
 The shapes are the per-TP-rank GEMMs of one transformer block and the output layer
 (Megatron-LM column/row parallel split, Shoeybi et al. 2019, arXiv 1909.08053 sec. 3):
-QKV [T, h] x [h, (q + 2 kv)/t], attention output [T, q/t] x [q/t, h], FFN up (and gate
-for GLU) [T, h] x [h, f/t], FFN down [T, f/t] x [f/t, h], output layer [T, h] x [h, V/t],
+QKV [T, h] x [h, (q + 2 kv)/t], attention output [T, q/t] x [q/t, h], FFN up (fused with
+the gate for GLU) [T, h] x [h, k f/t], FFN down [T, f/t] x [f/t, h], output layer [T, h] x [h, V/t],
 with T = micro-batch x sequence tokens. A GEMM [M, K] x [K, N] does 2 M N K FLOPs.
 
 Peak TFLOP/s per precision is the best GEMM measured in that precision (sweep plus square
@@ -39,11 +39,13 @@ class GemmShape:
 
 
 def model_shapes(model: ModelSpec, tokens: int, tp: int) -> list[GemmShape]:
-    """The distinct GEMMs of one TP rank for `tokens` rows (gate shares up's shape)."""
+    """The distinct GEMMs of one TP rank for `tokens` rows."""
     h, q, kv, f = model.hidden, model.q_size, model.kv_size, model.ffn_hidden
     shapes = [GemmShape(name="qkv", m=tokens, k=h, n=(q + 2 * kv) // tp, tp=tp, tokens=tokens),
               GemmShape(name="attn_out", m=tokens, k=q // tp, n=h, tp=tp, tokens=tokens),
-              GemmShape(name="ffn_up" + ("+gate" if model.glu else ""), m=tokens, k=h, n=f // tp, tp=tp, tokens=tokens),
+              # GLU: gate and up fused into one [h, 2f/t] GEMM, as ChatGLM2's dense_h_to_4h (and the executor)
+              GemmShape(name="ffn_up" + ("+gate" if model.glu else ""), m=tokens, k=h,
+                        n=model.ffn_in_matrices * f // tp, tp=tp, tokens=tokens),
               GemmShape(name="ffn_down", m=tokens, k=f // tp, n=h, tp=tp, tokens=tokens),
               GemmShape(name="output", m=tokens, k=h, n=-(-model.vocab // tp), tp=tp, tokens=tokens)]
     return shapes

@@ -1,0 +1,55 @@
+"""`planner profile --quick` for real on this machine: a loadable profile with measured figures."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from planner.specs import load_profile
+
+pytestmark = pytest.mark.integration
+PLANNER = str(Path(sys.executable).with_name("planner"))
+
+
+def _profile(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.perf_counter()
+    r = subprocess.run([PLANNER, "profile", "--quick", *args], capture_output=True, text=True, timeout=180)
+    return r, time.perf_counter() - t0
+
+
+def test_quick_profile_writes_a_usable_profile(tmp_path):
+    out = tmp_path / "cpu-quick.json"
+    r, wall = _profile(tmp_path, "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert wall < 90, f"--quick took {wall:.0f} s"
+    prof = load_profile(out)  # the planner's own loader accepts it
+    data = json.loads(out.read_text())
+    assert data["builtin"] is False and prof.kind in ("cpu", "gpu")
+    assert prof.peak_tflops["bf16"] > 0 and prof.peak_tflops["fp32"] > 0 and prof.hbm_bandwidth_gbps > 0
+    m = prof.measured
+    assert m["environment"]["torch"] and m["environment"]["date"]
+    ar = m["comm"]["groups"]["2"]["all_reduce"]
+    assert ar["fit"]["busbw_gbps"] > 0 and len(ar["points"]) >= 5
+    assert all(p["time_s"]["n"] >= 3 for p in ar["points"])
+    assert set(m["comm"]["groups"]["2"]) == {"all_reduce", "all_gather", "reduce_scatter", "send_recv"}
+    assert prof.intra_node.busbw_gbps == pytest.approx(ar["fit"]["busbw_gbps"])
+    layer = m["layers"][0]
+    assert layer["saved_activation_bytes"] > layer["saved_activation_bytes_checkpointed"] > 0
+    assert layer["backward_checkpointed_s"]["median"] > 0
+    assert {p["tp"] for p in m["layers"]} == {1, 2}
+    assert not list(tmp_path.glob(".*.tmp"))
+    assert f"wrote {out}" in r.stdout
+
+
+def test_one_process_skips_collectives(tmp_path):
+    out = tmp_path / "one.json"
+    r, _ = _profile(tmp_path, "--out", str(out), "--procs", "1", "--max-tp", "1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "collectives skipped" in r.stdout
+    data = json.loads(out.read_text())
+    assert data["measured"]["comm"]["groups"] == {}
+    assert "not measured" in data["sources"]["intra_node"]
