@@ -7,6 +7,7 @@ need at least (never an exception, never a silent drop).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from planner.cost import estimate, layer_costs
@@ -72,6 +73,9 @@ class Evaluator:
                          needs_bytes=sol.needs_bytes, capacity_bytes=self.capacity, source=source)
         plan = outer.plan(train.precision, stage_layers=sol.stage_layers,
                           recompute_layers=sol.checkpointed if full else ())
+        if full and not any(sol.checkpointed):
+            # nothing needs checkpointing: say so plainly (the same plan as recompute=none)
+            plan = dataclasses.replace(plan, recompute="none", recompute_layers=())
         est = estimate(model, self.cluster, train, plan)
         return Trial(outer=outer, plan=plan, estimate=est, feasible=est.feasible, reason="; ".join(est.reasons),
                      needs_bytes=est.peak_memory_bytes, capacity_bytes=est.capacity_bytes, source=source)

@@ -9,20 +9,20 @@ parallelism (Korthikanti et al. 2022). The smallest PP whose solved plan fits wi
 from __future__ import annotations
 
 from planner.search.evaluate import Evaluator
-from planner.search.space import Outer, Space
+from planner.search.space import Shape, Space
 
 
-def heuristic(space: Space, evaluate: Evaluator) -> Outer:
+def heuristic(space: Space, evaluate: Evaluator) -> Shape:
     layouts = space.require_nonempty()
     tp = max(t for t, _, _ in layouts)
-    fallback: Outer | None = None
+    fallback: Shape | None = None
     for recompute in ("selective", "full"):
         for t, pp, dp in sorted((x for x in layouts if x[0] == tp), key=lambda x: x[1]):
-            outer = Outer(tp=t, pp=pp, dp=dp, zero=1 if dp > 1 else 0, micro_batch=1,
-                          grad_accum=space.train.global_batch // dp, recompute=recompute,
-                          sequence_parallel=max(space.sequence_parallel(t)), interleave=1)
-            fallback = fallback or outer
+            shape = Shape(tp=t, pp=pp, dp=dp, recompute=recompute)
+            fallback = fallback or shape
+            outer = shape.outer(1, space.train.global_batch // dp, max(space.sequence_parallel(t)),
+                                zero=1 if dp > 1 else 0)
             if evaluate(outer, "heuristic").feasible:
-                return outer
+                return shape
     assert fallback is not None
     return fallback

@@ -1,13 +1,14 @@
 """Optuna TPE over the outer choices; the exact solvers complete each trial.
 
-The space is conditional: the PP choices depend on TP, the micro-batch choices on DP, the
-ZeRO stages on PP. Each conditional parameter gets a name that includes its condition
-(e.g. ``micro_batch|dp=24``), so every name always has the same choices -- what Optuna's
-categorical distributions require -- and TPE learns each branch separately.
-
+The parallel layout is one categorical parameter ``layout`` ("tp4-pp8") over the legal
+(TP, PP) pairs, so its choices never change within a study, as Optuna requires.
+Each trial picks a shape: the parallel layout (TP x PP, one categorical) and the recompute
+mode. Exact inner searches then choose the ZeRO stage, sequence parallelism and the schedule
+(all tried), the micro-batch (a scan, smallest first, stopping where memory runs out), the
+stage boundaries and the checkpointed blocks.
 The sampler is seeded and the heuristic plan is enqueued first (``study.enqueue_trial``).
 Infeasible trials score 0 tokens/s and report their memory excess as a constraint
-(TPESampler ``constraints_func``), so TPE learns where the memory wall is. The study lives in
+(``trial.set_constraint``), so TPE learns where the memory wall is. The study lives in
 any Optuna storage (SQLite in the run directory by default); its name is derived from the
 inputs, so rerunning the same search resumes the same study: ``n_trials`` is the total the
 study should reach, and the trials already in it are re-evaluated, not re-sampled.
@@ -16,13 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import warnings
 from typing import Any, Callable
 
 import optuna
 
 from planner.search.evaluate import Evaluator, Trial
-from planner.search.space import Outer, Space
+from planner.search.space import Shape, Space
 from planner.specs.plan import RECOMPUTE
 
 SPACE_VERSION = 1
@@ -36,89 +36,87 @@ def study_name(space: Space) -> str:
     return f"{space.model.name}-{space.cluster.world_size}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
 
 
-def suggest(trial: optuna.Trial, space: Space, layouts: list[tuple[int, int, int]]) -> Outer:
-    """Draw one legal outer point (every branch only offers legal values)."""
-    tp = trial.suggest_categorical("tp", sorted({t for t, _, _ in layouts}))
-    pp = trial.suggest_categorical(f"pp|tp={tp}", sorted(p for t, p, _ in layouts if t == tp))
+def suggest(trial: optuna.Trial, space: Space, layouts: list[tuple[int, int, int]]) -> Shape:
+    """Draw one legal shape (every branch only offers legal values)."""
+    layout = trial.suggest_categorical("layout", [_layout_name(t, p) for t, p, _ in layouts])
+    tp, pp = _parse_layout(layout)
+    return _complete(space, tp, pp, trial.suggest_categorical)
+
+
+def _layout_name(tp: int, pp: int) -> str:
+    return f"tp{tp}-pp{pp}"
+
+
+def _parse_layout(name: str) -> tuple[int, int]:
+    tp, pp = name.split("-")
+    return int(tp[2:]), int(pp[2:])
+
+
+def _complete(space: Space, tp: int, pp: int, pick: Callable[[str, Any], Any]) -> Shape:
     dp = space.cluster.world_size // (tp * pp)
-    return _complete(space, tp, pp, dp, trial.suggest_categorical)
-
-
-def _complete(space: Space, tp: int, pp: int, dp: int, pick: Callable[[str, Any], Any]) -> Outer:
-    zero = pick("zero" if pp == 1 else "zero|pp>1", list(space.zero_stages(pp)))
-    mb = pick(f"micro_batch|dp={dp}", space.micro_batches(dp))
-    ga = space.train.global_batch // (dp * mb)
     recompute = pick("recompute", list(RECOMPUTE))
-    sps = space.sequence_parallel(tp)
-    sp = pick("sequence_parallel", [False, True]) if len(sps) > 1 else False
-    vs = space.interleaves(pp, ga)
-    v = pick(f"interleave|pp={pp}", vs) if len(vs) > 1 else 1
-    return Outer(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=mb, grad_accum=ga, recompute=recompute,
-                 sequence_parallel=sp, interleave=v)
+    return Shape(tp=tp, pp=pp, dp=dp, recompute=recompute)
 
 
-def params_of(outer: Outer, space: Space) -> dict[str, Any]:
-    """The Optuna parameters that make `suggest` return `outer` (for enqueue_trial)."""
-    out: dict[str, Any] = {"tp": outer.tp, f"pp|tp={outer.tp}": outer.pp}
+def params_of(shape: Shape, space: Space) -> dict[str, Any]:
+    """The Optuna parameters that make `suggest` return `shape` (for enqueue_trial)."""
+    out: dict[str, Any] = {"layout": _layout_name(shape.tp, shape.pp)}
+    values = {"recompute": shape.recompute}
 
     def pick(name: str, choices: Any) -> Any:
-        value = {"zero": outer.zero, "zero|pp>1": outer.zero, "recompute": outer.recompute,
-                 "sequence_parallel": outer.sequence_parallel}.get(name)
-        if name.startswith("micro_batch|"):
-            value = outer.micro_batch
-        elif name.startswith("interleave|"):
-            value = outer.interleave
-        out[name] = value
-        return value
+        out[name] = values[name.split("|")[0]]
+        return out[name]
 
-    _complete(space, outer.tp, outer.pp, outer.dp, pick)
+    _complete(space, shape.tp, shape.pp, pick)
     return out
 
 
-def outer_from_params(params: dict[str, Any], space: Space) -> Outer:
-    tp = params["tp"]
-    pp = params[f"pp|tp={tp}"]
-    return _complete(space, tp, pp, space.cluster.world_size // (tp * pp), lambda name, choices: params[name])
+def shape_from_params(params: dict[str, Any], space: Space) -> Shape:
+    tp, pp = _parse_layout(params["layout"])
+    return _complete(space, tp, pp, lambda name, choices: params[name])
 
 
-def _constraints(frozen: optuna.trial.FrozenTrial) -> tuple[float]:
-    return (float(frozen.user_attrs.get("excess_gb", 0.0)),)
+def evaluate_shape(space: Space, evaluate: Evaluator, shape: Shape, source: str) -> list[Trial]:
+    """The exact inner scan over micro-batches, smallest first. Memory grows with the
+    micro-batch, so after the first one no stage split can fit, none of the larger can."""
+    out = []
+    for row in space.outers(shape):
+        for outer in row:
+            trial = evaluate(outer, source)
+            out.append(trial)
+            if trial.estimate is None:      # the solvers proved it cannot fit
+                break
+    return out
 
 
-def optuna_search(space: Space, evaluate: Evaluator, start: Outer, *, n_trials: int = 200, seed: int = 0,
+def optuna_search(space: Space, evaluate: Evaluator, start: Shape, *, n_trials: int = 100, seed: int = 0,
                   storage: str | optuna.storages.BaseStorage | None = None, study_name_: str | None = None,
                   progress: Callable[[int, int], None] | None = None) -> tuple[list[Trial], optuna.Study]:
-    """Run (or resume) the study until it holds `n_trials` trials or the space is exhausted.
+    """Run (or resume) the study until it holds `n_trials` trials or every shape was tried.
 
-    Returns every trial of the study (earlier runs included), evaluated, in trial order."""
+    Returns every plan the study's trials evaluated (earlier runs included), in trial order."""
     layouts = space.require_nonempty()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True,
-                                             constraints_func=_constraints, n_startup_trials=20)
+    sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=10)
     study = optuna.create_study(storage=storage, study_name=study_name_ or study_name(space),
                                 sampler=sampler, direction="maximize", load_if_exists=True)
-    study.set_user_attr("space_size", space.size())
     study.enqueue_trial(params_of(start, space), skip_if_exists=True)
-    total = space.size()
-    seen: set[Outer] = set()
+    total = sum(1 for _ in space.shapes())
     done = [t for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE]
-    for t in done:
-        seen.add(outer_from_params(t.params, space))
+    seen = {shape_from_params(t.params, space) for t in done}
     remaining = max(0, n_trials - len(done))
 
     def objective(trial: optuna.Trial) -> float:
-        outer = suggest(trial, space, layouts)
-        seen.add(outer)
-        result = evaluate(outer, "heuristic" if outer == start else "optuna")
-        trial.set_user_attr("feasible", result.feasible)
-        trial.set_user_attr("peak_memory_gb", result.needs_gb)
-        trial.set_user_attr("excess_gb", 0.0 if result.feasible else max(1e-3, (result.needs_bytes
-                                                                                  - result.capacity_bytes) / 1e9))
-        trial.set_user_attr("reason", result.reason)
-        trial.set_user_attr("plan", result.plan.to_dict())
-        return result.tokens_per_s
+        shape = suggest(trial, space, layouts)
+        seen.add(shape)
+        results = evaluate_shape(space, evaluate, shape, "heuristic" if shape == start else "optuna")
+        best = max(results, key=lambda r: (r.feasible, r.tokens_per_s, -r.needs_bytes))
+        # infeasible: 0 tokens/s, and the memory excess as a constraint TPE learns from
+        trial.set_constraint("memory_excess_gb", 0.0 if best.feasible else
+                             max(1e-3, (best.needs_bytes - best.capacity_bytes) / 1e9))
+        trial.set_user_attr("best", {"micro_batch": best.plan.micro_batch, "feasible": best.feasible,
+                                     "peak_memory_gb": best.needs_gb, "reason": best.reason})
+        return best.tokens_per_s
 
     def callback(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         if progress is not None:
@@ -128,11 +126,44 @@ def optuna_search(space: Space, evaluate: Evaluator, start: Outer, *, n_trials: 
 
     if remaining and len(seen) < total:
         study.optimize(objective, n_trials=remaining, callbacks=[callback], gc_after_trial=False)
-    trials = []
+    # Polish: TPE lands near the optimum on flat landscapes but not always on it. Enqueue the
+    # untried neighbours of the best shape as further trials until none is left (hill climbing).
+    while len(seen) < total:
+        best = _best_shape(study, space)
+        if best is None:
+            break
+        todo = [n for n in neighbours(best, layouts, space) if n not in seen]
+        if not todo:
+            break
+        for n in todo:
+            study.enqueue_trial(params_of(n, space), skip_if_exists=True)
+        study.optimize(objective, n_trials=len(todo), gc_after_trial=False)
+    trials: list[Trial] = []
     for t in study.get_trials(deepcopy=False):
-        if t.state != optuna.trial.TrialState.COMPLETE:
-            continue
-        outer = outer_from_params(t.params, space)
-        source = "heuristic" if outer == start else "optuna"
-        trials.append(evaluate(outer, source))
+        if t.state == optuna.trial.TrialState.COMPLETE:
+            shape = shape_from_params(t.params, space)
+            trials += evaluate_shape(space, evaluate, shape, "heuristic" if shape == start else "optuna")
     return trials, study
+
+
+def _best_shape(study: optuna.Study, space: Space) -> Shape | None:
+    done = [t for t in study.get_trials(deepcopy=False)
+            if t.state == optuna.trial.TrialState.COMPLETE and t.value is not None and t.value > 0]
+    if not done:
+        return None
+    return shape_from_params(max(done, key=lambda t: t.value).params, space)
+
+
+def neighbours(shape: Shape, layouts: list[tuple[int, int, int]], space: Space) -> list[Shape]:
+    """Shapes one step away: every recompute mode on the same layout; every other PP at the
+    same TP (stage balance makes throughput jagged in PP, so all of them); TP halved or
+    doubled at the same PP or the same DP; each layout with every recompute mode."""
+    legal = {(t, p): d for t, p, d in layouts}
+    out = [Shape(tp=shape.tp, pp=shape.pp, dp=shape.dp, recompute=r) for r in RECOMPUTE]
+    moves = [(shape.tp, p) for t, p in legal if t == shape.tp]
+    for t in (shape.tp // 2, shape.tp * 2):
+        moves += [(t, shape.pp), (t, shape.pp * shape.tp // t if t else 0)]
+    for t, p in moves:
+        if (t, p) in legal and (t, p) != (shape.tp, shape.pp):
+            out += [Shape(tp=t, pp=p, dp=legal[(t, p)], recompute=r) for r in RECOMPUTE]
+    return out

@@ -59,8 +59,27 @@ class Outer:
                     schedule="interleaved" if self.interleave > 1 else "1f1b", interleave=self.interleave,
                     precision=precision, stage_layers=stage_layers, recompute_layers=recompute_layers)
 
-    def params(self) -> dict[str, object]:
-        return dataclasses.asdict(self)
+    @property
+    def shape(self) -> "Shape":
+        return Shape(tp=self.tp, pp=self.pp, dp=self.dp, recompute=self.recompute)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Shape:
+    """The parallel layout and recompute mode -- what one Optuna trial decides. The cheap
+    remaining choices (ZeRO stage, sequence parallelism, schedule, micro-batch) are scanned
+    exactly per shape."""
+
+    tp: int
+    pp: int
+    dp: int
+    recompute: str
+
+    def outer(self, micro_batch: int, grad_accum: int, sequence_parallel: bool = False,
+              interleave: int = 1, zero: int = 0) -> Outer:
+        return Outer(tp=self.tp, pp=self.pp, dp=self.dp, zero=zero, micro_batch=micro_batch,
+                     grad_accum=grad_accum, recompute=self.recompute, sequence_parallel=sequence_parallel,
+                     interleave=interleave)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -95,25 +114,45 @@ class Space:
     def micro_batches(self, dp: int) -> list[int]:
         return divisors(self.train.global_batch // dp)
 
-    def interleaves(self, pp: int, grad_accum: int) -> list[int]:
-        if pp == 1 or grad_accum % pp:
+    def interleaves(self, pp: int, dp: int) -> list[int]:
+        """Chunks per stage: 1 (1F1B), or 2..max_interleave when some accumulation is divisible
+        by pp (with micro-batch 1 the accumulation is global_batch/dp; a larger micro-batch only
+        divides it further) and every chunk keeps a layer."""
+        if pp == 1 or (self.train.global_batch // dp) % pp:
             return [1]
         return [1] + list(range(2, min(self.max_interleave, self.model.layers // pp) + 1))
 
     def sequence_parallel(self, tp: int) -> tuple[bool, ...]:
         return (False, True) if tp > 1 and self.train.seq_len % tp == 0 else (False,)
 
-    def points(self) -> Iterator[Outer]:
-        """Every legal outer point, in a fixed order."""
+    def shapes(self) -> Iterator[Shape]:
+        """Every legal shape, in a fixed order."""
         for tp, pp, dp in self.layouts():
-            for mb in self.micro_batches(dp):
-                ga = self.train.global_batch // (dp * mb)
-                for zero in self.zero_stages(pp):
-                    for rc in RECOMPUTE:
-                        for sp in self.sequence_parallel(tp):
-                            for v in self.interleaves(pp, ga):
-                                yield Outer(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=mb, grad_accum=ga,
-                                            recompute=rc, sequence_parallel=sp, interleave=v)
+            for rc in RECOMPUTE:
+                yield Shape(tp=tp, pp=pp, dp=dp, recompute=rc)
+
+    def outers(self, shape: Shape) -> list[list[Outer]]:
+        """The shape's legal outer points: one list per (ZeRO, sequence parallel, interleave),
+        each with every legal micro-batch, smallest first (interleaving needs the accumulation
+        divisible by pp)."""
+        per_rank = self.train.global_batch // shape.dp
+        out = []
+        for zero in self.zero_stages(shape.pp):
+            for sp in self.sequence_parallel(shape.tp):
+                for v in self.interleaves(shape.pp, shape.dp):
+                    row = []
+                    for mb in divisors(per_rank):
+                        ga = per_rank // mb
+                        if v == 1 or ga % shape.pp == 0:
+                            row.append(shape.outer(mb, ga, sp, v, zero))
+                    out.append(row)
+        return out
+
+    def points(self) -> Iterator[Outer]:
+        """Every legal outer point."""
+        for shape in self.shapes():
+            for row in self.outers(shape):
+                yield from row
 
     def size(self) -> int:
         return sum(1 for _ in self.points())

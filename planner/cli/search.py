@@ -1,0 +1,355 @@
+"""`planner search` and `planner estimate`.
+
+search:   parse -> load specs -> planner.search.driver.search -> write reports/<name>/
+estimate: parse -> load specs -> planner.cost.estimate for the plan the user gives -> print
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from planner.cli.common import common_inputs, load_inputs
+from planner.errors import SpecError
+from planner.rundir import atomic_write_json, atomic_write_text, plan_document
+from planner.specs.estimate import GB, Estimate
+from planner.specs.plan import RECOMPUTE, Plan
+from planner.specs.validate import plan_problems
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$")
+
+
+def _console(err: bool = False) -> Console:
+    console = Console(stderr=err, highlight=False, soft_wrap=False)
+    if not console.is_terminal:
+        console = Console(stderr=err, highlight=False, soft_wrap=False, width=160)
+    return console
+
+
+def _command_line(ctx: click.Context) -> str:
+    """The command as a user would retype it (options given explicitly, in order)."""
+    parts = ["planner", ctx.info_name or "search"]
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if ctx.get_parameter_source(param.name) != click.core.ParameterSource.COMMANDLINE:
+            continue
+        flag = param.opts[0]
+        if isinstance(param, click.Option) and param.is_flag:
+            parts.append(flag)
+        else:
+            parts += [flag, str(value)]
+    return shlex.join(parts)
+
+
+def _default_name(model_name: str, gpus: str) -> str:
+    raw = f"{model_name}_{gpus.replace(' ', '')}"
+    return re.sub(r"[^A-Za-z0-9_.+-]+", "-", raw).strip("-.")[:120] or "run"
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:.1f}"
+
+
+def _progress(console: Console, label: str):
+    """A rich progress bar on a terminal; nothing when output is captured."""
+    if not console.is_terminal:
+        return None, None
+    bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=console, transient=True)
+    task = bar.add_task(label, total=None)
+    return bar, (lambda done, total: bar.update(task, completed=done, total=total))
+
+
+def _estimate_summary(est: Estimate) -> dict[str, Any]:
+    keys = ("feasible", "reasons", "step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "hfu", "peak_memory_gb",
+            "capacity_gb", "bubble_fraction")
+    j = est.to_json()
+    return {k: j[k] for k in keys}
+
+
+def _write_outputs(run_dir: Path, result, model, cluster, train, *, scale: str | None, model_arg: str,
+                   command: str, top: int) -> list[str]:
+    from planner import dsconfig
+    from planner.search.trials import write_trials
+    best = result.best
+    plan, est = best.plan, best.estimate
+    written = []
+
+    def put(name: str, data: Any, mode: int | None = None) -> None:
+        if isinstance(data, str):
+            atomic_write_text(run_dir / name, data, mode)
+        else:
+            atomic_write_json(run_dir / name, data)
+        written.append(name)
+
+    put("plan.json", plan_document(plan, model, cluster, train, scale=scale, model_arg=model_arg, command=command))
+    base = result.baseline
+    baseline: dict[str, Any] = {"plan": result.baseline_plan.to_dict(), "description": result.baseline_plan.describe()}
+    if base.feasible:
+        baseline["estimate"] = base.to_json()
+    else:
+        baseline.update(fits=False, needs_gb=base.peak_memory_gb, reasons=list(base.reasons))
+    put("estimate.json", {
+        "plan": plan.to_dict(), "description": plan.describe(), "estimate": est.to_json(), "baseline": baseline,
+        "search": {"method": result.method, "trials": len(result.trials), "space_size": result.space_size,
+                   "wall_s": result.wall_s, "study_name": result.study_name},
+        "top": [{"plan": t.plan.to_dict(), "description": t.plan.describe(), "estimate": _estimate_summary(t.estimate)}
+                for t in result.ranked[:top]],
+        "pareto_front": [{"plan": t.plan.to_dict(), "tokens_per_s": t.tokens_per_s, "peak_memory_gb": t.needs_gb}
+                         for t in result.front]})
+    put("ds_config.json", dsconfig.ds_config(plan, model, train, cluster))
+    put("launch.sh", dsconfig.launch_script(plan, model, train, cluster, str(run_dir)), 0o755)
+    host = dsconfig.hostfile(cluster)
+    if host:
+        put("hostfile", host)
+    from planner.search.evaluate import Trial
+    base_trial = Trial(outer=best.outer, plan=result.baseline_plan, estimate=base, feasible=base.feasible,
+                       reason="; ".join(base.reasons), needs_bytes=base.peak_memory_bytes,
+                       capacity_bytes=base.capacity_bytes, source="baseline")
+    rows = list(enumerate(result.trials)) + [(len(result.trials), base_trial)]
+    write_trials(run_dir / "trials.csv", rows)
+    written.append("trials.csv")
+    return written
+
+
+def _plan_cells(plan: Plan) -> list[str]:
+    rc = plan.recompute
+    if rc == "full" and plan.recompute_layers:
+        rc = f"full {sum(plan.recompute_layers)}/{sum(plan.stage_layers) or '?'}"
+    sched = f"interleaved x{plan.interleave}" if plan.schedule == "interleaved" else ("1F1B" if plan.pp > 1 else "-")
+    return [f"{plan.tp}x{plan.pp}x{plan.dp}", str(plan.zero), f"{plan.micro_batch}x{plan.grad_accum}", rc,
+            "yes" if plan.sequence_parallel else "-", sched]
+
+
+def _print_search(console: Console, result, cluster, run_dir: Path, written: list[str], top: int) -> None:
+    base = result.baseline
+    table = Table(title=f"Top plans ({result.method}: {len(result.trials)} plans evaluated, "
+                        f"{result.space_size} in the space, {result.wall_s:.2f} s)")
+    for col in ("#", "TPxPPxDP", "ZeRO", "micro x acc", "recompute", "SP", "schedule", "tokens/s", "step s",
+                "MFU", "GB/GPU", "vs base"):
+        table.add_column(col, justify="left" if col in ("recompute", "schedule") else "right")
+    for i, t in enumerate(result.ranked[:top], 1):
+        e = t.estimate
+        speed = f"{e.tokens_per_s / base.tokens_per_s:.2f}x" if base.feasible else "-"
+        table.add_row(str(i), *_plan_cells(t.plan), f"{e.tokens_per_s:,.0f}", f"{e.step_time_s:.2f}", f"{e.mfu:.1%}",
+                      f"{_gb(e.peak_memory_bytes)}/{_gb(e.capacity_bytes)}", speed)
+    cells = _plan_cells(result.baseline_plan)
+    if base.feasible:
+        table.add_row("base", *cells, f"{base.tokens_per_s:,.0f}", f"{base.step_time_s:.2f}", f"{base.mfu:.1%}",
+                      f"{_gb(base.peak_memory_bytes)}/{_gb(base.capacity_bytes)}", "1.00x")
+    else:
+        table.add_row("base", *cells, "does not fit", "-", "-",
+                      f"needs {_gb(base.peak_memory_bytes)}/{_gb(base.capacity_bytes)}", "-")
+    console.print(table)
+    if cluster.note:
+        console.print(f"note: {cluster.note}")
+    best = result.best
+    extra = f"; blocks per stage {list(best.plan.stage_layers)}" if best.plan.pp > 1 else ""
+    if best.plan.recompute_layers:
+        extra += f"; checkpointed blocks per stage {list(best.plan.recompute_layers)}"
+    console.print(f"chosen: {best.plan.describe()}{extra}")
+    mem = ", ".join(f"stage {i}: {_gb(m.total)}" for i, m in enumerate(best.estimate.stage_memory))
+    console.print(f"per-GPU memory (GB, capacity {_gb(best.estimate.capacity_bytes)}): {mem}")
+    if base.feasible:
+        console.print(f"baseline (plain DP, ZeRO-0, no recompute): {base.tokens_per_s:,.0f} tokens/s, "
+                      f"{_gb(base.peak_memory_bytes)} GB per GPU")
+    else:
+        console.print(f"baseline (plain DP, ZeRO-0, no recompute) does not fit: needs "
+                      f"{_gb(base.peak_memory_bytes)} GB per GPU")
+    console.print(f"wrote {run_dir}/: {', '.join(written)}")
+
+
+@click.command()
+@common_inputs
+@click.option("--name", default=None, help="Run directory name (default: <model>_<gpus>).")
+@click.option("--out-dir", default="reports", show_default=True, type=click.Path(file_okay=False),
+              help="Parent of the run directory.")
+@click.option("--exhaustive", is_flag=True, help="Evaluate every legal plan instead of sampling with Optuna.")
+@click.option("--trials", "n_trials", type=click.IntRange(1, 1_000_000), default=100, show_default=True,
+              help="Optuna trials the study should hold (a rerun resumes up to this many).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Optuna sampler seed.")
+@click.option("--storage", default=None, metavar="URL",
+              help="Any Optuna storage URL (e.g. postgresql://...) to share one study between workers; "
+                   "default: SQLite study.db in the run directory.")
+@click.option("--top", type=click.IntRange(1, 100), default=5, show_default=True, help="Plans to show.")
+@click.pass_context
+def search(ctx: click.Context, **kw: Any) -> None:
+    """Find the fastest plan that fits and write reports/<name>/."""
+    from planner.search.driver import search as run_search
+    command = _command_line(ctx)
+    scale, model_arg, gpus = kw["scale"], kw["model_arg"], kw["gpus"]
+    model, cluster, train = load_inputs(kw)
+    name = kw["name"] or _default_name(model.name, gpus)
+    if not _NAME_RE.match(name) or name in (".", ".."):
+        raise SpecError("--name", f"{name!r} is not a plain directory name",
+                        "use letters, digits, '.', '_', '+' or '-', e.g. --name glm130b-a100")
+    out_dir = Path(kw["out_dir"])
+    run_dir = out_dir / name
+    if out_dir.exists() and not out_dir.is_dir():
+        raise SpecError("--out-dir", f"{out_dir} is not a directory", "give a directory path")
+    storage, tmp_db = kw["storage"], None
+    rdb = None
+    if not kw["exhaustive"] and storage is None:
+        # the study runs in a temporary copy; it replaces study.db only when the search succeeds
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tmp_db = out_dir / f".{name}.study.db.tmp-{os.getpid()}"
+        if (run_dir / "study.db").exists():
+            shutil.copy2(run_dir / "study.db", tmp_db)
+        rdb = _sqlite_storage(tmp_db)
+        storage = rdb
+    err = _console(err=True)
+    bar, progress = _progress(err, "searching")
+    try:
+        if bar:
+            bar.start()
+        result = run_search(model, cluster, train, exhaustive=kw["exhaustive"], n_trials=kw["n_trials"],
+                            seed=kw["seed"], storage=storage, progress=progress)
+    except BaseException:
+        if tmp_db is not None:
+            _close(rdb)
+            tmp_db.unlink(missing_ok=True)
+        raise
+    finally:
+        if bar:
+            bar.stop()
+    try:
+        written = _write_outputs(run_dir, result, model, cluster, train, scale=scale, model_arg=model_arg,
+                                 command=command, top=kw["top"])
+        if tmp_db is not None:
+            _close(rdb)
+            os.replace(tmp_db, run_dir / "study.db")
+            written.append("study.db")
+    finally:
+        if tmp_db is not None and tmp_db.exists():
+            tmp_db.unlink()
+    report = _write_report(run_dir, err)
+    if report:
+        written.append(report)
+    _print_search(_console(), result, cluster, run_dir, written, kw["top"])
+
+
+def _sqlite_storage(path: Path) -> Any:
+    """Optuna's RDB storage on a SQLite file without an fsync per trial: the file is a
+    temporary copy that replaces study.db only after the search succeeded."""
+    import optuna
+    from sqlalchemy import event
+
+    rdb = optuna.storages.RDBStorage(f"sqlite:///{path}")
+
+    def pragmas(conn: Any, _record: Any) -> None:
+        cur = conn.cursor()
+        cur.execute("PRAGMA synchronous=OFF")
+        cur.execute("PRAGMA journal_mode=MEMORY")
+        cur.close()
+
+    event.listen(rdb.engine, "connect", pragmas)
+    rdb.engine.dispose()
+    return rdb
+
+
+def _close(rdb: Any) -> None:
+    if rdb is not None:
+        rdb.engine.dispose()
+
+
+def _write_report(run_dir: Path, err: Console) -> str | None:
+    try:
+        from planner.report import write_report
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.startswith("planner.report"):
+            err.print("note: report.html not written (planner.report is not installed)")
+            return None
+        raise
+    try:
+        return Path(write_report(run_dir)).name
+    except Exception as exc:  # the plan is written; say loudly that the report is not
+        if os.environ.get("PLANNER_DEBUG"):
+            raise
+        err.print(f"warning: report.html not written: {type(exc).__name__}: {exc} "
+                  "(set PLANNER_DEBUG=1 for a traceback and report it)")
+        return None
+
+
+def _int_list(text: str | None, flag: str) -> tuple[int, ...]:
+    if not text:
+        return ()
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise SpecError(flag, f"cannot read {text!r}", "give comma-separated integers, e.g. 9,9,9,8") from None
+
+
+@click.command()
+@common_inputs
+@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree.")
+@click.option("--pp", type=int, default=1, show_default=True, help="Pipeline-parallel degree.")
+@click.option("--zero", type=int, default=0, show_default=True, help="ZeRO stage 0-3 (0-1 with --pp > 1).")
+@click.option("--micro-batch", type=int, default=1, show_default=True, help="Sequences per micro-batch.")
+@click.option("--recompute", type=click.Choice(list(RECOMPUTE)), default="none", show_default=True)
+@click.option("--recompute-layers", default=None, metavar="K0,K1,...",
+              help="With --recompute full: checkpointed blocks per stage (default: all).")
+@click.option("--stage-layers", default=None, metavar="N0,N1,...", help="Blocks per stage (default: even split).")
+@click.option("--sequence-parallel", is_flag=True, help="Megatron sequence parallelism (needs --tp > 1).")
+@click.option("--interleave", type=int, default=1, show_default=True,
+              help="Virtual chunks per stage (> 1: interleaved 1F1B).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def estimate(**kw: Any) -> None:
+    """Predict step time, throughput and per-GPU memory of a plan you give."""
+    from planner.cost import estimate as cost_estimate
+    model, cluster, train = load_inputs(kw)
+    tp, pp, mb = kw["tp"], kw["pp"], kw["micro_batch"]
+    for flag, v in (("--tp", tp), ("--pp", pp), ("--micro-batch", mb), ("--interleave", kw["interleave"])):
+        if v < 1:
+            raise SpecError(flag, f"must be a positive integer, got {v}", "give 1 or more")
+    world = cluster.world_size
+    if world % (tp * pp):
+        raise SpecError("--tp/--pp", f"tp {tp} x pp {pp} = {tp * pp} does not divide the {world} devices",
+                        f"choose degrees whose product divides {world}")
+    dp = world // (tp * pp)
+    if train.global_batch % (mb * dp):
+        raise SpecError("--micro-batch", f"micro-batch {mb} x dp {dp} = {mb * dp} does not divide the global "
+                        f"batch {train.global_batch}", "choose --micro-batch and --global-batch so that "
+                        "global batch = micro-batch x accumulation x dp")
+    plan = Plan(dp=dp, tp=tp, pp=pp, zero=kw["zero"], micro_batch=mb, grad_accum=train.global_batch // (mb * dp),
+                recompute=kw["recompute"], sequence_parallel=kw["sequence_parallel"],
+                schedule="interleaved" if kw["interleave"] > 1 else "1f1b", interleave=kw["interleave"],
+                precision=train.precision, stage_layers=_int_list(kw["stage_layers"], "--stage-layers"),
+                recompute_layers=_int_list(kw["recompute_layers"], "--recompute-layers"))
+    problems = plan_problems(model, cluster, train, plan)
+    if problems:
+        raise SpecError("plan", problems[0], "change the degrees or batch named above")
+    est = cost_estimate(model, cluster, train, plan)
+    if kw["as_json"]:
+        doc = est.to_json()
+        doc.update(plan=plan.to_dict(), description=plan.describe(), note=cluster.note)
+        click.echo(json.dumps(doc))
+        return
+    _print_estimate(_console(), plan, est, cluster)
+
+
+def _print_estimate(console: Console, plan: Plan, est: Estimate, cluster) -> None:
+    table = Table(title=plan.describe(), show_header=False)
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    rows = [("fits", "yes" if est.feasible else "NO: " + "; ".join(est.reasons)),
+            ("step time", f"{est.step_time_s:.3f} s"), ("tokens/s", f"{est.tokens_per_s:,.0f}"),
+            ("TFLOP/s per GPU", f"{est.tflops_per_gpu:.1f}"), ("MFU / HFU", f"{est.mfu:.1%} / {est.hfu:.1%}"),
+            ("pipeline bubble", f"{est.bubble_fraction:.1%}"),
+            ("peak memory per GPU", f"{est.peak_memory_gb:.1f} / {est.capacity_bytes / GB:.1f} GB "
+                                    f"(stage {est.peak_stage})")]
+    rows += [(f"  memory: {k}", f"{v:.2f} GB") for k, v in est.stage_memory[est.peak_stage].to_gb().items()]
+    rows += [(f"  time: {k}", f"{v:.4f} s") for k, v in est.time.to_dict().items()]
+    for r in rows:
+        table.add_row(*r)
+    console.print(table)
+    if cluster.note:
+        console.print(f"note: {cluster.note}")

@@ -1,0 +1,89 @@
+"""One search, start to finish: space -> (Optuna | exhaustive) -> ranked plans + baseline.
+
+Pure library code: no printing and no files except the Optuna storage the caller names.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from planner.errors import SpecError
+from planner.search.baseline import conventional_baseline
+from planner.search.evaluate import Evaluator, Trial, pareto_front, rank
+from planner.search.exhaustive import exhaustive as run_exhaustive
+from planner.search.heuristic import heuristic
+from planner.search.space import Space
+from planner.specs.estimate import GB, Estimate
+from planner.specs.hardware import ClusterSpec
+from planner.specs.model import ModelSpec
+from planner.specs.plan import Plan
+from planner.specs.train import TrainSpec
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SearchResult:
+    method: str
+    """optuna or exhaustive."""
+    trials: tuple[Trial, ...]
+    """Every evaluated plan, in evaluation order (an Optuna rerun includes earlier trials)."""
+    ranked: tuple[Trial, ...]
+    """Feasible distinct plans, fastest first."""
+    baseline_plan: Plan
+    baseline: Estimate
+    space_size: int
+    wall_s: float
+    study_name: str = ""
+
+    @property
+    def best(self) -> Trial:
+        return self.ranked[0]
+
+    @property
+    def front(self) -> list[Trial]:
+        return pareto_front(self.trials)
+
+
+def fits_nowhere(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, trials: list[Trial]) -> SpecError:
+    least = min(trials, key=lambda t: t.needs_bytes)
+    return SpecError(
+        "--model", f"{model.name} does not fit on {cluster.spec or cluster.world_size} with global batch "
+        f"{train.global_batch} x {train.seq_len} tokens: the leanest plan ({least.plan.describe()}) needs "
+        f"{least.needs_bytes / GB:.1f} GB per device > {least.capacity_bytes / GB:.1f} GB",
+        "use more or larger devices, a shorter --seq-len, or a smaller model")
+
+
+def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *, exhaustive: bool = False,
+           n_trials: int = 100, seed: int = 0, storage: object = None, progress: Progress | None = None,
+           max_interleave: int | None = None) -> SearchResult:
+    """Find the fastest plan that fits. Raises SpecError (one line) when nothing fits anywhere."""
+    t0 = time.perf_counter()
+    space = Space(model=model, cluster=cluster, train=train) if max_interleave is None else \
+        Space(model=model, cluster=cluster, train=train, max_interleave=max_interleave)
+    space.require_nonempty()
+    evaluate = Evaluator(model, cluster, train)
+    name = ""
+    if exhaustive:
+        trials = run_exhaustive(space, evaluate, progress)
+        method = "exhaustive"
+    else:
+        from planner.search.optuna_search import optuna_search, study_name
+        start = heuristic(space, evaluate)
+        trials, study = optuna_search(space, evaluate, start, n_trials=n_trials, seed=seed,
+                                      storage=storage, progress=progress)  # type: ignore[arg-type]
+        name = study.study_name
+        method = "optuna"
+        if not any(t.feasible for t in trials):
+            # before saying "fits nowhere", make sure: the whole space is cheap to sweep
+            everything = run_exhaustive(space, evaluate)
+            if not any(t.feasible for t in everything):
+                raise fits_nowhere(model, cluster, train, everything)
+            trials = trials + [t for t in rank(everything)[:1]]
+    ranked = rank(trials)
+    if not ranked:
+        raise fits_nowhere(model, cluster, train, trials)
+    base_plan, base = conventional_baseline(model, cluster, train)
+    return SearchResult(method=method, trials=tuple(trials), ranked=tuple(ranked), baseline_plan=base_plan,
+                        baseline=base, space_size=space.size(), wall_s=time.perf_counter() - t0, study_name=name)
