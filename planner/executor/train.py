@@ -12,7 +12,7 @@ import torch
 from planner.executor.build import build_engine, check_topology, loader, rank_coords, set_poison
 from planner.executor.data import DataSpec, Layout, Rows
 from planner.executor.measure import CPU_METHOD, GPU_METHOD, model_state_bytes, peak_bytes, reset_peak, rss_bytes
-from planner.executor.model import lm_loss
+from planner.executor.model import Block, lm_loss
 from planner.executor.monitor import StabilityMonitor
 from planner.executor.worker import CKPT_DIR, RANKS_DIR, progress
 from planner.rundir import atomic_write_json, load_run, read_json
@@ -135,6 +135,11 @@ def train(args, run_dir: Path, rank: int, status) -> None:
             state["events"].append(ev)
         state["step"], state["cursor"] = step + 1, b + 1
         state["times_by_step"] = {str(k): v for k, v in times.items()}
+        if rank == 0 and getattr(engine, "monitor", None) is not None and engine.monitor.enabled:
+            # DeepSpeed's own monitor (tensorboard/csv in ds_config.json) logs what we measure
+            engine.monitor.write_events([("Train/planner/loss", step_loss, step + 1),
+                                         ("Train/planner/step_time_s", dt, step + 1),
+                                         ("Train/planner/peak_memory_gb", peak_bytes(device) / 1e9, step + 1)])
         if rank == 0:
             progress(run_dir, {"step": step + 1, "kind": "step", "loss": step_loss, "time_s": dt,
                                "grad_norm": gnorm})
@@ -147,6 +152,9 @@ def train(args, run_dir: Path, rank: int, status) -> None:
     states = model_state_bytes(engine.module, engine.optimizer)
     mine = {"rank": rank, "coords": [pp_i, dp_i, tp_i], "peak_bytes": peak_bytes(device),
             "rss_before_model_bytes": rss_before, "model_state": states,
+            "checkpointed_blocks": [bool(m.checkpoint) for m in engine.module.modules() if isinstance(m, Block)],
+            "selective_blocks": [bool(m.self_attention.checkpoint_core) for m in engine.module.modules()
+                                 if isinstance(m, Block)],
             "local_params": sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters()),
             "param_shapes": {n: list(getattr(p, "ds_shape", p.shape)) for n, p in engine.module.named_parameters()
                              if n.endswith("query_key_value.weight")},

@@ -1,0 +1,59 @@
+"""`planner run` and `planner verify`: thin wrappers over planner.executor."""
+from __future__ import annotations
+
+import click
+
+
+def _fmt(x, unit: str = "", nd: int = 3) -> str:
+    return "n/a" if x is None else f"{x:.{nd}g}{unit}"
+
+
+def _err(e) -> str:
+    return "n/a" if e is None else f"{e:+.0%}"
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(file_okay=True, dir_okay=True))
+@click.option("--steps", type=int, default=10, show_default=True, help="Optimizer steps to run.")
+@click.option("--warmup", type=int, default=2, show_default=True, help="Steps left out of the timing.")
+@click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in RUN_DIR/checkpoints.")
+@click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds before a run counts as hung.")
+@click.option("--batching", type=click.Choice(["dynamic", "static"]), default="dynamic", show_default=True,
+              help="Packed token-budget batches, or one padded sequence per row.")
+@click.option("--checkpoint-every", type=int, default=0, show_default=True,
+              help="Save a DeepSpeed checkpoint every K steps (0: never); needed for NaN rollback.")
+@click.option("--data", default="", metavar="TOKENS.npy|TOKENS.txt", help="A token file instead of the synthetic corpus.")
+@click.option("--seed", type=int, default=1234, show_default=True, help="Seeds the model and the synthetic corpus.")
+@click.option("--data-workers", type=int, default=1, show_default=True, help="DataLoader worker processes per rank.")
+@click.option("--inject-nan", type=int, default=-1, hidden=True, help="Poison the batch of this step (testing).")
+def run(run_dir: str, **kw) -> None:
+    """Train the plan in RUN_DIR under DeepSpeed and write RUN_DIR/metrics.json."""
+    from planner.executor.launch import run_plan
+    m = run_plan(run_dir, echo=click.echo, **kw)
+    p, e = m["predicted"], m["relative_error"]
+    click.echo(f"step time     {_fmt(m['step_time_s'], ' s')}  (predicted {_fmt(p['step_time_s'], ' s')}, "
+               f"error {_err(e['step_time_s'])})")
+    click.echo(f"tokens/s      {_fmt(m['tokens_per_s'], '', 4)}  real tokens, {m['padding_fraction']:.0%} padding "
+               f"(predicted {_fmt(p['tokens_per_s'], '', 4)}, error {_err(e['tokens_per_s'])})")
+    click.echo(f"peak memory   {', '.join(f'{g:.3f}' for g in m['peak_memory_gb_per_rank'])} GB per rank "
+               f"(predicted {_fmt(p['peak_memory_gb'], ' GB')}, error {_err(e['peak_memory_gb'])}; {m['memory_method']})")
+    click.echo(f"model states  {', '.join(f'{g * 1e3:.1f}' for g in m['model_state_gb_per_rank'])} MB per rank")
+    click.echo(f"loss          {m['loss'][0]:.4f} -> {m['loss'][-1]:.4f} over {len(m['loss'])} steps")
+    for ev in m["events"]:
+        if ev["kind"] != "checkpoint":
+            click.echo(f"event         step {ev['step']}: {ev['kind']}: {ev['message']}")
+    click.echo(f"wrote {run_dir}/metrics.json")
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(file_okay=True, dir_okay=True))
+@click.option("--steps", type=int, default=12, show_default=True, help="Baseline steps (the plan runs on as many real tokens).")
+@click.option("--warmup", type=int, default=2, show_default=True, help="Steps left out of the timing.")
+@click.option("--timeout", type=float, default=900.0, show_default=True, help="Seconds before a run counts as hung.")
+@click.option("--seed", type=int, default=1234, show_default=True)
+@click.option("--data", default="", metavar="TOKENS.npy|TOKENS.txt", help="A token file instead of the synthetic corpus.")
+def verify(run_dir: str, **kw) -> None:
+    """Run the conventional baseline and the plan; compare against the 3x / one-third-memory targets."""
+    from planner.executor.verify import verify as do_verify
+    do_verify(run_dir, echo=click.echo, **kw)
+    click.echo(f"wrote {run_dir}/verify.json")
