@@ -1,0 +1,180 @@
+"""Search: legal space, exact inner solvers (checked by brute force), Optuna vs exhaustive."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import optuna
+import pytest
+
+from planner.cost import estimate, layer_costs
+from planner.cost.factors import all_factors
+from planner.cost.model import stage_times
+from planner.errors import SpecError
+from planner.search import Evaluator, Space, conventional_baseline, rank
+from planner.search.checkpoint import StageModel
+from planner.search.driver import search
+from planner.search.exhaustive import exhaustive
+from planner.search.heuristic import heuristic
+from planner.search.optuna_search import optuna_search, params_of
+from planner.search.partition import NoFit, Partition, solve
+from planner.search.space import Outer
+from planner.specs import TrainSpec, parse_cluster, preset, scale
+from planner.specs.validate import plan_problems
+
+
+def inputs(model="glm-10b", gpus="8xA100", batch=64, seq=1024, size=None):
+    m = scale(preset(model), size)
+    return m, parse_cluster(gpus), TrainSpec(global_batch=batch, seq_len=seq)
+
+
+@pytest.mark.parametrize("args", [("glm-10b", "8xA100", 64, 1024), ("chatglm3-6b", "2x8xH100", 96, 2048),
+                                  ("glm-130b", "4x8xA100-40GB", 48, 2048)])
+def test_every_point_is_legal_and_the_rules_hold(args):
+    m, c, t = inputs(*args)
+    space = Space(model=m, cluster=c, train=t)
+    points = list(space.points())
+    assert points and len(set(points)) == len(points)
+    for o in points:
+        plan = o.plan(t.precision)
+        assert plan_problems(m, c, t, plan) == [], o
+        assert o.dp * o.tp * o.pp == c.world_size and o.micro_batch * o.grad_accum * o.dp == t.global_batch
+        assert o.pp == 1 or o.zero <= 1
+    # every legal (tp, pp) of the brute-force enumeration is in the space
+    legal = {(tp, pp) for tp in range(1, 9) for pp in range(1, m.layers + 1)
+             if c.world_size % (tp * pp) == 0 and not plan_problems(
+                 m, c, t, dataclasses.replace(points[0].plan(t.precision), tp=tp, pp=pp,
+                                              dp=c.world_size // (tp * pp), zero=0, schedule="1f1b", interleave=1,
+                                              sequence_parallel=False, micro_batch=1,
+                                              grad_accum=t.global_batch // (c.world_size // (tp * pp)) or 1))}
+    assert legal == {(o.tp, o.pp) for o in points}
+
+
+def test_no_legal_plan_is_one_line():
+    m, c, t = inputs("chatglm3-6b", "4x8xA100", batch=6, seq=128, size="tiny")   # DP is at least 4 here
+    with pytest.raises(SpecError) as err:
+        Space(model=m, cluster=c, train=t).require_nonempty()
+    assert err.value.field == "--global-batch" and "multiple of 4" in err.value.line()
+    m, c, t = inputs("glm-10b", "8xV100", batch=8, seq=1024)                    # V100 has no bf16
+    with pytest.raises(SpecError) as err:
+        Space(model=m, cluster=c, train=t).require_nonempty()
+    assert "bf16" in err.value.line()
+
+
+def _model_for(o: Outer, m, c, t):
+    plan = o.plan(t.precision)
+    return StageModel(m, c, plan, layer_costs(m, c, t, plan)), plan
+
+
+@pytest.mark.parametrize("pp,recompute,mb", [(2, "none", 1), (3, "full", 2), (4, "full", 4), (3, "selective", 1)])
+def test_partition_is_optimal_by_brute_force(pp, recompute, mb):
+    m, c, t = inputs("glm-10b", "8xA100-40GB", batch=64, seq=1024)
+    m = dataclasses.replace(m, layers=10)
+    dp = 8 // pp if 8 % pp == 0 else 1
+    o = Outer(tp=8 // (dp * pp) or 1, pp=pp, dp=dp, zero=1, micro_batch=mb, grad_accum=1, recompute=recompute,
+              sequence_parallel=False, interleave=1)
+    sm, _ = _model_for(o, m, c, t)
+    full = recompute == "full"
+    best = None
+    for split in itertools.product(range(1, m.layers + 1), repeat=pp):
+        if sum(split) != m.layers:
+            continue
+        ks = [sm.fewest_checkpointed(i, n, full) for i, n in enumerate(split)]
+        if None in ks:
+            continue
+        slow = max(sm.time(i, n, k) for i, (n, k) in enumerate(zip(split, ks)))
+        best = slow if best is None else min(best, slow)
+    got = solve(sm, m.layers, full)
+    if best is None:
+        assert isinstance(got, NoFit)
+    else:
+        assert isinstance(got, Partition) and got.slowest == pytest.approx(best, rel=1e-12)
+
+
+def test_checkpoint_count_is_the_fewest():
+    m, c, t = inputs("glm-10b", "8xA100-40GB", batch=64, seq=1024)
+    o = Outer(tp=1, pp=2, dp=4, zero=1, micro_batch=2, grad_accum=8, recompute="full", sequence_parallel=False,
+              interleave=1)
+    sm, _ = _model_for(o, m, c, t)
+    seen_partial = False
+    for n in range(1, m.layers):
+        k = sm.fewest_checkpointed(0, n)
+        if k is None:
+            assert sm.bytes(0, n, n) > sm.capacity
+            continue
+        assert sm.bytes(0, n, k) <= sm.capacity
+        assert k == 0 or sm.bytes(0, n, k - 1) > sm.capacity
+        seen_partial |= 0 < k < n
+    assert seen_partial
+
+
+@pytest.mark.parametrize("args", [("glm-10b", "8xA100-40GB", 64, 1024), ("glm-4-9b", "2x8xH100", 64, 4096)])
+def test_solver_and_estimate_agree(args):
+    """The solvers' memory and time per stage are the cost model's, to rounding."""
+    m, c, t = inputs(*args)
+    ev = Evaluator(m, c, t)
+    checked = 0
+    for o in itertools.islice(Space(model=m, cluster=c, train=t).points(), 0, None, 7):
+        trial = ev(o)
+        if trial.estimate is None:
+            continue
+        plan = trial.plan
+        sm, _ = _model_for(o, m, c, t)
+        lc = layer_costs(m, c, t, plan)
+        ks = plan.checkpointed_per_stage(m.layers)
+        ns = plan.layers_per_stage(m.layers)
+        est = trial.estimate
+        for i, (n, k) in enumerate(zip(ns, ks)):
+            assert sm.bytes(i, n, k) == pytest.approx(est.stage_memory[i].total, rel=1e-9)
+        times = stage_times(lc, ns, ks, all_factors(c.device)["microbatch_overhead_s"])
+        assert [sm.time(i, n, k) for i, (n, k) in enumerate(zip(ns, ks))] == pytest.approx(times, rel=1e-12)
+        checked += 1
+    assert checked > 20
+
+
+def test_exhaustive_best_beats_every_plan_and_optuna_finds_it():
+    m, c, t = inputs("glm-10b", "8xA100", batch=512, seq=1024)
+    space = Space(model=m, cluster=c, train=t)
+    ex = exhaustive(space, Evaluator(m, c, t))
+    assert len(ex) == space.size()
+    best = rank(ex)[0]
+    assert all(best.tokens_per_s >= x.tokens_per_s for x in ex)
+    ev = Evaluator(m, c, t)
+    start = heuristic(space, ev)
+    trials, study = optuna_search(space, ev, start, n_trials=60, seed=0)
+    assert study.trials[0].params == params_of(start, space)            # heuristic enqueued first
+    assert rank(trials)[0].plan == best.plan
+
+
+def test_study_resumes(tmp_path):
+    m, c, t = inputs("chatglm3-6b", "8xA100", batch=64, seq=2048)
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    first = search(m, c, t, n_trials=8, seed=1, storage=url)
+    n = len(optuna.load_study(study_name=first.study_name, storage=url).trials)
+    again = search(m, c, t, n_trials=8, seed=1, storage=url)           # already holds 8: nothing new
+    assert len(optuna.load_study(study_name=first.study_name, storage=url).trials) == n
+    assert again.best.plan == first.best.plan
+    more = search(m, c, t, n_trials=n + 5, seed=1, storage=url)
+    assert len(optuna.load_study(study_name=first.study_name, storage=url).trials) >= n + 1
+    assert more.best.tokens_per_s >= first.best.tokens_per_s
+
+
+def test_baseline_is_plain_dp_with_the_largest_fitting_micro_batch():
+    m, c, t = inputs("chatglm3-6b", "8xA100", batch=256, seq=2048)
+    plan, est = conventional_baseline(m, c, t)
+    assert (plan.dp, plan.tp, plan.pp, plan.zero, plan.recompute) == (8, 1, 1, 0, "none")
+    if est.feasible:
+        bigger = [d for d in range(plan.micro_batch + 1, 33) if 32 % d == 0]
+        if bigger:
+            nxt = dataclasses.replace(plan, micro_batch=bigger[0], grad_accum=32 // bigger[0])
+            assert not estimate(m, c, t, nxt).feasible
+    fp32, _ = conventional_baseline(m, c, t, precision="fp32")
+    assert fp32.precision == "fp32"
+
+
+def test_fits_nowhere_names_the_memory():
+    m, c, t = inputs("glm-130b", "8xA100-40GB", batch=8, seq=2048)
+    with pytest.raises(SpecError) as err:
+        search(m, c, t, exhaustive=True)
+    line = err.value.line()
+    assert "does not fit" in line and "GB" in line and "\n" not in line
