@@ -1,0 +1,263 @@
+"""What the page says, computed from the run directory: headline numbers, the top-plans
+table with each plan's DeepSpeed knobs and why it lost, the Pareto front, reason classes."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from planner.errors import PlannerError
+from planner.report.data import PLAN_FIELDS, RunData
+from planner.specs import MemoryBreakdown, Plan, TimeBreakdown
+
+TIME_PARTS = [f.name for f in dataclasses.fields(TimeBreakdown)]
+MEM_PARTS = [f.name for f in dataclasses.fields(MemoryBreakdown)]
+TIME_LABELS = {"forward": "forward", "backward": "backward", "recompute": "recompute", "tp_comm": "TP comm",
+               "pp_comm": "PP send/recv", "bubble": "pipeline bubble", "dp_sync": "DP gradient sync",
+               "zero_gather": "ZeRO-3 gathers", "optimizer": "optimizer", "overhead": "runtime overhead"}
+MEM_LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states",
+              "activations": "activations", "logits": "logits + loss", "buckets": "comm buckets",
+              "overhead": "runtime allowance"}
+DEFAULT_TARGETS = {"throughput_ratio": 3.0, "memory_reduction": 0.333}
+"""docs/CONTRACTS.md verify.json "targets" (the 3x / one-third-less-memory claims)."""
+TOKENS_PER_PARAM = 20
+"""Default training length: ~20 tokens per parameter, the compute-optimal ratio of
+Hoffmann et al. 2022 ("Chinchilla", arXiv 2203.15556, Table 3)."""
+
+
+def plan_from_row(row: pd.Series | dict[str, Any]) -> Plan | None:
+    """The Plan of a trials.csv row (None when the row is not a valid plan)."""
+    kw: dict[str, Any] = {}
+    for name in PLAN_FIELDS:
+        if name not in row:
+            continue
+        v = row[name]
+        if name in ("stage_layers", "recompute_layers"):
+            text = "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
+            kw[name] = tuple(int(x) for x in text.split(";") if x.strip())
+        elif name in ("sequence_parallel", "overlap_comm"):
+            kw[name] = bool(v)
+        elif name in ("recompute", "schedule", "precision"):
+            kw[name] = str(v)
+        else:
+            if v is None or (isinstance(v, float) and math.isnan(v)):
+                return None
+            kw[name] = int(v)
+    try:
+        return Plan(**kw)
+    except (PlannerError, TypeError, ValueError):
+        return None
+
+
+def short_label(plan: Plan) -> str:
+    """Two short lines for a figure: "TP4·PP8·DP2" and "Z1 mb1 sel-rc"."""
+    rc = {"none": "", "selective": " sel-rc", "full": " full-rc"}[plan.recompute]
+    extra = (" SP" if plan.sequence_parallel else "") + (f" v{plan.interleave}" if plan.interleave > 1 else "")
+    return f"TP{plan.tp}·PP{plan.pp}·DP{plan.dp}\nZ{plan.zero} mb{plan.micro_batch}{rc}{extra}"
+
+
+def pareto_mask(memory: np.ndarray, throughput: np.ndarray) -> np.ndarray:
+    """True for points no other point beats on both axes (less memory, more throughput)."""
+    n = len(memory)
+    mask = np.zeros(n, dtype=bool)
+    if n == 0:
+        return mask
+    order = np.lexsort((-throughput, memory))          # memory ascending, throughput descending
+    best = -np.inf
+    for i in order:
+        if throughput[i] > best:
+            mask[i] = True
+            best = throughput[i]
+    return mask
+
+
+_NUM = re.compile(r"\d+(?:\.\d+)?")
+
+
+def reason_category(reason: str) -> str:
+    """A short class for an infeasibility reason, so thousands of reasons become a legend.
+
+    Memory reasons ("stage 0 needs 55.2 GB > 40.0 GB: activations 30.5 GB") are classed by
+    what dominates; structural ones by their wording with the numbers taken out."""
+    text = (reason or "").strip()
+    if not text:
+        return "infeasible (no reason given)"
+    first = text.split(";")[0].strip()
+    if re.search(r"GB\s*>", first) or "does not fit" in first or "fits no" in first:
+        m = re.search(r":\s*([a-z][a-z +\-]*?)\s+\d", first)
+        return f"out of memory ({m.group(1)})" if m else "out of memory"
+    generic = _NUM.sub("#", first)
+    return generic if len(generic) <= 60 else generic[:57] + "..."
+
+
+def knobs(plan: Plan, layers: int) -> list[tuple[str, str, str]]:
+    """The DeepSpeed settings a plan turns into: (short label, value, full config key)."""
+    out = [("zero", str(plan.zero), "zero_optimization.stage"),
+           ("micro", str(plan.micro_batch), "train_micro_batch_size_per_gpu"),
+           ("accum", str(plan.grad_accum), "gradient_accumulation_steps"),
+           (plan.precision, "", f"{plan.precision}.enabled" if plan.precision != "fp32" else "fp32 (no bf16/fp16 block)")]
+    if plan.tp > 1:
+        out.append(("autotp", str(plan.tp), "tensor_parallel.autotp_size"))
+    if plan.sequence_parallel:
+        out.append(("seq-parallel", "", "Megatron sequence parallelism in the TP group"))
+    if plan.pp > 1:
+        parts = "/".join(str(n) for n in plan.layers_per_stage(layers))
+        out.append(("stages", parts, f"PipelineModule(num_stages={plan.pp}), blocks per stage"))
+    if plan.schedule == "interleaved":
+        out.append(("chunks", str(plan.interleave), "interleaved virtual stages per pipeline stage"))
+    if plan.recompute == "full":
+        ck = plan.checkpointed_per_stage(layers)
+        out.append(("ckpt", f"{sum(ck)}/{layers}", "activation checkpointing: full recompute of these blocks"))
+    elif plan.recompute == "selective":
+        out.append(("ckpt", "selective", "activation checkpointing of the attention core only"))
+    out.append(("overlap", "on" if plan.overlap_comm else "off", "zero_optimization.overlap_comm"))
+    out.append(("bucket", f"{plan.bucket_elements:.0e}".replace("e+0", "e"), "zero_optimization.reduce_bucket_size"))
+    return out
+
+
+def why_lost(row: pd.Series, winner: dict[str, Any]) -> str:
+    """One line: how a plan compares with the chosen one (winner = estimate.json estimate)."""
+    if not bool(row.get("feasible", True)):
+        return str(row.get("reason") or "infeasible")
+    w_tps, tps = winner.get("tokens_per_s", math.nan), row.get("tokens_per_s", math.nan)
+    w_mem, mem = winner.get("peak_memory_gb", math.nan), row.get("peak_memory_gb", math.nan)
+    if not (w_tps > 0 and tps == tps):
+        return "no estimate to compare"
+    rel = (w_tps - tps) / w_tps
+    extra_mem = mem - w_mem
+    mem_text = ("same memory" if not abs(extra_mem) >= 0.05 else
+                f"{abs(extra_mem):.1f} GB {'more' if extra_mem > 0 else 'less'} per GPU")
+    if rel > 5e-4:
+        w_time = winner.get("time_breakdown_s", {})
+        diffs = [(row.get(f"time_{p}", math.nan) - w_time.get(p, math.nan), p) for p in TIME_PARTS]
+        diffs = sorted(((d, p) for d, p in diffs if d == d and d > 0), reverse=True)
+        step = row.get("step_time_s", math.nan) - winner.get("step_time_s", math.nan)
+        causes = ", ".join(f"{TIME_LABELS[p]} +{_secs(d)}" for d, p in diffs[:2] if step != step or d >= 0.05 * step)
+        return f"{rel:.1%} slower" + (f": {causes}" if causes else "") + f"; {mem_text}"
+    if rel < -5e-4:
+        return f"{-rel:.1%} faster in the estimate but not chosen; {mem_text}"
+    return f"as fast; {mem_text}"
+
+
+def _secs(x: float) -> str:
+    return f"{x * 1e3:.3g} ms" if x < 1 else f"{x:.3g} s"
+
+
+def top_plans(run: RunData, n: int = 10) -> pd.DataFrame:
+    """The n fastest distinct feasible plans (chosen first if it is among them), then the
+    baseline row, each with its description, knobs and why it lost to the chosen plan."""
+    df = run.trials
+    if df is None or df.empty:
+        return pd.DataFrame()
+    present = [f for f in PLAN_FIELDS if f in df.columns]
+    ok = df[df["feasible"] & df["tokens_per_s"].notna()]
+    ok = ok[ok["source"] != "baseline"] if "source" in ok.columns else ok
+    ok = ok.sort_values(["tokens_per_s", "trial"], ascending=[False, True]).drop_duplicates(present).head(n)
+    base = df[df["source"] == "baseline"].head(1) if "source" in df.columns else df.iloc[:0]
+    chosen_key = tuple(str(run.plan.to_dict()[f] if not isinstance(run.plan.to_dict()[f], list)
+                           else ";".join(map(str, run.plan.to_dict()[f]))) for f in present)
+    rows = []
+    for kind, frame in (("plan", ok), ("baseline", base)):
+        for _, r in frame.iterrows():
+            plan = plan_from_row(r)
+            key = tuple(str(r[f]) for f in present)
+            chosen = key == chosen_key or (plan is not None and plan == run.plan)
+            rows.append({
+                "trial": int(r["trial"]), "source": str(r.get("source", "")), "kind": kind, "chosen": chosen,
+                "plan": plan.describe() if plan is not None else "(unreadable plan)",
+                "short": short_label(plan) if plan is not None else "?",
+                "tokens_per_s": r["tokens_per_s"], "step_time_s": r.get("step_time_s", math.nan),
+                "mfu": r.get("mfu", math.nan), "peak_memory_gb": r["peak_memory_gb"],
+                "capacity_gb": r.get("capacity_gb", math.nan), "bubble_fraction": r.get("bubble_fraction", math.nan),
+                "knobs": knobs(plan, run.model.layers) if plan is not None else [],
+                "why": "chosen plan" if chosen else why_lost(r, run.estimate),
+                "time": {p: r.get(f"time_{p}", math.nan) for p in TIME_PARTS},
+                "mem": {p: r.get(f"mem_{p}", math.nan) for p in MEM_PARTS},
+            })
+    out = pd.DataFrame(rows)
+    if not out.empty:
+        plans = out["kind"] == "plan"
+        out["rank"] = out["tokens_per_s"].where(plans).rank(ascending=False, method="min")
+    return out
+
+
+def train_cost(tokens_per_s: float | None, world: int, tokens: float, price: float | None) -> dict[str, Any]:
+    if not tokens_per_s or tokens_per_s != tokens_per_s or tokens_per_s <= 0:
+        return {"time_s": None, "gpu_hours": None, "cost": None}
+    seconds = tokens / tokens_per_s
+    gpu_hours = seconds / 3600 * world
+    return {"time_s": seconds, "gpu_hours": gpu_hours, "cost": gpu_hours * price if price is not None else None}
+
+
+def headline(run: RunData, price_per_gpu_hour: float | None, train_tokens: float | None) -> dict[str, Any]:
+    est = run.estimate
+    world = run.plan.world_size
+    tokens = float(train_tokens) if train_tokens else float(TOKENS_PER_PARAM * run.model.params)
+    tokens_note = ("--train-tokens" if train_tokens else
+                   f"default: {TOKENS_PER_PARAM} tokens per parameter (Hoffmann et al. 2022)")
+    out: dict[str, Any] = {
+        "description": run.doc.get("description") or run.plan.describe(), "world": world,
+        "tokens_per_s": est.get("tokens_per_s"), "step_time_s": est.get("step_time_s"), "mfu": est.get("mfu"),
+        "hfu": est.get("hfu"), "tflops": est.get("tflops_per_gpu"), "peak_memory_gb": est.get("peak_memory_gb"),
+        "capacity_gb": est.get("capacity_gb"), "feasible": est.get("feasible", True),
+        "reasons": list(est.get("reasons", [])), "bubble_fraction": est.get("bubble_fraction"),
+        "train_tokens": tokens, "train_tokens_note": tokens_note, "price": price_per_gpu_hour,
+        "train": train_cost(est.get("tokens_per_s"), world, tokens, price_per_gpu_hour),
+    }
+    cap = est.get("capacity_gb") or math.nan
+    out["memory_fraction"] = (est.get("peak_memory_gb") or math.nan) / cap if cap else math.nan
+    targets = dict(DEFAULT_TARGETS)
+    if run.verify and isinstance(run.verify.get("targets"), dict):
+        targets.update({k: v for k, v in run.verify["targets"].items() if isinstance(v, (int, float))})
+    out["targets"] = targets
+    out["baseline"] = _baseline(run, tokens, price_per_gpu_hour, targets)
+    out["measured_ratios"] = _measured_ratios(run.verify, targets)
+    return out
+
+
+def _baseline(run: RunData, tokens: float, price: float | None, targets: dict[str, float]) -> dict[str, Any] | None:
+    b = run.baseline
+    if not b:
+        return None
+    try:
+        plan = Plan.from_dict(b.get("plan", {}))
+        desc = plan.describe()
+        world = plan.world_size
+    except PlannerError:
+        desc, world = "(unreadable baseline plan)", run.plan.world_size
+    est = b.get("estimate") if isinstance(b.get("estimate"), dict) else {}
+    fits = b.get("fits") is not False and bool(est) and est.get("feasible", True) is not False
+    needs = b.get("needs_gb", est.get("peak_memory_gb"))
+    out: dict[str, Any] = {"description": desc, "fits": fits, "needs_gb": needs,
+                           "reasons": list(est.get("reasons", [])) if est else [],
+                           "tokens_per_s": est.get("tokens_per_s") if fits else None,
+                           "step_time_s": est.get("step_time_s") if fits else None,
+                           "mfu": est.get("mfu") if fits else None, "peak_memory_gb": needs,
+                           "train": train_cost(est.get("tokens_per_s") if fits else None, world, tokens, price)}
+    plan_tps, plan_mem = run.estimate.get("tokens_per_s"), run.estimate.get("peak_memory_gb")
+    tr = plan_tps / out["tokens_per_s"] if fits and out["tokens_per_s"] else None
+    mr = plan_mem / needs if needs else None
+    out["throughput_ratio"] = tr
+    out["memory_ratio"] = mr
+    out["memory_reduction"] = 1 - mr if mr is not None else None
+    out["met"] = {"throughput_ratio": tr is not None and tr >= targets["throughput_ratio"],
+                  "memory_reduction": mr is not None and 1 - mr >= targets["memory_reduction"]}
+    return out
+
+
+def _measured_ratios(verify: dict[str, Any] | None, targets: dict[str, float]) -> dict[str, Any] | None:
+    if not verify or not isinstance(verify.get("measured"), dict):
+        return None
+    m = verify["measured"]
+    tr, mr = m.get("throughput_ratio"), m.get("memory_ratio")
+    num = (int, float)
+    return {"throughput_ratio": tr if isinstance(tr, num) else None,
+            "memory_ratio": mr if isinstance(mr, num) else None,
+            "memory_reduction": 1 - mr if isinstance(mr, num) else None,
+            "met": {"throughput_ratio": isinstance(tr, num) and tr >= targets["throughput_ratio"],
+                    "memory_reduction": isinstance(mr, num) and 1 - mr >= targets["memory_reduction"]},
+            "summary": str(verify.get("summary", ""))}
