@@ -10,7 +10,8 @@ from torch.utils.data import DataLoader, Dataset
 from planner import dsconfig
 from planner.errors import ExecutionError
 from planner.executor.data import Layout, Rows
-from planner.executor.model import Block, Embedding, GLMModel, Head, block_flags, lm_loss
+from planner.executor.model import (Block, Embedding, FinalNorm, GLMModel, Head, block_flags, lm_loss,
+                                    tied_logits)
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
 
@@ -46,10 +47,15 @@ def build_module(plan: Plan, spec: ModelSpec) -> torch.nn.Module:
     selective = plan.recompute == "selective"
     if plan.pp == 1:
         return GLMModel(spec, flags, selective)
-    from deepspeed.pipe import LayerSpec
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-    layers = [LayerSpec(Embedding, spec)] + [LayerSpec(Block, spec, f, selective) for f in flags] \
-        + [LayerSpec(Head, spec)]
+    blocks = [LayerSpec(Block, spec, f, selective) for f in flags]
+    if spec.tied_embeddings:  # the first and last stage share the embedding (DeepSpeed ties its gradient)
+        tie = {"tied_weight_attr": ["word_embeddings.weight"]}
+        layers = [TiedLayerSpec("embed", Embedding, spec, **tie)] + blocks + [
+            LayerSpec(FinalNorm, spec), TiedLayerSpec("embed", Embedding, spec, forward_fn=tied_logits, **tie)]
+    else:
+        layers = [LayerSpec(Embedding, spec)] + blocks + [LayerSpec(Head, spec)]
     # embedding on the first stage, head on the last: boundaries in the flat layer list
     parts, at = [0], 1
     for n in stages:

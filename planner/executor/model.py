@@ -186,6 +186,9 @@ class Embedding(nn.Module):
         self.spec = spec
         self.word_embeddings = nn.Embedding(spec.vocab, spec.hidden)
         self.position_embeddings = nn.Embedding(spec.max_seq, spec.hidden) if spec.position == "learned" else None
+        for emb in (self.word_embeddings, self.position_embeddings):
+            if emb is not None:  # Megatron-LM init_method_std 0.02 (Shoeybi et al. 2019)
+                nn.init.normal_(emb.weight, std=0.02)
         self.poison = False
         """Set by the stability test (--inject-nan): makes this micro-batch's activations NaN."""
 
@@ -200,18 +203,33 @@ class Embedding(nn.Module):
 
 
 class Head(nn.Module):
-    """Final norm (pre-LN models) and the output layer; returns logits."""
+    """Final norm and the output layer; returns logits. Tied models (GLM-10B) project with
+    the input embedding matrix instead of an output layer of their own."""
+
+    def __init__(self, spec: ModelSpec, tied: bool = False) -> None:
+        super().__init__()
+        self.final_layernorm = make_norm(spec)
+        self.output_layer = None if tied else nn.Linear(spec.hidden, spec.vocab, bias=False)
+
+    def forward(self, inputs, weight: torch.Tensor | None = None):
+        h = self.final_layernorm(inputs[0])
+        return self.output_layer(h) if self.output_layer is not None else F.linear(h, weight)
+
+
+class FinalNorm(nn.Module):
+    """The final norm as its own pipeline layer (tied models: the tied embedding projects)."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.final_layernorm = make_norm(spec) if spec.norm_position == "pre" else None
-        self.output_layer = nn.Linear(spec.hidden, spec.vocab, bias=False)
+        self.final_layernorm = make_norm(spec)
 
     def forward(self, inputs):
-        h = inputs[0]
-        if self.final_layernorm is not None:
-            h = self.final_layernorm(h)
-        return self.output_layer(h)
+        return (self.final_layernorm(inputs[0]),) + tuple(inputs[1:])
+
+
+def tied_logits(embedding: Embedding, inputs) -> torch.Tensor:
+    """forward_fn of the tied embedding on the last pipeline stage (DeepSpeed TiedLayerSpec)."""
+    return F.linear(inputs[0], embedding.word_embeddings.weight)
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -235,10 +253,10 @@ class GLMModel(nn.Module):
         super().__init__()
         self.embedding = Embedding(spec)
         self.layers = nn.ModuleList(Block(spec, c, selective) for c in checkpoint_flags)
-        self.head = Head(spec)
+        self.head = Head(spec, tied=spec.tied_embeddings)
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
         x = self.embedding((ids, pos, segments))
         for layer in self.layers:
             x = layer(x)
-        return self.head(x)
+        return self.head(x, self.embedding.word_embeddings.weight if self.head.output_layer is None else None)
