@@ -315,18 +315,20 @@ def estimate(**kw: Any) -> None:
         raise SpecError("--tp/--pp", f"tp {tp} x pp {pp} = {tp * pp} does not divide the {world} devices",
                         f"choose degrees whose product divides {world}")
     dp = world // (tp * pp)
-    if train.global_batch % (mb * dp):
+    plan = Plan(dp=dp, tp=tp, pp=pp, zero=kw["zero"], micro_batch=mb,
+                grad_accum=max(1, train.global_batch // (mb * dp)), recompute=kw["recompute"],
+                sequence_parallel=kw["sequence_parallel"], schedule="interleaved" if kw["interleave"] > 1 else "1f1b",
+                interleave=kw["interleave"], precision=train.precision,
+                stage_layers=_int_list(kw["stage_layers"], "--stage-layers"),
+                recompute_layers=_int_list(kw["recompute_layers"], "--recompute-layers"))
+    batch_ok = train.global_batch % (mb * dp) == 0
+    problems = [p for p in plan_problems(model, cluster, train, plan) if batch_ok or "global batch" not in p]
+    if problems:
+        raise SpecError("plan", problems[0], "change the degrees or batch named above")
+    if not batch_ok:
         raise SpecError("--micro-batch", f"micro-batch {mb} x dp {dp} = {mb * dp} does not divide the global "
                         f"batch {train.global_batch}", "choose --micro-batch and --global-batch so that "
                         "global batch = micro-batch x accumulation x dp")
-    plan = Plan(dp=dp, tp=tp, pp=pp, zero=kw["zero"], micro_batch=mb, grad_accum=train.global_batch // (mb * dp),
-                recompute=kw["recompute"], sequence_parallel=kw["sequence_parallel"],
-                schedule="interleaved" if kw["interleave"] > 1 else "1f1b", interleave=kw["interleave"],
-                precision=train.precision, stage_layers=_int_list(kw["stage_layers"], "--stage-layers"),
-                recompute_layers=_int_list(kw["recompute_layers"], "--recompute-layers"))
-    problems = plan_problems(model, cluster, train, plan)
-    if problems:
-        raise SpecError("plan", problems[0], "change the degrees or batch named above")
     est = cost_estimate(model, cluster, train, plan)
     if kw["as_json"]:
         doc = est.to_json()
