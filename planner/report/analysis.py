@@ -232,8 +232,8 @@ def _baseline(run: RunData, tokens: float, price: float | None, targets: dict[st
     est = b.get("estimate") if isinstance(b.get("estimate"), dict) else {}
     fits = b.get("fits") is not False and bool(est) and est.get("feasible", True) is not False
     needs = b.get("needs_gb", est.get("peak_memory_gb"))
-    out: dict[str, Any] = {"description": desc, "fits": fits, "needs_gb": needs,
-                           "reasons": list(est.get("reasons", [])) if est else [],
+    reasons = b.get("reasons") if isinstance(b.get("reasons"), list) else est.get("reasons", []) if est else []
+    out: dict[str, Any] = {"description": desc, "fits": fits, "needs_gb": needs, "reasons": [str(r) for r in reasons],
                            "tokens_per_s": est.get("tokens_per_s") if fits else None,
                            "step_time_s": est.get("step_time_s") if fits else None,
                            "mfu": est.get("mfu") if fits else None, "peak_memory_gb": needs,

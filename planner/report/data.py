@@ -53,6 +53,10 @@ class RunData:
     """estimate.json "estimate" (Estimate.to_json) of the chosen plan."""
     baseline: dict[str, Any] | None
     """estimate.json "baseline": {"plan", "estimate"} or {"plan", "fits": false, "needs_gb"}."""
+    search: dict[str, Any] = field(default_factory=dict)
+    """estimate.json "search" (method, trials, space_size, wall_s, study_name), when written."""
+    top: tuple[dict[str, Any], ...] = ()
+    """estimate.json "top": [{"plan", "description", "estimate"}], when written."""
     trials: pd.DataFrame | None = None
     study: StudyData | None = None
     metrics: dict[str, Any] | None = None
@@ -99,8 +103,9 @@ def read_trials(path: Path) -> pd.DataFrame:
     return df
 
 
-def read_study(path: Path) -> StudyData:
-    """The Optuna study in study.db (the one with most trials when there are several)."""
+def read_study(path: Path, name: str | None = None) -> StudyData:
+    """The Optuna study in study.db: `name` (estimate.json search.study_name) when it is
+    there, else the one with most trials."""
     import optuna
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     # Open read-only in spirit: skip table creation and the schema upgrade check, so that
@@ -111,7 +116,8 @@ def read_study(path: Path) -> StudyData:
         summaries = optuna.get_all_study_summaries(storage, include_best_trial=False)
         if not summaries:
             raise ValueError("holds no study")
-        summary = max(summaries, key=lambda s: s.n_trials)
+        named = [s for s in summaries if name and s.study_name == name]
+        summary = named[0] if named else max(summaries, key=lambda s: s.n_trials)
         study = optuna.load_study(study_name=summary.study_name, storage=storage)
         trials = study.get_trials(deepcopy=False)
         direction = "maximize" if study.directions[0] == optuna.study.StudyDirection.MAXIMIZE else "minimize"
@@ -172,10 +178,12 @@ def load(run_dir: str | Path) -> RunData:
             trials = read_trials(run / "trials.csv")
         except (OSError, ValueError, pd.errors.ParserError) as exc:
             notes.append(f"trials.csv could not be read ({exc}); plots of all trials are left out.")
+    search = est_doc.get("search") if isinstance(est_doc.get("search"), dict) else {}
+    top = tuple(t for t in est_doc.get("top", []) if isinstance(t, dict)) if isinstance(est_doc.get("top"), list) else ()
     study = None
     if (run / "study.db").exists():
         try:
-            study = read_study(run / "study.db")
+            study = read_study(run / "study.db", search.get("study_name"))
         except Exception as exc:  # sqlalchemy/optuna raise many types for a damaged or foreign file
             notes.append(f"study.db could not be read as an Optuna study ({type(exc).__name__}: {exc}); "
                          "its plots are left out.")
@@ -189,7 +197,7 @@ def load(run_dir: str | Path) -> RunData:
                                              "hostfile", "trials.csv", "study.db", "metrics.json", "verify.json")}
     baseline = est_doc.get("baseline") if isinstance(est_doc.get("baseline"), dict) else None
     return RunData(run_dir=run, plan=plan, model=model, cluster=cluster, train=train, doc=doc,
-                   estimate=est_doc["estimate"], baseline=baseline, trials=trials, study=study,
+                   estimate=est_doc["estimate"], baseline=baseline, search=search, top=top, trials=trials, study=study,
                    metrics=_optional_json(run / "metrics.json", notes), verify=_optional_json(run / "verify.json", notes),
                    ds_config=_optional_json(run / "ds_config.json", notes), launch=launch, notes=tuple(notes),
                    files=files)

@@ -175,7 +175,7 @@ def time_breakdown(rows: list[dict[str, Any]]) -> str:
         handles = [Patch(color=TIME_COLORS[p], label=TIME_LABELS[p]) for p in TIME_PARTS]
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
 
-    return render(draw, (10.5, 0.9 + 0.42 * len(rows)))
+    return render(draw, (10.5, max(2.8, 0.9 + 0.42 * len(rows))))
 
 
 def history(hist: pd.DataFrame, direction: str) -> str:

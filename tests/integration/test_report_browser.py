@@ -137,6 +137,19 @@ def test_blocked_script_would_be_reported(tmp_path: Path) -> None:
     assert console_lines(res.stderr), res.stderr[-2000:]
 
 
+def test_injected_markup_stays_inert(tmp_path: Path) -> None:
+    """A model name and command carrying HTML/script: no script runs, no extra image appears."""
+    import dataclasses
+
+    from planner.specs import preset
+    evil = '<script>console.error("pwned")</script><img src=x onerror="console.error(1)">'
+    run = write_sample_run(tmp_path / "run", model=dataclasses.replace(preset("glm-10b"), name=evil),
+                           study_trials=0, command=f"planner search --model '{evil}'")
+    check, console = load_in_chromium(write_report(run), tmp_path)
+    assert console == [], "console messages:\n" + "\n".join(console)
+    assert all(i["ok"] and i["id"].startswith("img-") for i in check["images"]), check["images"]
+
+
 def test_screenshot(rendered) -> None:
     page, check, _, work = rendered
     SHOTS.mkdir(parents=True, exist_ok=True)
