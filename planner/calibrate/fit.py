@@ -30,6 +30,7 @@ TIME_FACTORS = ("compute_scale", "attention_scale", "elementwise_scale", "comm_e
                 "step_overhead_s", "microbatch_overhead_s", "optimizer_scale")
 MEMORY_FACTORS = ("activation_scale", "memory_overhead_gb", "memory_fragmentation")
 FRACTIONS = ("dp_overlap",)
+ADDITIVE = ("step_overhead_s", "microbatch_overhead_s", "memory_overhead_gb", "memory_fragmentation")
 LAMBDAS = (1e-3, 1e-2, 1e-1, 1.0)
 
 
@@ -37,16 +38,38 @@ def with_factors(device: DeviceProfile, factors: dict[str, float]) -> DeviceProf
     return dataclasses.replace(device, factors={**device.factors, **factors})
 
 
-def _to_z(name: str, v: float) -> float:
-    if name in FRACTIONS:
-        v = min(max(v, 1e-4), 1 - 1e-4)
-        return math.log(v / (1 - v))
-    return math.log(v)
+def _softplus(z: float) -> float:
+    return z + math.log1p(math.exp(-z)) if z > 0 else math.log1p(math.exp(z))
 
 
-def _from_z(name: str, z: float) -> float:
-    z = max(min(z, 50.0), -50.0)
-    return 1 / (1 + math.exp(-z)) if name in FRACTIONS else math.exp(z)
+def _softplus_inv(v: float) -> float:
+    return v + math.log(-math.expm1(-v)) if v < 30 else v
+
+
+class Transform:
+    """Unconstrained z <-> factor value. Multipliers: log. Fractions: logit. Additive terms
+    (seconds, GB, fragmentation) may be 0: unit x softplus(z), whose slope does not vanish near
+    0 as a log's would (an overhead started at ~0 in log space never grows)."""
+
+    def __init__(self, name: str, unit: float) -> None:
+        self.name, self.unit = name, unit
+        self.kind = "logit" if name in FRACTIONS else "softplus" if name in ADDITIVE else "log"
+
+    def to_z(self, v: float) -> float:
+        if self.kind == "logit":
+            v = min(max(v, 1e-4), 1 - 1e-4)
+            return math.log(v / (1 - v))
+        if self.kind == "softplus":
+            return _softplus_inv(max(v / self.unit, 1e-3))
+        return math.log(v)
+
+    def value(self, z: float) -> float:
+        z = max(min(z, 50.0), -50.0)
+        if self.kind == "logit":
+            return 1 / (1 + math.exp(-z))
+        if self.kind == "softplus":
+            return float(self.unit * _softplus(z))
+        return math.exp(z)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,24 +120,21 @@ class GroupFit:
 
 
 def _fit(device: DeviceProfile, names: tuple[str, ...], observations: list[tuple[Callable, float]],
-         lam: float) -> GroupFit:
-    """observations: (predict(device) -> value, measured value)."""
-    start = {n: device.factor(n, DEFAULTS[n]) for n in names}
-    scale = min(v for _, v in observations)
-    for n in names:  # additive factors at 0 start just above it (log space)
-        if start[n] <= 0:
-            start[n] = 1e-3 * (scale if n.endswith("_s") else 1.0)
-    z0 = np.array([_to_z(n, start[n]) for n in names])
+         lam: float, unit: float) -> GroupFit:
+    """observations: (predict(device) -> value, measured value); unit: scale of the additive
+    factors (the runs' median step time in seconds, or their median memory in GB)."""
     meas = np.array([v for _, v in observations])
+    tr = [Transform(n, 0.1 if n == "memory_fragmentation" else unit) for n in names]
+    z0 = np.array([t.to_z(device.factor(n, DEFAULTS[n])) for n, t in zip(names, tr)])
 
     def resid(z: np.ndarray) -> np.ndarray:
-        dev = with_factors(device, {n: _from_z(n, zi) for n, zi in zip(names, z)})
+        dev = with_factors(device, {t.name: t.value(zi) for t, zi in zip(tr, z)})
         pred = np.array([max(p(dev), 1e-30) for p, _ in observations])
         return np.concatenate([np.log(pred / meas), math.sqrt(lam) * (z - z0)])
 
     sol = least_squares(resid, z0)
     sens = np.abs(sol.jacobian[:len(observations)]).sum(axis=0)
-    return GroupFit(factors={n: _from_z(n, zi) for n, zi in zip(names, sol.x)}, lam=lam,
+    return GroupFit(factors={t.name: t.value(zi) for t, zi in zip(tr, sol.x)}, lam=lam,
                     sensitivity={n: float(s) for n, s in zip(names, sens)}, iterations=sol.iterations)
 
 
@@ -123,11 +143,12 @@ def fit_group(device: DeviceProfile, names: tuple[str, ...], runs: list[Measured
               extra: list[tuple[Callable, float]] = ()) -> tuple[GroupFit, list[float]]:
     """Fit `names` to the runs (+ extra observations); returns the fit and each run's held-out prediction."""
     obs = [(lambda d, r=r: predict(d, r), measure(r)) for r in runs]
+    unit = float(np.median([measure(r) for r in runs]))
 
     def loo(lam: float) -> list[float]:
         out = []
         for i, r in enumerate(runs):
-            f = _fit(device, names, obs[:i] + obs[i + 1:] + list(extra), lam)
+            f = _fit(device, names, obs[:i] + obs[i + 1:] + list(extra), lam, unit)
             out.append(predict(with_factors(device, f.factors), r))
         return out
 
@@ -140,4 +161,4 @@ def fit_group(device: DeviceProfile, names: tuple[str, ...], runs: list[Measured
         held_out = held[lam]  # same lam for every fold (mildly optimistic: lam was chosen on all runs)
     else:
         lam, held_out = LAMBDAS[-1], [float("nan")] * len(runs)
-    return _fit(device, names, obs + list(extra), lam), held_out
+    return _fit(device, names, obs + list(extra), lam, unit), held_out

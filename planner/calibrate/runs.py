@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,8 @@ class MeasuredRun:
     train: TrainSpec
     plan: Plan
     step_time_s: float
-    """Mean step time after warm-up (metrics.json step_time_s)."""
+    """Median step time after warm-up (metrics.json step_times_s; its mean step_time_s when the
+    per-step list is absent). The median, because on a shared machine a few steps stall."""
     peak_memory_gb: float
     """Largest per-rank peak (metrics.json peak_memory_gb)."""
 
@@ -50,6 +52,11 @@ def load_measured(run_dir: str | Path) -> MeasuredRun:
     plan = Plan.from_dict(metrics["plan"])
     model = ModelSpec.from_dict(metrics["model"])
     step, mem = metrics["step_time_s"], metrics["peak_memory_gb"]
+    times = metrics.get("step_times_s") or []
+    warm = metrics.get("warmup", 0) if isinstance(metrics.get("warmup"), int) else 0
+    timed = [t for t in times[warm:] if isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0]
+    if timed:
+        step = statistics.median(timed)
     for name, v in (("step_time_s", step), ("peak_memory_gb", mem)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
             raise SpecError(f"{where}/metrics.json", f"{name} must be a positive number, got {v!r}", "re-run `planner run`")

@@ -22,8 +22,8 @@ def profile_machine(opts: ProfileOptions, *, name: str | None = None, force_cpu:
     target = device.detect(force_cpu)
     plan = make_plan(opts, target)
     on_plan(plan)
-    env = device.environment(target)
     raw = measure_all(opts, target, plan, tick)
+    env = device.environment(target)  # after measure_all set the thread count it used
     return write.build(raw, env, opts, name=name or f"{write.slug(target.name if target.kind == 'gpu' else 'cpu')}-measured",
                        kind=target.kind, memory_gb=device.memory_gb(target),
                        per_node=device.devices_per_node(target, opts.procs))

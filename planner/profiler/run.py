@@ -75,6 +75,10 @@ def make_plan(opts: ProfileOptions, target: Target) -> WorkList:
     return WorkList(points=points, shapes=shapes, squares=squares, groups=groups, sizes=sizes)
 
 
+def cpu_threads(procs: int) -> int:
+    return max(1, (os.cpu_count() or 1) // max(1, procs))
+
+
 def copy_bandwidth(target: Target, quick: bool) -> dict[str, Any]:
     """Memory bandwidth from a large tensor copy: bytes read + written per second (STREAM "copy")."""
     import torch
@@ -91,7 +95,9 @@ def measure_all(opts: ProfileOptions, target: Target, plan: WorkList,
     """Run every measurement; returns the raw figures (planner.profiler.write turns them into a profile)."""
     import torch
     if target.kind == "cpu":
-        torch.set_num_threads(os.cpu_count() or 1)
+        # A CPU "device" is one of `procs` processes sharing the cores, as the executor runs its
+        # ranks (OMP_NUM_THREADS = cores // world size): measure with that many threads.
+        torch.set_num_threads(cpu_threads(opts.procs))
     started = time.perf_counter()
     window = 0.05 if opts.quick else 0.2
     out: dict[str, Any] = {"notes": []}

@@ -51,6 +51,9 @@ def build(raw: dict[str, Any], env: dict[str, Any], opts: ProfileOptions, *, nam
                                      "(shared by all processes)"),
         "gpus_per_node": "measured: CUDA device count" if kind == "gpu" else "the --procs used for profiling",
     }
+    if kind == "cpu":
+        sources["peak_tflops"] += (f"; one CPU 'device' is one of {opts.procs} processes: measured with "
+                                   f"{env.get('torch_threads')} thread(s) each, as the executor runs its ranks")
     builtin = _builtin_for(kind, env.get("device", ""))
     links: dict[str, dict[str, Any]] = {}
     groups = sorted(raw["comm"], key=int)
