@@ -88,7 +88,7 @@ def draw_cluster(plan: Plan, gpus_per_node: int, nodes: int) -> tuple[str, dict[
             edges = [(u, v) for u, v, k in g.edges(data="kind") if k == kind]
             if edges:
                 curved = {"arrows": True, "arrowstyle": "-", "connectionstyle": "arc3,rad=0.25",
-                          "node_size": 110 if many else 260} if kind != "tp" else {"arrows": False}
+                          "node_size": 110 if many else 260} if kind != "tp" and len(edges) <= 200 else {"arrows": False}
                 nx.draw_networkx_edges(g, pos, edgelist=edges, ax=ax, alpha=0.8, **curved, **st)
         nx.draw_networkx_nodes(g, pos, ax=ax, node_color=color, node_size=110 if many else 260,
                                edgecolors="black", linewidths=0.6)
@@ -98,7 +98,10 @@ def draw_cluster(plan: Plan, gpus_per_node: int, nodes: int) -> tuple[str, dict[
                    Line2D([], [], color="#dd8452", lw=1.2, label=f"PP: next stage ({plan.pp} stages)"),
                    Line2D([], [], color="#4c72b0", lw=1.0, ls="--", label=f"DP: same shard ({plan.dp} replicas)")]
         stages = sorted({a["stage"] for _, a in g.nodes(data=True)})
-        if len(stages) <= 10:
+        if len(stages) > 10:
+            handles += [Line2D([], [], marker="o", ls="", color=cmap(s / max(1, plan.pp - 1)), markeredgecolor="black",
+                               label=f"stage {s}") for s in (stages[0], stages[len(stages) // 2], stages[-1])]
+        else:
             handles += [Line2D([], [], marker="o", ls="", color=cmap(s % 10 if plan.pp <= 10 else s / max(1, plan.pp - 1)),
                                markeredgecolor="black", label=f"stage {s}") for s in stages]
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1), frameon=False)

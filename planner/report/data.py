@@ -113,12 +113,12 @@ def read_study(path: Path, name: str | None = None) -> StudyData:
     storage = optuna.storages.RDBStorage(f"sqlite:///{path.resolve()}", skip_compatibility_check=True,
                                          skip_table_creation=True)
     try:
-        summaries = optuna.get_all_study_summaries(storage, include_best_trial=False)
-        if not summaries:
+        names = optuna.get_all_study_names(storage)     # summaries would read every trial once more
+        if not names:
             raise ValueError("holds no study")
-        named = [s for s in summaries if name and s.study_name == name]
-        summary = named[0] if named else max(summaries, key=lambda s: s.n_trials)
-        study = optuna.load_study(study_name=summary.study_name, storage=storage)
+        if name not in names:
+            name = names[0] if len(names) == 1 else max(names, key=lambda n: storage.get_n_trials(storage.get_study_id_from_name(n)))
+        study = optuna.load_study(study_name=name, storage=storage)
         trials = study.get_trials(deepcopy=False)
         direction = "maximize" if study.directions[0] == optuna.study.StudyDirection.MAXIMIZE else "minimize"
         history = pd.DataFrame({
@@ -128,7 +128,7 @@ def read_study(path: Path, name: str | None = None) -> StudyData:
             "feasible": [bool(t.user_attrs.get("feasible", True)) for t in trials],
         })
         importances, note = _importances(study, trials)
-        return StudyData(name=summary.study_name, direction=direction, history=history,
+        return StudyData(name=name, direction=direction, history=history,
                          importances=importances, importance_note=note)
     finally:
         storage.remove_session()

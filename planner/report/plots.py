@@ -57,16 +57,17 @@ def frontier(trials: pd.DataFrame, chosen: dict[str, Any], baseline: dict[str, A
     counts = cats.value_counts()
     top = list(counts.index[:len(REASON_MARKERS) - 1])
 
+    finite_mem = mem[np.isfinite(mem)]
+    xmax = float(finite_mem.max()) if finite_mem.size else 1.0
+    if math.isfinite(capacity_gb):
+        # memory far past capacity says only "does not fit": clamp it to the edge, keep the scale readable
+        near = max(capacity_gb * 3, float(np.nanmax(mem[feas])) * 1.2 if feas.any() else 0.0)
+        xmax = min(xmax * 1.03, near)
+
     def draw(fig: Figure) -> None:
         ax = fig.add_subplot()
         ymax = np.nanmax(tps) if np.isfinite(tps).any() else 1.0
-        ax.scatter(mem[feas], tps[feas], s=9, c="#4c72b0", alpha=0.35, lw=0, label=f"feasible ({feas.sum()})",
-                   rasterized=True)
-        if feas.any():
-            front = pareto_mask(mem[feas], tps[feas])
-            fm, ft = mem[feas][front], tps[feas][front]
-            o = np.argsort(fm)
-            ax.plot(fm[o], ft[o], "-o", color="#1f3d7a", ms=4, lw=1.2, label=f"Pareto front ({front.sum()})")
+        clipped = 0
         for i, cat in enumerate(top + (["other"] if len(counts) > len(top) else [])):
             sel = cats.index[cats.isin(top) == False] if cat == "other" else cats.index[cats == cat]  # noqa: E712
             sub = trials.loc[sel]
@@ -74,9 +75,16 @@ def frontier(trials: pd.DataFrame, chosen: dict[str, Any], baseline: dict[str, A
             x = sub["peak_memory_gb"].to_numpy(dtype=float)
             y = np.where(np.isfinite(y), y, 0.0)        # no estimate: drawn on the floor
             ok = np.isfinite(x)
-            n = int(len(sub))
-            ax.scatter(x[ok], y[ok], s=14, marker=REASON_MARKERS[i], c=REASON_COLORS[i], lw=0.8, alpha=0.6,
-                       label=f"{cat} ({n})", rasterized=True)
+            clipped += int((x[ok] > xmax).sum())
+            ax.scatter(np.minimum(x[ok], xmax), y[ok], s=14, marker=REASON_MARKERS[i], c=REASON_COLORS[i], lw=0.8,
+                       alpha=0.5, label=f"{cat} ({len(sub)})", rasterized=True, zorder=1, clip_on=False)
+        ax.scatter(mem[feas], tps[feas], s=10, c="#4c72b0", alpha=0.5, lw=0, label=f"feasible ({feas.sum()})",
+                   rasterized=True, zorder=2)
+        if feas.any():
+            front = pareto_mask(mem[feas], tps[feas])
+            fm, ft = mem[feas][front], tps[feas][front]
+            o = np.argsort(fm)
+            ax.plot(fm[o], ft[o], "-o", color="#1f3d7a", ms=4, lw=1.2, label=f"Pareto front ({front.sum()})", zorder=3)
         if math.isfinite(capacity_gb):
             ax.axvline(capacity_gb, color="#c44e52", ls="--", lw=1)
             ax.text(capacity_gb, ymax * 1.02, f" capacity {capacity_gb:.0f} GB", color="#c44e52", va="bottom",
@@ -84,14 +92,19 @@ def frontier(trials: pd.DataFrame, chosen: dict[str, Any], baseline: dict[str, A
         ax.scatter([chosen.get("peak_memory_gb")], [chosen.get("tokens_per_s")], marker="*", s=260,
                    c="#e6b800", edgecolors="black", lw=0.8, zorder=5, label="chosen plan")
         if baseline and baseline.get("tokens_per_s"):
-            ax.scatter([baseline["peak_memory_gb"]], [baseline["tokens_per_s"]], marker="D", s=60, c="white",
-                       edgecolors="black", lw=1.2, zorder=5, label="baseline")
-        ax.set_xlabel("predicted peak memory per GPU (GB)")
+            ax.scatter([min(baseline["peak_memory_gb"], xmax)], [baseline["tokens_per_s"]], marker="D", s=60,
+                       c="white", edgecolors="black", lw=1.2, zorder=5, label="baseline", clip_on=False)
+        ax.set_xlabel("predicted peak memory per GPU (GB)" +
+                      (f"; {clipped} plans needing more than {xmax:.0f} GB are drawn at the right edge" if clipped else ""))
         ax.set_ylabel("predicted tokens/s")
         ax.set_ylim(bottom=0, top=ymax * 1.1)
-        ax.set_xlim(left=0)
+        ax.set_xlim(left=0, right=xmax)
         _kilo(ax)
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+        handles, labels = ax.get_legend_handles_labels()
+        reason_labels = {f"{c} ({n})" for c, n in counts.items()} | {lab for lab in labels if lab.startswith("other (")}
+        order = sorted(range(len(labels)), key=lambda k: (labels[k] in reason_labels, k))
+        ax.legend([handles[k] for k in order], [labels[k] for k in order], loc="upper left",
+                  bbox_to_anchor=(1.01, 1), frameon=False)
 
     return render(draw, (10.5, 4.6)), {str(k): int(v) for k, v in counts.items()}
 

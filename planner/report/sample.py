@@ -109,7 +109,7 @@ def _ds_config(plan: Plan) -> dict[str, Any]:
     return cfg
 
 
-def _optuna_params(plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
+def _optuna_params(plan: Plan, global_batch: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """Parameter names and choices as planner/search/optuna_search.py suggests them."""
     from optuna.distributions import CategoricalDistribution as Cat
     params = {"tp": plan.tp, f"pp|tp={plan.tp}": plan.pp,
@@ -117,8 +117,8 @@ def _optuna_params(plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
               f"micro_batch|dp={plan.dp}": plan.micro_batch, "recompute": plan.recompute}
     dists = {"tp": Cat([1, 2, 4, 8]), f"pp|tp={plan.tp}": Cat(list(range(1, 17))),
              ("zero" if plan.pp == 1 else "zero|pp>1"): Cat([0, 1, 2, 3] if plan.pp == 1 else [0, 1]),
-             f"micro_batch|dp={plan.dp}": Cat([1, 2, 4, 8, 16]) if plan.micro_batch in (1, 2, 4, 8, 16)
-             else Cat(list(range(1, 17))), "recompute": Cat(list(RECOMPUTE))}
+             f"micro_batch|dp={plan.dp}": Cat([b for b in _divisors(global_batch // plan.dp) if b <= 16]),
+             "recompute": Cat(list(RECOMPUTE))}
     if plan.tp > 1:
         params["sequence_parallel"] = plan.sequence_parallel
         dists["sequence_parallel"] = Cat([False, True])
@@ -144,7 +144,7 @@ def _fill_study(path: Path, rows: list[tuple[Plan, Estimate]], study_name: str) 
                                 load_if_exists=False)
     trials = []
     for plan, est in rows:
-        params, dists = _optuna_params(plan)
+        params, dists = _optuna_params(plan, plan.global_batch)
         attrs = {"feasible": est.feasible, "peak_memory_gb": est.peak_memory_gb, "reason": "; ".join(est.reasons),
                  "excess_gb": 0.0 if est.feasible else max(1e-3, est.peak_memory_gb - est.capacity_bytes / GB),
                  "plan": plan.to_dict()}

@@ -123,6 +123,10 @@ def gantt(estimate: dict[str, Any], layers_per_stage: tuple[int, ...], m: int, s
         last_f = max(o.end for o in s0 if o.kind == "F")
         phases = [(0.0, first_b, "warm-up"), (first_b, last_f, "steady 1F1B"), (last_f, end, "cool-down")]
 
+    spans_by: dict[tuple[int, str, str], list[Op]] = {}
+    for o in ops:
+        spans_by.setdefault((o.stage, o.kind, o.phase), []).append(o)
+
     def draw(fig: Figure) -> None:
         axes = fig.subplots(1, len(wins), sharey=True, squeeze=False,
                             width_ratios=[hi - lo for lo, hi in wins])[0]
@@ -130,12 +134,12 @@ def gantt(estimate: dict[str, Any], layers_per_stage: tuple[int, ...], m: int, s
             for i in range(p):
                 ax.broken_barh([(0, end)], (i - 0.4, 0.8), facecolors="#f6d5d5", lw=0)   # idle = bubble
                 for key, color in colors.items():
-                    spans = [(o.start, o.end - o.start) for o in ops if o.stage == i and (o.kind, o.phase) == key
-                             and o.end > lo and o.start < hi]
+                    spans = [(o.start, o.end - o.start) for o in spans_by.get((i, *key), [])
+                             if o.end > lo and o.start < hi]
                     if spans:
                         ax.broken_barh(spans, (i - 0.4, 0.8), facecolors=color, edgecolors="white", lw=0.3)
             for o in ops:
-                if o.end > lo and o.start < hi and (o.end - o.start) > (hi - lo) / 70:
+                if o.end > lo and o.start < hi and (o.end - o.start) > (hi - lo) / 45:
                     ax.text((max(o.start, lo) + min(o.end, hi)) / 2, o.stage, str(o.micro + 1), ha="center",
                             va="center", fontsize=6, color="white" if o.kind == "F" and o.phase != "warm-up" else "black",
                             clip_on=True)
