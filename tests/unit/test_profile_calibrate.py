@@ -134,3 +134,34 @@ def test_refine_with_a_fake_executor(tmp_path):
     assert out["summary"]["step_time_mape_pct"]["after"] < out["summary"]["step_time_mape_pct"]["before"]
     assert (tmp_path / "profile-calibrated.json").exists()
     assert saved["ranking"]["best_after"] is not None
+
+
+def test_calibrate_cli_writes_factors_and_residuals(tmp_path, capsys):
+    from planner.cli import main
+    from planner.specs import load_profile
+    base, runs = synthetic_runs(TRUTH, PLANS[:4])
+    from pathlib import Path
+    prof = json.loads(Path(base.path).read_text())
+    prof["builtin"] = False
+    prof_path = tmp_path / "measured.json"
+    prof_path.write_text(json.dumps(prof))
+    dirs = []
+    for i, r in enumerate(runs):
+        d = tmp_path / f"run{i}"
+        _write_run(d, r.plan, step=r.step_time_s, mem=r.peak_memory_gb)
+        dirs.append(str(d))
+    code = main(["calibrate", "--profile", str(prof_path), *dirs])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "step time MAPE: before" in out and "held out" in out
+    cal = load_profile(prof_path)
+    assert set(cal.factors) >= {"compute_scale", "step_overhead_s", "memory_overhead_gb"}
+    assert cal.measured["calibration"]["summary"]["runs"] == 4
+    assert "factors.compute_scale" in cal.sources
+
+
+def test_calibrate_cli_refuses_to_overwrite_a_builtin_profile(tmp_path, capsys):
+    from planner.cli import main
+    _write_run(tmp_path / "r", PLANS[0])
+    code = main(["calibrate", "--profile", str(find_device("cpu")[0].path), str(tmp_path / "r")])
+    assert code == 2 and "--out" in capsys.readouterr().err
