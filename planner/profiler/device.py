@@ -6,7 +6,7 @@ import importlib.metadata
 import os
 import platform
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -21,10 +21,6 @@ class Target:
         if self.kind == "gpu":
             import torch
             torch.cuda.synchronize()
-
-    @property
-    def syncer(self) -> Callable[[], None]:
-        return self.sync
 
 
 def detect(force_cpu: bool = False) -> Target:
