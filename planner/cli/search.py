@@ -198,6 +198,8 @@ def search(ctx: click.Context, **kw: Any) -> None:
         raise SpecError("--out-dir", f"{out_dir} is not a directory", "give a directory path")
     storage, tmp_db = kw["storage"], None
     rdb = None
+    if storage is not None and not kw["exhaustive"]:
+        storage = _open_storage(storage)
     if not kw["exhaustive"] and storage is None:
         # the study runs in a temporary copy; it replaces study.db only when the search succeeds
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -235,6 +237,16 @@ def search(ctx: click.Context, **kw: Any) -> None:
     if report:
         written.append(report)
     _print_search(_console(), result, cluster, run_dir, written, kw["top"])
+
+
+def _open_storage(url: str) -> Any:
+    import optuna
+    try:
+        return optuna.storages.get_storage(url)
+    except Exception as exc:  # SQLAlchemy / driver errors: say which URL and why, in one line
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise SpecError("--storage", f"cannot open {url!r}: {first}",
+                        "give an Optuna storage URL, e.g. sqlite:///study.db or postgresql://user@host/db") from None
 
 
 def _sqlite_storage(path: Path) -> Any:

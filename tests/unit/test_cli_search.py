@@ -46,6 +46,7 @@ def test_estimate_table_and_alias_note(capsys):
     (["estimate", "--model", "glm-10b", "--gpus", "8xA100", "--stage-layers", "a,b"], "--stage-layers"),
     (["search", "--model", "glm-10b", "--gpus", "8xA100", "--name", "../x"], "--name"),
     (["search", "--model", "glm-10b", "--gpus", "8xA100", "--trials", "0"], "--trials"),
+    (["search", "--model", "glm-10b", "--gpus", "8xA100", "--storage", "nosuchdb://x"], "--storage"),
 ])
 def test_bad_input_is_one_line(capsys, argv, needle):
     rc, out, err = run(capsys, *argv)
