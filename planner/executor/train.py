@@ -80,6 +80,7 @@ def train(args, run_dir: Path, rank: int, status) -> None:
     times: dict[int, float] = {int(k): v for k, v in state.get("times_by_step", {}).items()}
     poisoned_batches: set[int] = set()
     stream = None
+    states = None
     while state["step"] < args.steps:
         step = state["step"]
         if stream is None:  # (re)started after init or a rollback: one DataLoader for the rest of the run
@@ -102,10 +103,13 @@ def train(args, run_dir: Path, rank: int, status) -> None:
             loss = float(engine.train_batch(data_iter=it))
         else:
             losses = []
-            for ids, pos, seg, lab in micro:
+            for k, (ids, pos, seg, lab) in enumerate(micro):
                 logits = engine(ids.to(device), pos.to(device), seg.to(device))
                 l = lm_loss(logits, lab.to(device))
                 engine.backward(l)
+                if step >= 1 and k == len(micro) - 1 and states is None:
+                    # gradients reduced and optimizer state allocated: count model states here
+                    states = model_state_bytes(engine.module, engine.optimizer)
                 engine.step()
                 losses.append(float(l.detach()))
             loss = sum(losses) / len(losses)
@@ -149,7 +153,8 @@ def train(args, run_dir: Path, rank: int, status) -> None:
             state["events"].append({"step": step + 1, "kind": "checkpoint", "message": f"saved step{step + 1}"})
 
     status.write(phase="measure")
-    states = model_state_bytes(engine.module, engine.optimizer)
+    if states is None or pipe:  # pipeline: after the last step (train_batch has freed the gradients)
+        states = model_state_bytes(engine.module, engine.optimizer)
     mine = {"rank": rank, "coords": [pp_i, dp_i, tp_i], "peak_bytes": peak_bytes(device),
             "rss_before_model_bytes": rss_before, "model_state": states,
             "checkpointed_blocks": [bool(m.checkpoint) for m in engine.module.modules() if isinstance(m, Block)],
