@@ -40,8 +40,8 @@ def atomic_write_text(path: str | Path, text: str, mode: int | None = None) -> N
     try:
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
-        if mode is not None:
-            os.chmod(tmp, mode)
+        # mkstemp creates 0600; run-directory files are ordinary files (0644 unless told)
+        os.chmod(tmp, mode if mode is not None else 0o644)
         os.replace(tmp, path)
     except BaseException:
         try:

@@ -181,6 +181,9 @@ def _print_search(console: Console, result, cluster, run_dir: Path, written: lis
               help="Any Optuna storage URL (e.g. postgresql://...) to share one study between workers; "
                    "default: SQLite study.db in the run directory.")
 @click.option("--top", type=click.IntRange(1, 100), default=5, show_default=True, help="Plans to show.")
+@click.option("--megatron-features", is_flag=True,
+              help="Also choose interleaved 1F1B and sequence parallelism, which plain DeepSpeed cannot run "
+                   "(for Megatron-LM runtimes; without it they are evaluated and marked infeasible).")
 @click.pass_context
 def search(ctx: click.Context, **kw: Any) -> None:
     """Find the fastest plan that fits and write reports/<name>/."""
@@ -214,7 +217,8 @@ def search(ctx: click.Context, **kw: Any) -> None:
         if bar:
             bar.start()
         result = run_search(model, cluster, train, exhaustive=kw["exhaustive"], n_trials=kw["n_trials"],
-                            seed=kw["seed"], storage=storage, progress=progress)
+                            seed=kw["seed"], storage=storage, progress=progress,
+                            megatron_features=kw["megatron_features"])
     except BaseException:
         if tmp_db is not None:
             _close(rdb)

@@ -38,7 +38,8 @@ class LayerCosts:
     last_stage_state_bytes: float
     """Extra model states on the last stage (final norm, untied output layer)."""
     fixed_bytes: float
-    """Per-device bytes independent of layers: communication buckets + runtime allowance."""
+    """Per-device runtime allowance independent of layers (communication buckets are per
+    stage: planner.cost.model.bucket_bytes)."""
     in_flight: tuple[float, ...]
     """Micro-batches whose activations a stage holds at its peak (1F1B: p - i on stage i,
     capped at the accumulation steps; interleaving scales it)."""

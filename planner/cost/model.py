@@ -68,7 +68,7 @@ def _stage_params(model: ModelSpec, plan: Plan, layers: tuple[int, ...]) -> list
     return out
 
 
-def _bucket_bytes(plan: Plan, psi_dev: float) -> float:
+def bucket_bytes(plan: Plan, psi_dev: float) -> float:
     """DeepSpeed's flattened gradient-reduce bucket (x2 double-buffered with overlap_comm for
     ZeRO 1-2), plus ZeRO-3's all-gather bucket; never larger than the parameters themselves."""
     e = _act_bytes(plan.precision)
@@ -140,7 +140,7 @@ def stage_memory(model: ModelSpec, plan: Plan, lc: LayerCosts, layers: tuple[int
         if n > 0 and (r > 0 or plan.recompute == "selective"):
             acts += lc.block_work_bytes
         logits = lc.last_stage_act_bytes if i == p - 1 else 0.0
-        buckets = _bucket_bytes(plan, psi[i])
+        buckets = bucket_bytes(plan, psi[i])
         overhead = lc.fixed_bytes + fragmentation * (acts + logits + buckets)
         out.append(MemoryBreakdown(params=params, grads=grads, optimizer=opt, activations=acts, logits=logits,
                                    buckets=buckets, overhead=overhead))

@@ -18,7 +18,7 @@ import math
 
 from planner.cost.factors import all_factors
 from planner.cost.layers import LayerCosts
-from planner.cost.model import _bucket_bytes  # shared with the estimate so both agree exactly
+from planner.cost.model import bucket_bytes  # shared with the estimate so both agree exactly
 from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
@@ -38,9 +38,9 @@ class StageModel:
         self.pp = plan.pp
         self.lc = lc
         self.frag1 = 1.0 + f["memory_fragmentation"]
-        # DeepSpeed's buckets hold min(bucket_elements, parameters) elements (cost.model._bucket_bytes)
+        # DeepSpeed's buckets hold min(bucket_elements, parameters) elements (cost.model.bucket_bytes)
         self.bucket_elems = float(plan.bucket_elements)
-        self.bucket_slope = _bucket_bytes(plan, 1.0)
+        self.bucket_slope = bucket_bytes(plan, 1.0)
         self.saving = [self.frag1 * f_i * (lc.block_act_bytes - lc.block_act_bytes_full_recompute)
                        for f_i in lc.in_flight]
         self.mb_overhead = f["microbatch_overhead_s"]

@@ -57,13 +57,13 @@ def fits_nowhere(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, trial
 
 def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *, exhaustive: bool = False,
            n_trials: int = 100, seed: int = 0, storage: object = None, progress: Progress | None = None,
-           max_interleave: int | None = None) -> SearchResult:
+           max_interleave: int | None = None, megatron_features: bool = False) -> SearchResult:
     """Find the fastest plan that fits. Raises SpecError (one line) when nothing fits anywhere."""
     t0 = time.perf_counter()
-    space = Space(model=model, cluster=cluster, train=train) if max_interleave is None else \
-        Space(model=model, cluster=cluster, train=train, max_interleave=max_interleave)
+    extra = {} if max_interleave is None else {"max_interleave": max_interleave}
+    space = Space(model=model, cluster=cluster, train=train, megatron_features=megatron_features, **extra)
     space.require_nonempty()
-    evaluate = Evaluator(model, cluster, train)
+    evaluate = Evaluator(model, cluster, train, megatron_features=megatron_features)
     name = ""
     if exhaustive:
         trials = run_exhaustive(space, evaluate, progress)

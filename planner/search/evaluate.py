@@ -49,8 +49,10 @@ class Trial:
 class Evaluator:
     """Evaluates outer points for one (model, cluster, train), remembering each result."""
 
-    def __init__(self, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> None:
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *,
+                 megatron_features: bool = False) -> None:
         self.model, self.cluster, self.train = model, cluster, train
+        self.megatron_features = megatron_features
         self.capacity = cluster.memory_bytes
         self.cache: dict[Outer, Trial] = {}
 
@@ -69,7 +71,8 @@ class Evaluator:
         full = outer.recompute == "full"
         sol = solve(StageModel(model, self.cluster, base, lc), model.layers, checkpoint=full)
         if isinstance(sol, NoFit):
-            return Trial(outer=outer, plan=base, estimate=None, feasible=False, reason=sol.reason,
+            why = "; ".join(([] if self.megatron_features else runtime_problems(base)) + [sol.reason])
+            return Trial(outer=outer, plan=base, estimate=None, feasible=False, reason=why,
                          needs_bytes=sol.needs_bytes, capacity_bytes=self.capacity, source=source)
         plan = outer.plan(train.precision, stage_layers=sol.stage_layers,
                           recompute_layers=sol.checkpointed if full else ())
@@ -77,8 +80,25 @@ class Evaluator:
             # nothing needs checkpointing: say so plainly (the same plan as recompute=none)
             plan = dataclasses.replace(plan, recompute="none", recompute_layers=())
         est = estimate(model, self.cluster, train, plan)
-        return Trial(outer=outer, plan=plan, estimate=est, feasible=est.feasible, reason="; ".join(est.reasons),
+        reasons = list(est.reasons)
+        if not self.megatron_features:
+            reasons = runtime_problems(plan) + reasons
+        return Trial(outer=outer, plan=plan, estimate=est, feasible=not reasons, reason="; ".join(reasons),
                      needs_bytes=est.peak_memory_bytes, capacity_bytes=est.capacity_bytes, source=source)
+
+
+def runtime_problems(plan: Plan) -> list[str]:
+    """What DeepSpeed 0.19.8 itself cannot run: its PipelineEngine has only the plain 1F1B
+    schedule, and AutoTP has no Megatron sequence parallelism. Such plans stay in the space
+    (evaluated, shown with this reason) but are only chosen with --megatron-features."""
+    out = []
+    if plan.schedule == "interleaved":
+        out.append("DeepSpeed's PipelineEngine has no interleaved schedule (Megatron-LM only; "
+                   "--megatron-features allows it)")
+    if plan.sequence_parallel:
+        out.append("DeepSpeed AutoTP has no Megatron sequence parallelism (Megatron-LM only; "
+                   "--megatron-features allows it)")
+    return out
 
 
 def _with_source(trial: Trial, source: str) -> Trial:

@@ -178,3 +178,17 @@ def test_fits_nowhere_names_the_memory():
         search(m, c, t, exhaustive=True)
     line = err.value.line()
     assert "does not fit" in line and "GB" in line and "\n" not in line
+
+
+def test_deepspeed_runtime_never_chooses_what_it_cannot_run():
+    """Interleaved 1F1B and sequence parallelism are evaluated but only chosen when allowed."""
+    m, c, t = inputs("chatglm3-6b", "2x8xH100", 96, 2048)
+    space = Space(model=m, cluster=c, train=t)
+    plain = exhaustive(space, Evaluator(m, c, t))
+    marked = [x for x in plain if x.plan.schedule == "interleaved" or x.plan.sequence_parallel]
+    assert marked and all(not x.feasible and "Megatron-LM only" in x.reason for x in marked)
+    assert all(x.plan.schedule == "1f1b" and not x.plan.sequence_parallel for x in rank(plain))
+    allowed = exhaustive(dataclasses.replace(space, megatron_features=True), Evaluator(m, c, t, megatron_features=True))
+    best = rank(allowed)[0]
+    assert best.tokens_per_s >= rank(plain)[0].tokens_per_s
+    assert any(x.plan.sequence_parallel or x.plan.schedule == "interleaved" for x in rank(allowed)[:20])
