@@ -170,6 +170,7 @@ def top_plans(run: RunData, n: int = 10) -> pd.DataFrame:
                 "trial": int(r["trial"]), "source": str(r.get("source", "")), "kind": kind, "chosen": chosen,
                 "plan": plan.describe() if plan is not None else "(unreadable plan)",
                 "short": short_label(plan) if plan is not None else "?",
+                "plan_dict": plan.to_dict() if plan is not None else None,
                 "tokens_per_s": r["tokens_per_s"], "step_time_s": r.get("step_time_s", math.nan),
                 "mfu": r.get("mfu", math.nan), "peak_memory_gb": r["peak_memory_gb"],
                 "capacity_gb": r.get("capacity_gb", math.nan), "bubble_fraction": r.get("bubble_fraction", math.nan),

@@ -73,7 +73,12 @@ def _figures(run: RunData, top: list[dict[str, Any]], head: dict[str, Any]) -> t
             base_plan = None
     groups = [{"label": "chosen\n" + analysis.short_label(run.plan), "stages": run.estimate.get("stage_memory_gb") or
                [run.estimate.get("memory_breakdown_gb", {})]}]
-    groups += [{"label": f"#{int(r['rank'])} (peak stage)\n" + r["short"], "stages": [r["mem"]]} for r in others]
+    written = {json.dumps(t.get("plan"), sort_keys=True): t.get("estimate") for t in run.top}
+    for r in others:
+        full = written.get(json.dumps(r["plan_dict"], sort_keys=True)) or {}
+        stages = full.get("stage_memory_gb") if isinstance(full.get("stage_memory_gb"), list) else None
+        groups.append({"label": f"#{int(r['rank'])}" + ("" if stages else " (peak stage)") + "\n" + r["short"],
+                       "stages": stages or [r["mem"]]})
     if base:
         best = run.baseline.get("estimate") if run.baseline else None
         stages = best.get("stage_memory_gb") if isinstance(best, dict) else None
@@ -143,7 +148,7 @@ def render(run: RunData, price_per_gpu_hour: float | None = None, train_tokens: 
         "n_trials": 0 if trials is None else len(trials),
         "n_feasible": 0 if trials is None else int(trials["feasible"].sum()),
         "reason_counts": extra.get("reason_counts") or {}, "gantt": extra.get("gantt"),
-        "cluster_info": extra.get("cluster_info"), "study": study,
+        "cluster_info": extra.get("cluster_info"), "study": study, "search": run.search,
         "metrics": run.metrics, "verify": run.verify, "f": fmt,
         "search_command": str(inputs.get("command") or ""), "model_arg": str(inputs.get("model_arg") or ""),
         "profile_path": str(inputs.get("profile") or run.cluster.device.path or "built-in"),
