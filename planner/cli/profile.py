@@ -101,12 +101,15 @@ def calibrate(run_dirs: tuple[str, ...], profile_path: str | None, out: str | No
     from planner.rundir import atomic_write_json
     atomic_write_json(out, apply(raw, cal))
     console = Console(highlight=False)
-    table = Table(title=f"{len(runs)} run(s): measured vs predicted (before / after / held out)")
-    for col in ("plan", "step s", "before", "after", "held-out", "mem GB", "before", "after", "held-out"):
-        table.add_column(col, justify="left" if col == "plan" else "right")
-    for r in cal.rows:
+    console.width = max(console.width, 120)
+    table = Table(title=f"{len(runs)} run(s): measured vs predicted (before / after / held out)",
+                  caption="plan: ZeRO stage, tp x pp x dp, micro-batch, accumulation, recompute, precision")
+    table.add_column("plan", no_wrap=True)
+    for col in ("step s", "before", "after", "held out", "mem GB", "before", "after", "held out"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for r, run in zip(cal.rows, runs):
         t, m = r["step_time_s"], r["peak_memory_gb"]
-        table.add_row(r["plan"], *(f"{t[k]:.3g}" for k in ("measured", "before", "after", "held_out")),
+        table.add_row(_short(run.plan), *(f"{t[k]:.3g}" for k in ("measured", "before", "after", "held_out")),
                       *(f"{m[k]:.3g}" for k in ("measured", "before", "after", "held_out")))
     console.print(table)
     s = cal.summary
@@ -120,3 +123,9 @@ def calibrate(run_dirs: tuple[str, ...], profile_path: str | None, out: str | No
     if s["undetermined"]:
         console.print("not determined by these runs (kept near default): " + ", ".join(s["undetermined"]))
     console.print(f"wrote {out}")
+
+
+def _short(plan) -> str:
+    """A plan in one short cell, e.g. Z1 1x2x1 mb2 ga4 full bf16."""
+    return (f"Z{plan.zero} {plan.tp}x{plan.pp}x{plan.dp} mb{plan.micro_batch} ga{plan.grad_accum} "
+            f"{plan.recompute} {plan.precision}")
