@@ -115,6 +115,13 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
                            f"{_LABELS[big]} {parts[big]:.1f} GB")
             break
 
+    # forward share of each stage's micro-batch time (the rest is backward + recompute)
+    fwd_share = []
+    for i, (n, t_i) in enumerate(zip(layers, times)):
+        fw = n * (bt.forward + bt.tp_fwd) + (lc.first_stage_time / 3.0 if i == 0 else 0.0) \
+            + (lc.last_stage_time / 3.0 if i == p - 1 else 0.0)
+        fwd_share.append((fw, max(t_i - fw, 0.0)))
+
     world = plan.world_size
     tokens = train.global_batch * train.seq_len
     model_flops = compute.model_flops_per_sequence(model, train.seq_len) * train.global_batch
@@ -132,4 +139,4 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
         tokens_per_s=tokens / step, tflops_per_gpu=model_flops / denom / 1e12, mfu=model_flops / (denom * peak),
         hfu=hw_flops / (denom * peak), stage_memory=tuple(mem), capacity_bytes=cap,
         bubble_fraction=pipeline.bubble_fraction(p, m, v), model_flops_per_step=model_flops,
-        hardware_flops_per_step=hw_flops)
+        hardware_flops_per_step=hw_flops, stage_times=tuple(fwd_share))

@@ -87,6 +87,8 @@ class Estimate:
     bubble_fraction: float
     model_flops_per_step: float = 0.0
     hardware_flops_per_step: float = 0.0
+    stage_times: tuple[tuple[float, float], ...] = ()
+    """Per stage, (forward, backward incl. recompute) seconds of one micro-batch."""
 
     @property
     def peak_stage(self) -> int:
@@ -118,4 +120,5 @@ class Estimate:
             "bubble_fraction": self.bubble_fraction,
             "model_flops_per_step": self.model_flops_per_step,
             "hardware_flops_per_step": self.hardware_flops_per_step,
+            "stage_time_s": [{"forward": f, "backward": b} for f, b in self.stage_times],
         }

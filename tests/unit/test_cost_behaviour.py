@@ -130,3 +130,11 @@ def test_breakdown_totals_cover_every_field(glm130b):
     for mem in est.stage_memory:
         assert mem.total == pytest.approx(sum(mem.to_gb().values()) * 1e9)
     assert est.time.total == pytest.approx(sum(est.time.to_dict().values()))
+
+
+def test_stage_times_cover_the_steady_state(glm130b):
+    est = estimate(*glm130b, published_plan())
+    assert len(est.stage_times) == 8
+    slowest = max(f + b for f, b in est.stage_times)
+    assert all(0 < f < b for f, b in est.stage_times)  # backward (+ recompute) outweighs forward
+    assert 176 * slowest == pytest.approx(est.time.forward + est.time.backward + est.time.recompute + est.time.tp_comm)
