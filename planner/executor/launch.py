@@ -109,6 +109,10 @@ def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: b
     if resume:
         cmd.append("--resume")
     echo(f"launching {world} rank(s): {plan.describe()}")
+    import threading
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM to the launcher still runs the cleanup below (ranks are in their own group)
+        signal.signal(signal.SIGTERM, _terminated)
     procs: list[subprocess.Popen] = []
     logs = []
     pgid = 0
@@ -138,6 +142,11 @@ def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: b
     metrics = build_metrics(result, plan, model, warmup, steps, estimate, run)
     atomic_write_json(run / "metrics.json", metrics)
     return metrics
+
+
+def _terminated(*_) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one interruption; let the cleanup finish
+    raise KeyboardInterrupt
 
 
 def _watch(run: Path, procs: list[subprocess.Popen], start: float, timeout: float) -> tuple[int | None, str] | None:

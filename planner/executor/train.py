@@ -81,6 +81,7 @@ def train(args, run_dir: Path, rank: int, status) -> None:
     poisoned_batches: set[int] = set()
     stream = None
     states = None
+    rollbacks = 0
     while state["step"] < args.steps:
         step = state["step"]
         if stream is None:  # (re)started after init or a rollback: one DataLoader for the rest of the run
@@ -93,7 +94,7 @@ def train(args, run_dir: Path, rank: int, status) -> None:
             pending = list(ids_left)
         b = pending.pop(0)
         micro = [next(stream) for _ in range(plan.grad_accum)]
-        poison = step == args.inject_nan and b not in poisoned_batches
+        poison = step == args.inject_nan and not poisoned_batches  # the test injects once
         if poison:
             poisoned_batches.add(b)
         set_poison(engine, poison)
@@ -127,10 +128,14 @@ def train(args, run_dir: Path, rank: int, status) -> None:
         dist.all_reduce(vec)
         step_loss = vec[0].item() / max(vec[1].item(), 1.0)
         if vec[2].item() > 0:
+            rollbacks += 1
+            if rollbacks > 3:
+                raise RuntimeError(f"non-finite loss/gradients persist after {rollbacks - 1} rollbacks at step {step}")
             _rollback(engine, run_dir, rank, state, step, b, loss, gnorm, ckpt, layout)
             stream = None
             continue
         times[step] = dt
+        rollbacks = 0
         state["tokens"] += int(vec[3].item())
         state["padding"] += int(vec[4].item() - vec[3].item())
         state["loss"] = state["loss"][:step] + [step_loss]
@@ -192,6 +197,7 @@ def _rollback(engine, run_dir: Path, rank: int, state: dict, step: int, batch: i
         raise RuntimeError(f"non-finite {reason} at step {step} and no checkpoint to roll back to "
                            "(run with --checkpoint-every K)")
     _, client = engine.load_checkpoint(str(ckpt))
+    engine.optimizer.zero_grad()
     good = client["planner"]
     skip = sorted(set(good["skip"]) | set(state["skip"]) | {batch})
     state.clear()

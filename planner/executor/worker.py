@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     status = Status(run_dir, rank)
     signal.signal(signal.SIGTERM, lambda *_: (status.write(phase="terminated"), os._exit(143)))
+    _exit_with_parent()
     try:
         from planner.executor.train import train
         train(args, run_dir, rank, status)
@@ -67,6 +68,20 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     status.write(phase="done")
     return 0
+
+
+def _exit_with_parent() -> None:
+    """A rank whose launcher died (killed without cleanup) exits instead of lingering."""
+    import threading
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(144)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
 def progress(run_dir: Path, record: dict) -> None:
