@@ -181,6 +181,11 @@ def _print_search(console: Console, result, cluster, run_dir: Path, written: lis
               help="Any Optuna storage URL (e.g. postgresql://...) to share one study between workers; "
                    "default: SQLite study.db in the run directory.")
 @click.option("--top", type=click.IntRange(1, 100), default=5, show_default=True, help="Plans to show.")
+@click.option("--refine", "refine_k", type=click.IntRange(1, 64), default=None, metavar="K",
+              help="Closed loop: run the top K plans for a few steps with the executor, refit the profile's "
+                   "factors to the measurements and re-rank (writes refine.json, profile-calibrated.json).")
+@click.option("--refine-steps", type=click.IntRange(2, 1000), default=5, show_default=True,
+              help="Optimizer steps per plan for --refine (the first is warm-up).")
 @click.option("--megatron-features", is_flag=True,
               help="Also choose interleaved 1F1B and sequence parallelism, which plain DeepSpeed cannot run "
                    "(for Megatron-LM runtimes; without it they are evaluated and marked infeasible).")
@@ -241,6 +246,22 @@ def search(ctx: click.Context, **kw: Any) -> None:
     if report:
         written.append(report)
     _print_search(_console(), result, cluster, run_dir, written, kw["top"])
+    if kw["refine_k"]:
+        _refine(run_dir, kw["refine_k"], kw["refine_steps"], err)
+
+
+def _refine(run_dir: Path, k: int, steps: int, err: Console) -> None:
+    """Run the top plans for real, refit, re-rank; print before/after prediction error."""
+    from planner.calibrate.refine import refine
+    result = refine(run_dir, k, steps=steps, warmup=1, echo=lambda line: err.print(line))
+    out = _console()
+    summary = result.get("summary", {})
+    for key, value in summary.items():
+        out.print(f"refine {key}: {value}")
+    ranking = result.get("ranking", {})
+    out.print(f"refine: best plan before = trial {ranking.get('best_before')}, after refit = trial "
+              f"{ranking.get('best_after')} ({ranking.get('plans')} feasible plans re-ranked); "
+              f"wrote {run_dir / 'refine.json'}")
 
 
 def _open_storage(url: str) -> Any:
