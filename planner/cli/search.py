@@ -256,8 +256,13 @@ def _refine(run_dir: Path, k: int, steps: int, err: Console) -> None:
     result = refine(run_dir, k, steps=steps, warmup=1, echo=lambda line: err.print(line))
     out = _console()
     summary = result.get("summary", {})
-    for key, value in summary.items():
-        out.print(f"refine {key}: {value}")
+
+    def pct(x: object) -> str:
+        return f"{x:.1f}%" if isinstance(x, (int, float)) and x == x else "n/a"
+    for key, label in (("step_time_mape_pct", "step time"), ("memory_mape_pct", "peak memory")):
+        e = summary.get(key) or {}
+        out.print(f"refine {label} error (MAPE): before {pct(e.get('before'))}, after refit {pct(e.get('after'))}, "
+                  f"held out {pct(e.get('held_out'))} over {summary.get('runs', 0)} runs")
     ranking = result.get("ranking", {})
     out.print(f"refine: best plan before = trial {ranking.get('best_before')}, after refit = trial "
               f"{ranking.get('best_after')} ({ranking.get('plans')} feasible plans re-ranked); "
