@@ -50,7 +50,7 @@ def gemm_time(device: DeviceProfile, flops: float, precision: str, scale: float 
     if flops <= 0:
         return 0.0
     peak = device.peak_flops(precision)
-    return flops / (peak * device.gemm_eff(flops)) * scale
+    return flops / (peak * device.gemm_eff(flops, precision)) * scale
 
 
 def block_compute_times(model: ModelSpec, device: DeviceProfile, s: int, b: int, t: int, precision: str,
@@ -64,7 +64,7 @@ def block_compute_times(model: ModelSpec, device: DeviceProfile, s: int, b: int,
     heads_per_rank = max(1, model.heads // t)
     # the core is a batch of b x heads small GEMMs; its efficiency is that of one of them
     per_head = core / (b * heads_per_rank)
-    core_t = 0.0 if core <= 0 else core / (device.peak_flops(precision) * device.gemm_eff(per_head)) * attention_scale
+    core_t = 0.0 if core <= 0 else core / (device.peak_flops(precision) * device.gemm_eff(per_head, precision)) * attention_scale
     return fwd, core_t
 
 

@@ -41,7 +41,16 @@ def build(raw: dict[str, Any], env: dict[str, Any], opts: ProfileOptions, *, nam
     curve_prec = opts.precision if opts.precision in best else "fp32"
     curve = efficiency_curve([r for r in raw["gemm"] + raw["gemm_square"] if r.precision == curve_prec],
                              best[curve_prec].tflops)
+    # each other precision gets its own curve from its own GEMMs (square probes at least): the
+    # fp32 and bf16 kernels reach different fractions of their peaks at the same size
+    by_precision = {}
+    for p in PRECISIONS:
+        rs = [r for r in raw["gemm"] + raw["gemm_square"] if r.precision == p]
+        if p != curve_prec and p in best and len({r.shape.flops for r in rs}) >= 2:
+            by_precision[p] = efficiency_curve(rs, best[p].tflops)
     sources = {
+        "gemm_efficiency_by_precision": "measured: each precision's own GEMMs / its own peak (the curve above "
+                                        "applies to precisions not listed)",
         "peak_tflops": "measured: best GEMM per precision (model-shape sweep + square probes), torch.matmul, "
                        "median of timed repeats after warm-up",
         "gemm_efficiency": f"measured: {curve_prec} GEMMs of {opts.model.name}'s layer shapes (QKV, attention output, "
@@ -82,7 +91,7 @@ def build(raw: dict[str, Any], env: dict[str, Any], opts: ProfileOptions, *, nam
     data: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION, "name": name, "kind": kind, "builtin": False, "aliases": [],
         "memory_gb": memory_gb, "peak_tflops": peaks, "hbm_bandwidth_gbps": raw["copy"]["gbps"],
-        "gemm_efficiency": curve, "gpus_per_node": per_node, **links, "factors": {}, "sources": sources,
+        "gemm_efficiency": curve, "gemm_efficiency_by_precision": by_precision, "gpus_per_node": per_node, **links, "factors": {}, "sources": sources,
     }
     data["measured"] = measured_section(raw, env, opts, best, data)
     profile_from_dict(data, name)  # the schema check the loader applies

@@ -58,6 +58,8 @@ class DeviceProfile:
     interpolated in log(flops); clamped at both ends."""
     gpus_per_node: int
     """Default devices per node."""
+    gemm_efficiency_by_precision: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    """Optional per-precision curves (measured profiles); a precision without one uses gemm_efficiency."""
     intra_node: Link
     inter_node: Link
     factors: Mapping[str, float] = field(default_factory=dict)
@@ -79,9 +81,10 @@ class DeviceProfile:
         """Dense peak in FLOP/s for a precision (0 when unsupported)."""
         return self.peak_tflops[precision] * 1e12
 
-    def gemm_eff(self, flops: float) -> float:
+    def gemm_eff(self, flops: float, precision: str | None = None) -> float:
         """Achievable GEMM efficiency for one GEMM of `flops` floating-point operations."""
-        pts = self.gemm_efficiency
+        pts = self.gemm_efficiency_by_precision.get(precision, self.gemm_efficiency) if precision \
+            else self.gemm_efficiency
         if flops <= pts[0][0]:
             return pts[0][1]
         if flops >= pts[-1][0]:
@@ -113,6 +116,16 @@ def _positive(value: Any, where: str) -> float:
     return float(value)
 
 
+def _curve(raw: Any, where: str) -> tuple[tuple[float, float], ...]:
+    try:
+        points = tuple(sorted((float(f), float(e)) for f, e in raw))
+    except (TypeError, ValueError):
+        raise ProfileError(where, "must be a list of [flops, efficiency] pairs", "see profiles/A100-80GB.json") from None
+    if not points or any(not (0 < e <= 1) or f <= 0 for f, e in points):
+        raise ProfileError(where, "needs at least one point with flops > 0 and 0 < efficiency <= 1", "fix the curve")
+    return points
+
+
 def profile_from_dict(data: Any, path: str = "") -> DeviceProfile:
     """Validate and build a DeviceProfile from parsed JSON."""
     if not isinstance(data, Mapping):
@@ -134,15 +147,12 @@ def profile_from_dict(data: Any, path: str = "") -> DeviceProfile:
             raise ProfileError(f"peak_tflops.{p}", f"must be >= 0 (0 = unsupported), got {v!r}", "fix the profile file")
     if peaks["fp32"] <= 0:
         raise ProfileError("peak_tflops.fp32", "must be positive", "fix the profile file")
-    curve = _need(data, "gemm_efficiency", "", list)
-    try:
-        points = tuple(sorted((float(f), float(e)) for f, e in curve))
-    except (TypeError, ValueError):
-        raise ProfileError("gemm_efficiency", "must be a list of [flops, efficiency] pairs",
-                           "see profiles/A100-80GB.json") from None
-    if not points or any(not (0 < e <= 1) or f <= 0 for f, e in points):
-        raise ProfileError("gemm_efficiency", "needs at least one point with flops > 0 and 0 < efficiency <= 1",
-                           "fix the curve")
+    points = _curve(_need(data, "gemm_efficiency", "", list), "gemm_efficiency")
+    by_prec = data.get("gemm_efficiency_by_precision", {})
+    if not isinstance(by_prec, dict) or any(k not in PRECISIONS for k in by_prec):
+        raise ProfileError("gemm_efficiency_by_precision", f"must map {', '.join(PRECISIONS)} to curves",
+                           "fix the profile file or drop the field")
+    curves = {k: _curve(v, f"gemm_efficiency_by_precision.{k}") for k, v in by_prec.items()}
     links = {}
     for tier in ("intra_node", "inter_node"):
         raw = _need(data, tier, "", dict)
@@ -161,7 +171,7 @@ def profile_from_dict(data: Any, path: str = "") -> DeviceProfile:
         memory_gb=_positive(_need(data, "memory_gb", ""), "memory_gb"),
         peak_tflops={p: float(peaks[p]) for p in PRECISIONS},
         hbm_bandwidth_gbps=_positive(_need(data, "hbm_bandwidth_gbps", ""), "hbm_bandwidth_gbps"),
-        gemm_efficiency=points, gpus_per_node=gpn,
+        gemm_efficiency=points, gemm_efficiency_by_precision=curves, gpus_per_node=gpn,
         intra_node=links["intra_node"], inter_node=links["inter_node"],
         factors={k: float(v) for k, v in factors.items()},
         sources=dict(data.get("sources", {})), measured=dict(data.get("measured", {})), path=path)

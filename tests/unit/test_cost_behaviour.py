@@ -138,3 +138,19 @@ def test_stage_times_cover_the_steady_state(glm130b):
     slowest = max(f + b for f, b in est.stage_times)
     assert all(0 < f < b for f, b in est.stage_times)  # backward (+ recompute) outweighs forward
     assert 176 * slowest == pytest.approx(est.time.forward + est.time.backward + est.time.recompute + est.time.tp_comm)
+
+
+def test_per_precision_gemm_curves_are_used():
+    from planner.specs.hardware import load_profile, profile_from_dict
+    import json
+    data = json.loads(open(load_profile.__globals__["PROFILES_DIR"] / "cpu.json").read())
+    data["gemm_efficiency_by_precision"] = {"fp32": [[1e6, 0.02], [1e10, 0.05]]}
+    slow32 = profile_from_dict(data)
+    base = parse_cluster("2xcpu")
+    m, t = preset("chatglm3-6b"), TrainSpec(global_batch=2, seq_len=128)
+    from planner.specs import scale
+    m = scale(m, "tiny")
+    plan32, plan16 = Plan(dp=2, precision="fp32"), Plan(dp=2, precision="bf16")
+    c2 = dataclasses.replace(base, device=slow32)
+    assert estimate(m, c2, t, plan32).step_time_s > 3 * estimate(m, base, t, plan32).step_time_s
+    assert estimate(m, c2, t, plan16).step_time_s == estimate(m, base, t, plan16).step_time_s
