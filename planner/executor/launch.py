@@ -27,6 +27,7 @@ from planner.errors import ExecutionError
 from planner.executor.metrics import build_metrics, failure_metrics
 from planner.executor.worker import CKPT_DIR, RANKS_DIR
 from planner.rundir import atomic_write_json, load_run, read_json
+from planner.specs.validate import runtime_problems
 
 
 def _free_port() -> int:
@@ -78,6 +79,10 @@ def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: b
         raise ExecutionError("--steps/--warmup", f"need steps >= 1 and 0 <= warmup < steps, got {steps}/{warmup}",
                              "e.g. --steps 10 --warmup 2")
     plan, model, cluster, train, _ = load_run(run)
+    unsupported = runtime_problems(plan)
+    if unsupported:
+        raise ExecutionError("plan.json", unsupported[0].split(" (")[0],
+                             "plan without --megatron-features, or run it under Megatron-LM")
     if cluster.nodes > 1:
         raise ExecutionError("cluster", f"{cluster.nodes} nodes: `planner run` launches on this machine only",
                              "use launch.sh with a hostfile (deepspeed launcher) for multi-node runs")

@@ -18,6 +18,7 @@ from planner.specs.estimate import GB, Estimate
 from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
+from planner.specs.validate import runtime_problems
 from planner.specs.train import TrainSpec
 
 
@@ -85,20 +86,6 @@ class Evaluator:
             reasons = runtime_problems(plan) + reasons
         return Trial(outer=outer, plan=plan, estimate=est, feasible=not reasons, reason="; ".join(reasons),
                      needs_bytes=est.peak_memory_bytes, capacity_bytes=est.capacity_bytes, source=source)
-
-
-def runtime_problems(plan: Plan) -> list[str]:
-    """What DeepSpeed 0.19.8 itself cannot run: its PipelineEngine has only the plain 1F1B
-    schedule, and AutoTP has no Megatron sequence parallelism. Such plans stay in the space
-    (evaluated, shown with this reason) but are only chosen with --megatron-features."""
-    out = []
-    if plan.schedule == "interleaved":
-        out.append("DeepSpeed's PipelineEngine has no interleaved schedule (Megatron-LM only; "
-                   "--megatron-features allows it)")
-    if plan.sequence_parallel:
-        out.append("DeepSpeed AutoTP has no Megatron sequence parallelism (Megatron-LM only; "
-                   "--megatron-features allows it)")
-    return out
 
 
 def _with_source(trial: Trial, source: str) -> Trial:

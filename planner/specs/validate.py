@@ -48,3 +48,17 @@ def plan_problems(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan
     if cluster.device.kind == "cpu" and plan.precision == "fp16":
         out.append("fp16 does not train on CPU under DeepSpeed: use bf16 or fp32")
     return out
+
+
+def runtime_problems(plan: Plan) -> list[str]:
+    """What DeepSpeed 0.19.8 itself cannot run: its PipelineEngine has only the plain 1F1B
+    schedule, and AutoTP has no Megatron sequence parallelism. Such plans stay in the space
+    (evaluated, shown with this reason) but are only chosen with --megatron-features."""
+    out = []
+    if plan.schedule == "interleaved":
+        out.append("DeepSpeed's PipelineEngine has no interleaved schedule (Megatron-LM only; "
+                   "--megatron-features allows it)")
+    if plan.sequence_parallel:
+        out.append("DeepSpeed AutoTP has no Megatron sequence parallelism (Megatron-LM only; "
+                   "--megatron-features allows it)")
+    return out

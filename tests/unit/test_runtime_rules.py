@@ -1,0 +1,25 @@
+"""What DeepSpeed cannot run is never launched: the executor refuses it with one line."""
+from __future__ import annotations
+
+from planner.cli import main
+from planner.rundir import atomic_write_json, plan_document
+from planner.specs import Plan, TrainSpec, parse_cluster, preset, scale
+from planner.specs.validate import runtime_problems
+
+
+def test_runtime_problems_name_the_feature():
+    assert runtime_problems(Plan(dp=1, tp=1, pp=2, grad_accum=2, schedule="interleaved", interleave=2))
+    assert runtime_problems(Plan(dp=1, tp=2, sequence_parallel=True))
+    assert runtime_problems(Plan(dp=2, tp=2, pp=2, zero=1)) == []
+
+
+def test_run_refuses_an_interleaved_plan(tmp_path, capsys):
+    model = scale(preset("chatglm3-6b"), "tiny")
+    cluster = parse_cluster("2xcpu")
+    train = TrainSpec(global_batch=4, seq_len=64)
+    plan = Plan(dp=1, pp=2, micro_batch=1, grad_accum=4, schedule="interleaved", interleave=2)
+    atomic_write_json(tmp_path / "plan.json", plan_document(plan, model, cluster, train))
+    assert main(["run", str(tmp_path), "--steps", "2", "--warmup", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "interleaved" in err
+    assert not (tmp_path / "metrics.json").exists()
