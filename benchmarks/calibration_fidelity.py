@@ -13,7 +13,6 @@ run predicted by a fit that did not see it (leave-one-out): the honest figure.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import subprocess

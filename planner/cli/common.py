@@ -1,7 +1,6 @@
 """Options shared by several commands, and turning them into specs."""
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Any, Callable
 

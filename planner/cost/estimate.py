@@ -4,7 +4,7 @@ from __future__ import annotations
 from planner.cost import comm, compute, pipeline
 from planner.cost.factors import all_factors
 from planner.cost.model import _act_bytes, _block_times, _layer_costs, _stage_params, stage_memory, stage_times
-from planner.specs.estimate import GB, Estimate, MemoryBreakdown, TimeBreakdown
+from planner.specs.estimate import GB, Estimate, TimeBreakdown
 from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan

@@ -1,7 +1,6 @@
 """The training loop of one rank: steps, measurement, stability monitor, checkpoints, rollback."""
 from __future__ import annotations
 
-import json
 import math
 import os
 import time

@@ -12,9 +12,7 @@ by a seeded random generator, so they exercise the page, and are labelled synthe
 from __future__ import annotations
 
 import csv
-import dataclasses
 import io
-import json
 import math
 import os
 import random
@@ -25,34 +23,25 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from planner.cost import estimate
+from planner.search.baseline import conventional_baseline
+from planner.search.space import divisors
+from planner.search.trials import COLUMNS
 from planner.rundir import atomic_write_json, atomic_write_text, plan_document
-from planner.specs import ClusterSpec, Estimate, MemoryBreakdown, ModelSpec, Plan, TimeBreakdown, TrainSpec
+from planner.specs import ClusterSpec, Estimate, ModelSpec, Plan, TrainSpec
 from planner.specs import parse_cluster, preset
 from planner.specs.estimate import GB
 from planner.specs.plan import RECOMPUTE
 from planner.specs.validate import plan_problems
 
-PLAN_FIELDS = [f.name for f in dataclasses.fields(Plan)]
-SCALARS = ["step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "hfu", "peak_memory_gb", "capacity_gb",
-           "bubble_fraction"]
-TIME_FIELDS = [f"time_{f.name}" for f in dataclasses.fields(TimeBreakdown)]
-MEM_FIELDS = [f"mem_{f.name}" for f in dataclasses.fields(MemoryBreakdown)]
-COLUMNS = ["trial", "source", *PLAN_FIELDS, "feasible", "reason", *SCALARS, *TIME_FIELDS, *MEM_FIELDS]
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def legal_plans(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, max_micro_batch: int = 16) -> Iterator[Plan]:
     """Every outer point of the space (uniform stage split), structurally legal or not."""
     world = cluster.world_size
     for tp in (t for t in (1, 2, 4, 8) if world % t == 0):
-        for pp in (p for p in _divisors(world // tp) if p <= min(model.layers, 16)):
+        for pp in (p for p in divisors(world // tp) if p <= min(model.layers, 16)):
             dp = world // (tp * pp)
             if train.global_batch % dp:
                 continue
-            for mb in (b for b in _divisors(train.global_batch // dp) if b <= max_micro_batch):
+            for mb in (b for b in divisors(train.global_batch // dp) if b <= max_micro_batch):
                 ga = train.global_batch // (dp * mb)
                 for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1)):
                     for rc in RECOMPUTE:
@@ -81,21 +70,6 @@ def trial_row(number: int, source: str, plan: Plan, est: Estimate, structural: b
     return out
 
 
-def _baseline(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> tuple[Plan, Estimate]:
-    """Plain DP over every device, ZeRO-0, no recompute, the largest micro-batch that fits."""
-    dp = cluster.world_size
-    per_rank = max(1, train.global_batch // dp)
-    best = first = None
-    for mb in _divisors(per_rank):
-        plan = Plan(dp=dp, micro_batch=mb, grad_accum=per_rank // mb, precision=train.precision)
-        est = estimate(model, cluster, train, plan)
-        first = first or (plan, est)
-        if not est.feasible:
-            break
-        best = (plan, est)
-    return best or first  # type: ignore[return-value]
-
-
 def _ds_config(plan: Plan) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "train_batch_size": plan.global_batch, "train_micro_batch_size_per_gpu": plan.micro_batch,
@@ -117,7 +91,7 @@ def _optuna_params(plan: Plan, global_batch: int) -> tuple[dict[str, Any], dict[
               f"micro_batch|dp={plan.dp}": plan.micro_batch, "recompute": plan.recompute}
     dists = {"tp": Cat([1, 2, 4, 8]), f"pp|tp={plan.tp}": Cat(list(range(1, 17))),
              ("zero" if plan.pp == 1 else "zero|pp>1"): Cat([0, 1, 2, 3] if plan.pp == 1 else [0, 1]),
-             f"micro_batch|dp={plan.dp}": Cat([b for b in _divisors(global_batch // plan.dp) if b <= 16]),
+             f"micro_batch|dp={plan.dp}": Cat([b for b in divisors(global_batch // plan.dp) if b <= 16]),
              "recompute": Cat(list(RECOMPUTE))}
     if plan.tp > 1:
         params["sequence_parallel"] = plan.sequence_parallel
@@ -195,7 +169,7 @@ def write_sample_run(run_dir: str | Path, *, model: str | ModelSpec = "glm-10b",
     if not feasible:
         raise ValueError(f"no plan of {spec.name} fits {gpus}: choose a bigger sample cluster")
     chosen, chosen_est = max(feasible, key=lambda pe: pe[1].tokens_per_s)
-    base_plan, base_est = _baseline(spec, cluster, train)
+    base_plan, base_est = conventional_baseline(spec, cluster, train)
     order = evaluated[:]
     rng.shuffle(order)
     heuristic = next(pe for pe in order if pe[1].feasible)

@@ -69,7 +69,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *, exhausti
         trials = run_exhaustive(space, evaluate, progress)
         method = "exhaustive"
     else:
-        from planner.search.optuna_search import optuna_search, study_name
+        from planner.search.optuna_search import optuna_search
         start = heuristic(space, evaluate)
         trials, study = optuna_search(space, evaluate, start, n_trials=n_trials, seed=seed,
                                       storage=storage, progress=progress)  # type: ignore[arg-type]
