@@ -3,6 +3,27 @@ from __future__ import annotations
 
 import click
 
+from planner.cli.common import SCALE_CHOICES
+
+
+def _check_scale(run_dir: str, size: str | None) -> None:
+    """--scale on run/verify names the size the plan must have been made at: the executor never
+    re-plans, so a mismatch is one line asking for a new search, not a silent shrink."""
+    if size is None:
+        return
+    from planner.errors import SpecError
+    from planner.rundir import load_run
+    *_, doc = load_run(run_dir)
+    planned = doc["inputs"].get("scale") or "full"
+    if planned != size:
+        raise SpecError("--scale", f"{run_dir} was planned at scale {planned}, not {size}",
+                        f"re-plan with `planner search ... --scale {size}` and run that directory")
+
+
+def _scale_option(f):
+    return click.option("--scale", type=click.Choice(SCALE_CHOICES), default=None,
+                        help="Assert the model size the plan was made for (plan.json records the exact spec).")(f)
+
 
 def _fmt(x, unit: str = "", nd: int = 3) -> str:
     return "n/a" if x is None else f"{x:.{nd}g}{unit}"
@@ -26,9 +47,11 @@ def _err(e) -> str:
 @click.option("--seed", type=int, default=1234, show_default=True, help="Seeds the model and the synthetic corpus.")
 @click.option("--data-workers", type=int, default=1, show_default=True, help="DataLoader worker processes per rank.")
 @click.option("--inject-nan", type=int, default=-1, hidden=True, help="Poison the batch of this step (testing).")
+@_scale_option
 def run(run_dir: str, **kw) -> None:
     """Train the plan in RUN_DIR under DeepSpeed and write RUN_DIR/metrics.json."""
     from planner.executor.launch import run_plan
+    _check_scale(run_dir, kw.pop("scale"))
     m = run_plan(run_dir, echo=click.echo, **kw)
     p, e = m["predicted"], m["relative_error"]
     click.echo(f"step time     {_fmt(m['step_time_s'], ' s')}  (predicted {_fmt(p['step_time_s'], ' s')}, "
@@ -52,8 +75,10 @@ def run(run_dir: str, **kw) -> None:
 @click.option("--timeout", type=float, default=900.0, show_default=True, help="Seconds before a run counts as hung.")
 @click.option("--seed", type=int, default=1234, show_default=True)
 @click.option("--data", default="", metavar="TOKENS.npy|TOKENS.txt", help="A token file instead of the synthetic corpus.")
+@_scale_option
 def verify(run_dir: str, **kw) -> None:
     """Run the conventional baseline and the plan; compare against the 3x / one-third-memory targets."""
     from planner.executor.verify import verify as do_verify
+    _check_scale(run_dir, kw.pop("scale"))
     do_verify(run_dir, echo=click.echo, **kw)
     click.echo(f"wrote {run_dir}/verify.json")

@@ -23,3 +23,15 @@ def test_run_refuses_an_interleaved_plan(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "interleaved" in err
     assert not (tmp_path / "metrics.json").exists()
+
+
+def test_run_scale_must_match_the_plan(tmp_path, capsys):
+    model = scale(preset("chatglm3-6b"), "tiny")
+    cluster = parse_cluster("2xcpu")
+    train = TrainSpec(global_batch=4, seq_len=64)
+    plan = Plan(dp=2, micro_batch=1, grad_accum=2)
+    atomic_write_json(tmp_path / "plan.json", plan_document(plan, model, cluster, train, scale="tiny"))
+    for cmd in ("run", "verify"):
+        assert main([cmd, str(tmp_path), "--scale", "small"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "planned at scale tiny" in err and "--scale small" in err
