@@ -31,7 +31,7 @@ TIME_FACTORS = ("compute_scale", "attention_scale", "elementwise_scale", "comm_e
 MEMORY_FACTORS = ("activation_scale", "memory_overhead_gb", "memory_fragmentation")
 FRACTIONS = ("dp_overlap",)
 ADDITIVE = ("step_overhead_s", "microbatch_overhead_s", "memory_overhead_gb", "memory_fragmentation")
-LAMBDAS = (1e-3, 1e-2, 1e-1, 1.0)
+LAMBDAS = (1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0)
 
 
 def with_factors(device: DeviceProfile, factors: dict[str, float]) -> DeviceProfile:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from planner.cost import comm, compute, pipeline
-from planner.cost.factors import all_factors
+from planner.cost.factors import cluster_factors
 from planner.cost.model import _act_bytes, _block_times, _layer_costs, _stage_params, stage_memory, stage_times
 from planner.specs.estimate import GB, Estimate, TimeBreakdown
 from planner.specs.hardware import ClusterSpec
@@ -61,7 +61,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
     """Predict step time and per-device memory of `plan`. Never raises for an illegal or
     oversized plan: those come back with feasible=False and the reasons."""
     reasons = plan_problems(model, cluster, train, plan)
-    f = all_factors(cluster.device)
+    f = cluster_factors(cluster)
     bt = _block_times(model, cluster, train, plan, f)
     lc = _layer_costs(model, cluster, train, plan, f, bt)
     layers = plan.layers_per_stage(model.layers)

@@ -6,7 +6,7 @@ has one meaning, and a built-in profile states where its value came from in "sou
 """
 from __future__ import annotations
 
-from planner.specs.hardware import DeviceProfile
+from planner.specs.hardware import ClusterSpec, DeviceProfile
 
 DEFAULTS: dict[str, float] = {
     "compute_scale": 1.0,
@@ -41,3 +41,27 @@ def factor(device: DeviceProfile, name: str) -> float:
 
 def all_factors(device: DeviceProfile) -> dict[str, float]:
     return {k: factor(device, k) for k in DEFAULTS}
+
+
+def oversubscription(cluster: ClusterSpec) -> float:
+    """How many times more processes share a CPU host than the profile was measured with.
+
+    A CPU profile's per-"device" rates are measured with one of `gpus_per_node` processes per
+    host (each with cores / processes threads); running more processes than that divides the
+    same cores among them, so every compute-bound and memory-bound time stretches by this ratio.
+    GPUs are never shared: 1.
+    """
+    dev = cluster.device
+    if dev.kind != "cpu":
+        return 1.0
+    return max(1.0, cluster.gpus_per_node / dev.gpus_per_node)
+
+
+def cluster_factors(cluster: ClusterSpec) -> dict[str, float]:
+    """The device's factors with CPU oversubscription applied to compute and memory-bound work."""
+    f = all_factors(cluster.device)
+    k = oversubscription(cluster)
+    if k != 1.0:
+        for name in ("compute_scale", "attention_scale", "elementwise_scale", "optimizer_scale"):
+            f[name] *= k
+    return f

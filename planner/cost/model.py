@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner.cost import comm, compute, memory, pipeline
-from planner.cost.factors import all_factors
+from planner.cost.factors import cluster_factors
 from planner.cost.layers import LayerCosts
 from planner.specs.estimate import GB, MemoryBreakdown
 from planner.specs.hardware import ClusterSpec
@@ -81,7 +81,7 @@ def bucket_bytes(plan: Plan, psi_dev: float) -> float:
 
 
 def layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan) -> LayerCosts:
-    f = all_factors(cluster.device)
+    f = cluster_factors(cluster)
     return _layer_costs(model, cluster, train, plan, f, _block_times(model, cluster, train, plan, f))
 
 

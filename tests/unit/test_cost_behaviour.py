@@ -9,7 +9,7 @@ import pytest
 
 from planner.cost import estimate, layer_costs, stage_memory
 from planner.cost.factors import all_factors
-from planner.specs import Plan, TrainSpec, parse_cluster, preset
+from planner.specs import Plan, TrainSpec, parse_cluster, preset, scale
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +154,15 @@ def test_per_precision_gemm_curves_are_used():
     c2 = dataclasses.replace(base, device=slow32)
     assert estimate(m, c2, t, plan32).step_time_s > 3 * estimate(m, base, t, plan32).step_time_s
     assert estimate(m, c2, t, plan16).step_time_s == estimate(m, base, t, plan16).step_time_s
+
+
+def test_more_cpu_processes_than_measured_share_the_cores():
+    m = scale(preset("chatglm3-6b"), "tiny")
+    t = TrainSpec(global_batch=8, seq_len=128)
+    two, four = parse_cluster("2xcpu"), parse_cluster("4xcpu")
+    a = estimate(m, two, t, Plan(dp=2, micro_batch=4))
+    b = estimate(m, four, t, Plan(dp=2, tp=2, micro_batch=4))
+    assert b.time.forward > 0.9 * a.time.forward  # half the work per rank, on half the cores
+    gpu = parse_cluster("8xA100")
+    assert estimate(m, gpu, t, Plan(dp=8, micro_batch=1)).time.forward == pytest.approx(
+        estimate(m, parse_cluster("4xA100"), TrainSpec(global_batch=4, seq_len=128), Plan(dp=4, micro_batch=1)).time.forward)
