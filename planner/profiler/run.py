@@ -37,6 +37,9 @@ class WorkList:
 
     points: tuple[tuple[int, int, int], ...]
     shapes: tuple[gemm.GemmShape, ...]
+    precisions: tuple[str, ...] = ("bf16",)
+    """Precisions the model-shape sweep runs in: the profiled one, and fp32 (the conventional
+    baseline's), so each has an efficiency curve over the shapes that matter."""
     squares: dict[str, list[int]] = field(default_factory=dict)
     groups: tuple[int, ...] = ()
     sizes: tuple[int, ...] = ()
@@ -44,7 +47,8 @@ class WorkList:
     @property
     def total(self) -> int:
         ticks_comm = len(self.groups) * len(self.sizes) * len(comm.OPS)
-        return len(self.points) + len(self.shapes) + sum(map(len, self.squares.values())) + 1 + ticks_comm
+        return len(self.points) + len(self.shapes) * len(self.precisions) + sum(map(len, self.squares.values())) \
+            + 1 + ticks_comm
 
 
 def default_points(target: Target, model: ModelSpec, quick: bool, max_tp: int) -> tuple[tuple[int, int, int], ...]:
@@ -72,7 +76,8 @@ def make_plan(opts: ProfileOptions, target: Target) -> WorkList:
         squares["fp16"] = [256, 512]  # no native fp16 GEMM on most CPUs: a few GFLOP/s
     groups = tuple(comm.group_sizes(opts.procs))
     sizes = tuple(comm.message_sizes(opts.quick, target.kind))
-    return WorkList(points=points, shapes=shapes, squares=squares, groups=groups, sizes=sizes)
+    precisions = tuple(dict.fromkeys((opts.precision, "fp32")))
+    return WorkList(points=points, shapes=shapes, precisions=precisions, squares=squares, groups=groups, sizes=sizes)
 
 
 def cpu_threads(procs: int) -> int:
@@ -102,9 +107,10 @@ def measure_all(opts: ProfileOptions, target: Target, plan: WorkList,
     window = 0.05 if opts.quick else 0.2
     out: dict[str, Any] = {"notes": []}
     results: list[gemm.GemmResult] = []
-    for sh in plan.shapes:
-        results.append(gemm.measure(sh, opts.precision, target, window_s=window))
-        tick(f"GEMM {sh.name} tp={sh.tp} T={sh.tokens}")
+    for prec in plan.precisions:
+        for sh in plan.shapes:
+            results.append(gemm.measure(sh, prec, target, window_s=window))
+            tick(f"GEMM {prec} {sh.name} tp={sh.tp} T={sh.tokens}")
     squares: list[gemm.GemmResult] = []
     for prec, sizes in plan.squares.items():
         squares += gemm.square_probe(prec, target, sizes, window_s=window, call_budget_s=0.5, tick=tick)
