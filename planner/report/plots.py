@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import textwrap
 import math
 from typing import Any, Callable
 
@@ -85,10 +86,15 @@ def frontier(trials: pd.DataFrame, chosen: dict[str, Any], baseline: dict[str, A
             fm, ft = mem[feas][front], tps[feas][front]
             o = np.argsort(fm)
             ax.plot(fm[o], ft[o], "-o", color="#1f3d7a", ms=4, lw=1.2, label=f"Pareto front ({front.sum()})", zorder=3)
-        if math.isfinite(capacity_gb):
+        if math.isfinite(capacity_gb) and capacity_gb <= xmax:
             ax.axvline(capacity_gb, color="#c44e52", ls="--", lw=1)
             ax.text(capacity_gb, ymax * 1.02, f" capacity {capacity_gb:.0f} GB", color="#c44e52", va="bottom",
                     fontsize=8)
+        elif math.isfinite(capacity_gb):
+            # the capacity is far right of every plan: say so instead of drawing text off the axes
+            # (which also collapsed the constrained layout)
+            ax.text(0.99, 0.02, f"capacity {capacity_gb:.0f} GB (off scale)", transform=ax.transAxes,
+                    ha="right", va="bottom", color="#c44e52", fontsize=8)
         ax.scatter([chosen.get("peak_memory_gb")], [chosen.get("tokens_per_s")], marker="*", s=260,
                    c="#e6b800", edgecolors="black", lw=0.8, zorder=5, label="chosen plan")
         if baseline and baseline.get("tokens_per_s"):
@@ -103,7 +109,8 @@ def frontier(trials: pd.DataFrame, chosen: dict[str, Any], baseline: dict[str, A
         handles, labels = ax.get_legend_handles_labels()
         reason_labels = {f"{c} ({n})" for c, n in counts.items()} | {lab for lab in labels if lab.startswith("other (")}
         order = sorted(range(len(labels)), key=lambda k: (labels[k] in reason_labels, k))
-        ax.legend([handles[k] for k in order], [labels[k] for k in order], loc="upper left",
+        # long infeasibility reasons are wrapped so the legend never pushes the plot off the figure
+        ax.legend([handles[k] for k in order], [textwrap.fill(labels[k], 42) for k in order], loc="upper left",
                   bbox_to_anchor=(1.01, 1), frameon=False)
 
     return render(draw, (10.5, 4.6)), {str(k): int(v) for k, v in counts.items()}
@@ -117,6 +124,11 @@ def memory_stacks(groups: list[dict[str, Any]], capacity_gb: float) -> str:
     totals = [sum(float(v or 0.0) for v in st.values()) for g in groups for st in g["stages"]]
     fitting = [t for t in totals if t <= capacity_gb] or [capacity_gb]
     top = max(capacity_gb * 1.3, max(fitting) * 1.1)     # far-over-capacity bars are clipped and labelled
+    # when every plan uses a sliver of the capacity (a tiny model on a CPU host), scale to the
+    # bars and state the capacity instead of drawing invisible bars under a far-away line
+    capacity_on_scale = max(totals, default=0.0) * 10 >= capacity_gb
+    if not capacity_on_scale:
+        top = max(totals) * 1.25
 
     def draw(fig: Figure) -> None:
         ax = fig.add_subplot()
@@ -153,9 +165,13 @@ def memory_stacks(groups: list[dict[str, Any]], capacity_gb: float) -> str:
         ax.set_ylim(0, top)
         for s in sep[:-1]:
             ax.axvline(s, color="#ddd", lw=0.8)
-        ax.axhline(capacity_gb, color="#c44e52", ls="--", lw=1.2)
-        ax.text(0.005, capacity_gb, f"capacity {capacity_gb:.0f} GB", color="#c44e52", va="bottom", fontsize=8,
-                transform=ax.get_yaxis_transform())
+        if capacity_on_scale:
+            ax.axhline(capacity_gb, color="#c44e52", ls="--", lw=1.2)
+            ax.text(0.005, capacity_gb, f"capacity {capacity_gb:.0f} GB", color="#c44e52", va="bottom", fontsize=8,
+                    transform=ax.get_yaxis_transform())
+        else:
+            ax.text(0.005, 0.97, f"capacity {capacity_gb:.0f} GB (off scale: every bar is under a tenth of it)",
+                    color="#c44e52", va="top", fontsize=8, transform=ax.transAxes)
         ax.set_xticks(ticks, labels, fontsize=8)
         ax.tick_params(axis="x", length=0, pad=12)
         ax.set_ylabel("GB per GPU (bars: pipeline stages)")

@@ -232,3 +232,19 @@ def test_baseline_that_fits_gives_ratios(sample: Path, tmp_path: Path) -> None:
     slow = {**fake, "estimate": {**fake["estimate"], "tokens_per_s": est["tokens_per_s"] / 2}}
     b = analysis.headline(dataclasses.replace(run, baseline=slow, verify=None), None, None)["baseline"]
     assert b["throughput_ratio"] == pytest.approx(2.0) and not b["met"]["throughput_ratio"]
+
+
+def test_tiny_cpu_run_draws_every_figure_without_layout_warnings(tmp_path):
+    """A tiny model on a CPU host uses a sliver of its capacity: the capacity must not be drawn
+    off the axes (that collapsed matplotlib's constrained layout and dropped the figure)."""
+    import warnings
+
+    from planner.report import write_report
+    from planner.report.sample import write_sample_run
+    from planner.specs import preset, scale
+    run = write_sample_run(tmp_path / "tiny", model=scale(preset("chatglm3-6b"), "tiny"), gpus="2xcpu",
+                           global_batch=8, seq_len=128, study_trials=12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        page = write_report(run).read_text()
+    assert "could not be drawn" not in page
