@@ -100,7 +100,8 @@ def _write_outputs(run_dir: Path, result, model, cluster, train, *, scale: str |
         baseline.update(fits=False, needs_gb=base.peak_memory_gb, reasons=list(base.reasons))
     put("estimate.json", {
         "plan": plan.to_dict(), "description": plan.describe(), "estimate": est.to_json(), "baseline": baseline,
-        "search": {"method": result.method, "trials": len(result.trials), "space_size": result.space_size,
+        "search": {"method": result.method, "trials": result.distinct, "rows": len(result.trials),
+                   "space_size": result.space_size,
                    "wall_s": result.wall_s, "study_name": result.study_name},
         "top": [{"plan": t.plan.to_dict(), "description": t.plan.describe(), "estimate": _estimate_summary(t.estimate)}
                 for t in result.ranked[:top]],
@@ -132,7 +133,7 @@ def _plan_cells(plan: Plan) -> list[str]:
 
 def _print_search(console: Console, result, cluster, run_dir: Path, written: list[str], top: int) -> None:
     base = result.baseline
-    table = Table(title=f"Top plans ({result.method}: {len(result.trials)} plans evaluated, "
+    table = Table(title=f"Top plans ({result.method}: {result.distinct} distinct plans evaluated, "
                         f"{result.space_size} in the space, {result.wall_s:.2f} s)")
     for col in ("#", "TPxPPxDP", "ZeRO", "micro x acc", "recompute", "SP", "schedule", "tokens/s", "step s",
                 "MFU", "GB/GPU", "vs base"):

@@ -42,6 +42,11 @@ class SearchResult:
         return self.ranked[0]
 
     @property
+    def distinct(self) -> int:
+        """Distinct plans evaluated (trials lists an Optuna re-visit or a resumed study's rows again)."""
+        return len({t.outer for t in self.trials})
+
+    @property
     def front(self) -> list[Trial]:
         return pareto_front(self.trials)
 
