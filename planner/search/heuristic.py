@@ -3,8 +3,9 @@
 Megatron-LM's rule of thumb (Narayanan et al. 2021, arXiv 2104.04473, sec. 3.3 "Takeaway #1
 and #2"): tensor parallelism up to the devices of a node, pipeline parallelism only as far as
 needed to fit the model, data parallelism for the rest; small micro-batches; here with ZeRO-1
-(optimizer states sharded over DP at no extra traffic), selective recompute and sequence
-parallelism (Korthikanti et al. 2022). The smallest PP whose solved plan fits wins.
+(optimizer states sharded over DP at no extra traffic), selective recompute and, where the
+runtime has it (--megatron-features), sequence parallelism (Korthikanti et al. 2022). The
+smallest PP whose solved plan fits wins.
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ def heuristic(space: Space, evaluate: Evaluator) -> Shape:
         for t, pp, dp in sorted((x for x in layouts if x[0] == tp), key=lambda x: x[1]):
             shape = Shape(tp=t, pp=pp, dp=dp, recompute=recompute)
             fallback = fallback or shape
-            outer = shape.outer(1, space.train.global_batch // dp, max(space.sequence_parallel(t)),
-                                zero=1 if dp > 1 else 0)
+            sp = space.megatron_features and max(space.sequence_parallel(t))
+            outer = shape.outer(1, space.train.global_batch // dp, sp, zero=1 if dp > 1 else 0)
             if evaluate(outer, "heuristic").feasible:
                 return shape
     assert fallback is not None

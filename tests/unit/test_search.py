@@ -192,3 +192,14 @@ def test_deepspeed_runtime_never_chooses_what_it_cannot_run():
     best = rank(allowed)[0]
     assert best.tokens_per_s >= rank(plain)[0].tokens_per_s
     assert any(x.plan.sequence_parallel or x.plan.schedule == "interleaved" for x in rank(allowed)[:20])
+
+
+def test_heuristic_start_is_runnable_under_deepspeed():
+    """The plan Optuna starts from must not use what DeepSpeed cannot run (sequence parallel)."""
+    m, c, t = inputs("glm-130b", "96x8xA100-40GB", 4224, 2048)
+    space = Space(model=m, cluster=c, train=t)
+    ev = Evaluator(m, c, t)
+    shape = heuristic(space, ev)
+    started = [tr for tr in ev.cache.values() if tr.source == "heuristic"]
+    assert started and not any(tr.plan.sequence_parallel for tr in started)
+    assert any(tr.feasible and tr.outer.pp == shape.pp and tr.outer.tp == shape.tp for tr in started)
