@@ -130,9 +130,9 @@ def _rerank(run: Path, model: Any, cluster: Any, train: Any, before: Any, after:
     """Every distinct feasible plan of trials.csv re-estimated with the fitted factors."""
     rows = top_plans(run / "trials.csv", 10 ** 9)
     scored = []
+    c_b = dataclasses.replace(cluster, device=before, intra_node=before.intra_node, inter_node=before.inter_node)
+    c_a = dataclasses.replace(cluster, device=after, intra_node=after.intra_node, inter_node=after.inter_node)
     for trial, plan, _ in rows:
-        c_b = dataclasses.replace(cluster, device=before, intra_node=before.intra_node, inter_node=before.inter_node)
-        c_a = dataclasses.replace(cluster, device=after, intra_node=after.intra_node, inter_node=after.inter_node)
         eb, ea = estimate(model, c_b, train, plan), estimate(model, c_a, train, plan)
         scored.append({"trial": trial, "plan": plan.describe(), "before_s": eb.step_time_s,
                        "after_s": ea.step_time_s, "feasible_after": ea.feasible})

@@ -71,7 +71,7 @@ def load_train(model: ModelSpec, cluster: ClusterSpec, global_batch: int | None,
         seq_len = min(128 if cpu else 2048, model.max_seq)
     if precision is None:
         precision = "bf16" if cluster.device.supports("bf16") else "fp16"
-    if seq_len is not None and seq_len > model.max_seq:
+    if seq_len > model.max_seq:
         raise SpecError("--seq-len", f"{seq_len} exceeds {model.name}'s maximum sequence {model.max_seq}",
                         f"use --seq-len {model.max_seq} or less")
     return TrainSpec(global_batch=global_batch, seq_len=seq_len, precision=precision)

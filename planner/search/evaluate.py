@@ -60,7 +60,7 @@ class Evaluator:
     def __call__(self, outer: Outer, source: str = "exhaustive") -> Trial:
         hit = self.cache.get(outer)
         if hit is not None:
-            return hit if hit.source == source else _with_source(hit, source)
+            return hit if hit.source == source else dataclasses.replace(hit, source=source)
         trial = self._evaluate(outer, source)
         self.cache[outer] = trial
         return trial
@@ -86,12 +86,6 @@ class Evaluator:
             reasons = runtime_problems(plan) + reasons
         return Trial(outer=outer, plan=plan, estimate=est, feasible=not reasons, reason="; ".join(reasons),
                      needs_bytes=est.peak_memory_bytes, capacity_bytes=est.capacity_bytes, source=source)
-
-
-def _with_source(trial: Trial, source: str) -> Trial:
-    return Trial(outer=trial.outer, plan=trial.plan, estimate=trial.estimate, feasible=trial.feasible,
-                 reason=trial.reason, needs_bytes=trial.needs_bytes, capacity_bytes=trial.capacity_bytes,
-                 source=source)
 
 
 def rank(trials: list[Trial] | tuple[Trial, ...]) -> list[Trial]:
