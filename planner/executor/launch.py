@@ -25,7 +25,7 @@ from typing import Any, Callable
 from planner import dsconfig
 from planner.errors import ExecutionError
 from planner.executor.metrics import build_metrics, failure_metrics
-from planner.executor.worker import CKPT_DIR, RANKS_DIR
+from planner.executor.files import CKPT_DIR, RANKS_DIR
 from planner.rundir import atomic_write_json, load_run, read_json
 from planner.specs.validate import runtime_problems
 

@@ -6,7 +6,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from planner.executor.worker import RANKS_DIR
+from planner.executor.files import RANKS_DIR
 from planner.specs.estimate import GB
 
 VERSION = 1

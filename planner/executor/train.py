@@ -13,7 +13,7 @@ from planner.executor.data import DataSpec, Layout, Rows
 from planner.executor.measure import CPU_METHOD, GPU_METHOD, model_state_bytes, peak_bytes, reset_peak, rss_bytes
 from planner.executor.model import Block, lm_loss
 from planner.executor.monitor import StabilityMonitor
-from planner.executor.worker import CKPT_DIR, RANKS_DIR, progress
+from planner.executor.files import CKPT_DIR, RANKS_DIR, progress
 from planner.rundir import atomic_write_json, load_run, read_json
 
 

@@ -9,8 +9,6 @@ rank's measurements, gathered at the end). Checkpoints go to DIR/checkpoints/.
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import signal
 import sys
@@ -18,11 +16,8 @@ import time
 import traceback
 from pathlib import Path
 
+from planner.executor.files import RANKS_DIR
 from planner.rundir import atomic_write_json
-
-RANKS_DIR = ".ranks"
-CKPT_DIR = "checkpoints"
-
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="planner.executor.worker")
@@ -82,15 +77,6 @@ def _exit_with_parent() -> None:
                 os._exit(144)
 
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
-
-
-def progress(run_dir: Path, record: dict) -> None:
-    with open(run_dir / RANKS_DIR / "progress.jsonl", "a") as fh:
-        fh.write(json.dumps(record) + "\n")
-
-
-def finite(x: float | None) -> bool:
-    return x is None or math.isfinite(x)
 
 
 if __name__ == "__main__":

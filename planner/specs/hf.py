@@ -53,6 +53,22 @@ class _Config:
             raise SpecError(f"{self.where}: {key}", f"must be true or false, got {value!r}", "fix the config.json")
         return value
 
+    def prob(self, *keys: str, default: float = 0.0) -> float:
+        """First present key among `keys`, as a dropout probability in [0, 1)."""
+        for key in keys:
+            value = self.data.get(key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+                raise SpecError(f"{self.where}: {key}", f"must be a probability in [0, 1), got {value!r}",
+                                "fix the config.json")
+            return float(value)
+        return default
+
+    def dropout(self, hidden: tuple[str, ...], attention: tuple[str, ...]) -> dict[str, float]:
+        """hidden_dropout / attention_dropout keyword arguments for ModelSpec."""
+        return {"hidden_dropout": self.prob(*hidden), "attention_dropout": self.prob(*attention)}
+
     def str(self, key: str, default: str) -> str:
         value = self.data.get(key)
         if value is None:
@@ -90,7 +106,7 @@ def _llama_like(cfg: _Config, name: str, family: str) -> ModelSpec:
         max_seq=cfg.int("max_position_embeddings", default=4096 if family == "llama" else 131072),
         norm="rmsnorm", norm_position="pre", position="rotary", qkv_bias=bias,
         linear_bias=cfg.bool("mlp_bias", False), tied_embeddings=cfg.bool("tie_word_embeddings", False),
-        head_dim=cfg.int("head_dim", default=None))
+        head_dim=cfg.int("head_dim", default=None), **cfg.dropout((), ("attention_dropout",)))
 
 
 def _chatglm(cfg: _Config, name: str, family: str) -> ModelSpec:
@@ -108,14 +124,15 @@ def _chatglm(cfg: _Config, name: str, family: str) -> ModelSpec:
             norm="rmsnorm" if cfg.bool("rmsnorm", True) else "layernorm",
             norm_position="post" if cfg.bool("apply_residual_connection_post_layernorm", False) else "pre",
             position="rotary", qkv_bias=cfg.bool("add_qkv_bias", False), linear_bias=cfg.bool("add_bias_linear", False),
-            tied_embeddings=False, head_dim=cfg.int("kv_channels", default=None))
+            tied_embeddings=False, head_dim=cfg.int("kv_channels", default=None),
+            **cfg.dropout(("hidden_dropout",), ("attention_dropout",)))
     # ChatGLM-6B (first generation)
     return ModelSpec(
         name=name, model_type=family, hidden=hidden, layers=cfg.int("num_layers"), heads=heads,
         ffn_hidden=cfg.int("inner_hidden_size", default=4 * hidden), activation="gelu",
         vocab=cfg.int("vocab_size"), max_seq=cfg.int("max_sequence_length", "seq_length"),
         norm="layernorm", norm_position="deepnorm", position="rotary", qkv_bias=True, linear_bias=True,
-        tied_embeddings=False)
+        tied_embeddings=False, **cfg.dropout(("hidden_dropout",), ("attention_dropout",)))
 
 
 def _glm(cfg: _Config, name: str, family: str) -> ModelSpec:
@@ -128,7 +145,8 @@ def _glm(cfg: _Config, name: str, family: str) -> ModelSpec:
         name=name, model_type=family, hidden=hidden, layers=cfg.int("num_layers"),
         heads=cfg.int("num_attention_heads"), ffn_hidden=cfg.int("intermediate_size", default=4 * hidden),
         activation="gelu", vocab=cfg.int("vocab_size"), max_seq=cfg.int("max_sequence_length"),
-        norm="layernorm", norm_position="pre", position="learned", tied_embeddings=True)
+        norm="layernorm", norm_position="pre", position="learned", tied_embeddings=True,
+        **cfg.dropout(("output_dropout_prob", "hidden_dropout"), ("attention_dropout_prob", "attention_dropout")))
 
 
 def _gpt_neox(cfg: _Config, name: str, family: str) -> ModelSpec:
@@ -139,7 +157,8 @@ def _gpt_neox(cfg: _Config, name: str, family: str) -> ModelSpec:
         activation="gelu", vocab=cfg.int("vocab_size"), max_seq=cfg.int("max_position_embeddings", default=2048),
         norm="layernorm", norm_position="pre", position="rotary",
         qkv_bias=cfg.bool("attention_bias", True), linear_bias=True,
-        tied_embeddings=cfg.bool("tie_word_embeddings", False))
+        tied_embeddings=cfg.bool("tie_word_embeddings", False),
+        **cfg.dropout(("hidden_dropout",), ("attention_dropout",)))
 
 
 def _gpt2(cfg: _Config, name: str, family: str) -> ModelSpec:
@@ -149,7 +168,7 @@ def _gpt2(cfg: _Config, name: str, family: str) -> ModelSpec:
         heads=cfg.int("n_head", "num_attention_heads"), ffn_hidden=cfg.int("n_inner", default=4 * hidden),
         activation="gelu", vocab=cfg.int("vocab_size"), max_seq=cfg.int("n_positions", "n_ctx", default=1024),
         norm="layernorm", norm_position="pre", position="learned",
-        tied_embeddings=cfg.bool("tie_word_embeddings", True))
+        tied_embeddings=cfg.bool("tie_word_embeddings", True), **cfg.dropout(("resid_pdrop",), ("attn_pdrop",)))
 
 
 def _bloom(cfg: _Config, name: str, family: str) -> ModelSpec:
@@ -160,7 +179,8 @@ def _bloom(cfg: _Config, name: str, family: str) -> ModelSpec:
         name=name, model_type=family, hidden=hidden, layers=cfg.int("n_layer", "num_hidden_layers"),
         heads=cfg.int("n_head", "num_attention_heads"), ffn_hidden=4 * hidden, activation="gelu",
         vocab=cfg.int("vocab_size"), max_seq=cfg.int("seq_length", default=2048), norm="layernorm",
-        norm_position="pre", position="alibi", tied_embeddings=cfg.bool("tie_word_embeddings", True))
+        norm_position="pre", position="alibi", tied_embeddings=cfg.bool("tie_word_embeddings", True),
+        **cfg.dropout(("hidden_dropout",), ("attention_dropout",)))
 
 
 FAMILIES: dict[str, Callable[[_Config, str, str], ModelSpec]] = {

@@ -57,6 +57,12 @@ class ModelSpec:
     """Per-head size; None means hidden // heads."""
     model_type: str = "glm"
     """Family the spec came from (preset family or Hugging Face model_type)."""
+    hidden_dropout: float = 0.0
+    """Dropout probability after the attention output and after the FFN (GLM-10B and GLM-130B
+    trained with 0.1, ChatGLM and GLM-4 with 0). The executor runs it; activations count its
+    1-byte masks only where it is > 0 (Korthikanti et al. 2022, Table 2)."""
+    attention_dropout: float = 0.0
+    """Dropout probability on the attention probabilities (GLM-10B, GLM-130B: 0.1)."""
 
     def __post_init__(self) -> None:
         for field in ("hidden", "layers", "heads", "ffn_hidden", "vocab", "max_seq"):
@@ -76,6 +82,11 @@ class ModelSpec:
                             "set head_dim or a head count that divides hidden")
         if self.head_dim is not None and (not isinstance(self.head_dim, int) or self.head_dim <= 0):
             raise SpecError("model.head_dim", f"must be a positive integer, got {self.head_dim!r}", "omit it")
+        for field in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+                raise SpecError(f"model.{field}", f"must be a probability in [0, 1), got {value!r}",
+                                f"set {field} to e.g. 0.1, or 0 for none")
         for field, allowed in (("activation", ACTIVATIONS), ("norm", NORMS),
                                ("norm_position", NORM_POSITIONS), ("position", POSITIONS)):
             if getattr(self, field) not in allowed:
@@ -109,6 +120,13 @@ class ModelSpec:
     def ffn_in_matrices(self) -> int:
         """Number of h x ffn input matrices in the FFN (2 for GLU: gate and up)."""
         return 2 if self.glu else 1
+
+    def padded_vocab(self, tp: int = 1) -> int:
+        """The vocabulary rounded up to a multiple of the TP degree, so that each TP rank holds
+        an equal slice of the embedding and output layer (Megatron pads the same way). The
+        padded rows are never looked up and their logits are excluded from the loss, so every
+        TP degree trains the same model; their memory and FLOPs are real and counted."""
+        return -(-self.vocab // tp) * tp
 
     # --- parameter counts -----------------------------------------------------------
     @property
@@ -174,11 +192,11 @@ PRESETS: dict[str, ModelSpec] = {
     "glm-10b": ModelSpec(
         name="glm-10b", model_type="glm", hidden=4096, layers=48, heads=64, ffn_hidden=16384,
         activation="gelu", vocab=50304, max_seq=1024, norm="layernorm", norm_position="pre",
-        position="learned", tied_embeddings=True),
+        position="learned", tied_embeddings=True, hidden_dropout=0.1, attention_dropout=0.1),
     "glm-130b": ModelSpec(
         name="glm-130b", model_type="glm", hidden=12288, layers=70, heads=96, ffn_hidden=32768,
         activation="geglu", vocab=150528, max_seq=2048, norm="layernorm", norm_position="deepnorm",
-        position="rotary", tied_embeddings=False),
+        position="rotary", tied_embeddings=False, hidden_dropout=0.1, attention_dropout=0.1),
     "chatglm-6b": ModelSpec(
         name="chatglm-6b", model_type="chatglm", hidden=4096, layers=28, heads=32, ffn_hidden=16384,
         activation="gelu", vocab=130528, max_seq=2048, norm="layernorm", norm_position="deepnorm",

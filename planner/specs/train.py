@@ -8,6 +8,8 @@ from typing import Any
 from planner.errors import SpecError
 from planner.specs.hardware import PRECISIONS
 
+ATTENTION = ("flash", "eager")
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainSpec:
@@ -19,6 +21,10 @@ class TrainSpec:
     """bf16, fp16 (mixed precision with fp32 master weights) or fp32."""
     optimizer: str = "adamw"
     """Adam(W): 12 bytes of fp32 state per parameter in mixed precision (ZeRO, K=12)."""
+    attention: str = "flash"
+    """Attention kernel: "flash" (torch scaled_dot_product_attention, memory-efficient/flash:
+    no s x s tensor is kept, backward recomputes the scores) or "eager" (softmax(QK^T)V in
+    plain ops, the softmax and its dropout mask stored: Korthikanti et al. 2022, Table 2)."""
 
     def __post_init__(self) -> None:
         for f in ("global_batch", "seq_len"):
@@ -28,6 +34,9 @@ class TrainSpec:
                                 "give a positive integer")
         if self.precision not in PRECISIONS:
             raise SpecError("--precision", f"unknown precision {self.precision!r}", f"use one of {', '.join(PRECISIONS)}")
+        if self.attention not in ATTENTION:
+            raise SpecError("--attention", f"unknown attention kernel {self.attention!r}",
+                            f"use one of {', '.join(ATTENTION)}")
 
     @property
     def tokens_per_step(self) -> int:
