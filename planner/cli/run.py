@@ -47,6 +47,9 @@ def _err(e) -> str:
 @click.option("--seed", type=int, default=1234, show_default=True, help="Seeds the model and the synthetic corpus.")
 @click.option("--data-workers", type=int, default=1, show_default=True, help="DataLoader worker processes per rank.")
 @click.option("--inject-nan", type=int, default=-1, hidden=True, help="Poison the batch of this step (testing).")
+@click.option("--ignore-host-checks", is_flag=True,
+              help="Launch even if this host looks too small for the plan (no CUDA / too few GPUs / too "
+                   "little memory / too many ranks per core). Bad plan.json or ds_config.json is still refused.")
 @_scale_option
 def run(run_dir: str, **kw) -> None:
     """Train the plan in RUN_DIR under DeepSpeed and write RUN_DIR/metrics.json."""
@@ -78,7 +81,9 @@ def run(run_dir: str, **kw) -> None:
 @_scale_option
 def verify(run_dir: str, **kw) -> None:
     """Run the conventional baseline and the plan; compare against the 3x / one-third-memory targets."""
+    from planner.executor.preflight import check_run
     from planner.executor.verify import verify as do_verify
     _check_scale(run_dir, kw.pop("scale"))
+    check_run(run_dir)  # refuse before the baseline starts, not after it ran
     do_verify(run_dir, echo=click.echo, **kw)
     click.echo(f"wrote {run_dir}/verify.json")

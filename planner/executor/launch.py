@@ -22,12 +22,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from planner import dsconfig
 from planner.errors import ExecutionError
+from planner.executor import preflight
 from planner.executor.metrics import build_metrics, failure_metrics
 from planner.executor.files import CKPT_DIR, RANKS_DIR
 from planner.rundir import atomic_write_json, load_run, read_json
-from planner.specs.validate import runtime_problems
 
 
 def _free_port() -> int:
@@ -72,22 +71,22 @@ def _pick_failed(run_dir: Path, failed: dict[int, int]) -> int:
 def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: bool = False,
              timeout: float = 600.0, batching: str = "dynamic", checkpoint_every: int = 0,
              inject_nan: int = -1, data: str = "", seed: int = 1234, data_workers: int = 1,
+             ignore_host_checks: bool = False,
              echo: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """Run the plan in `run_dir` for `steps` optimizer steps; returns (and writes) metrics.json."""
+    """Run the plan in `run_dir` for `steps` optimizer steps; returns (and writes) metrics.json.
+
+    Refuses first, starting nothing, what cannot run here (planner.executor.preflight): bad
+    plan.json, a ds_config.json that disagrees with it, and, unless `ignore_host_checks`, a plan
+    this host lacks the GPUs, memory or cores for."""
     run = Path(run_dir).resolve()
     if steps < 1 or warmup < 0 or warmup >= steps:
         raise ExecutionError("--steps/--warmup", f"need steps >= 1 and 0 <= warmup < steps, got {steps}/{warmup}",
                              "e.g. --steps 10 --warmup 2")
-    plan, model, cluster, train, _ = load_run(run)
-    unsupported = runtime_problems(plan)
-    if unsupported:
-        raise ExecutionError("plan.json", unsupported[0].split(" (")[0],
-                             "plan without --megatron-features, or run it under Megatron-LM")
-    if cluster.nodes > 1:
-        raise ExecutionError("cluster", f"{cluster.nodes} nodes: `planner run` launches on this machine only",
-                             "use launch.sh with a hostfile (deepspeed launcher) for multi-node runs")
-    if not (run / "ds_config.json").exists():
-        atomic_write_json(run / "ds_config.json", dsconfig.ds_config(plan, model, train, cluster))
+    plan, model, cluster, train, doc = load_run(run)
+    # every refusal comes before the run directory is touched (planner/executor/preflight.py)
+    missing_cfg = preflight.check(run, plan, model, cluster, train, doc, ignore_host=ignore_host_checks)
+    if missing_cfg is not None:
+        atomic_write_json(run / "ds_config.json", missing_cfg)
         echo("ds_config.json was missing: written from plan.json")
     ranks = run / RANKS_DIR
     if not resume:
