@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +92,8 @@ def _probe_cuda() -> tuple[tuple[tuple[str, float], ...], str]:
     """CUDA devices as the ranks will see them. Asked in a child process, so that no CUDA
     context lives on in the launcher while the ranks use the devices."""
     try:
-        res = subprocess.run([sys.executable, "-c", _CUDA_PROBE], capture_output=True, text=True, timeout=120)
+        res = subprocess.run([sys.executable, "-c", _CUDA_PROBE], capture_output=True, text=True, timeout=120,
+                             check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return (), f"the CUDA probe failed ({type(exc).__name__})"
     if res.returncode != 0:
@@ -156,8 +158,10 @@ def check_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec, train: TrainS
                         "re-plan with `planner search`, or correct the hand edit of plan.json")
     vocab = vocab_problem(model, plan.tp)
     if vocab:
-        raise SpecError("plan.json plan.tp", vocab, f"use a TP degree whose vocabulary shards all hold real "
-                        f"tokens (tp <= {model.vocab} and (tp-1) x ceil(V/tp) < V), or re-plan with `planner search`")
+        ok = [t for t in range(1, plan.tp) if not model.heads % t and not model.kv_heads % t
+              and not vocab_problem(model, t)]
+        raise SpecError("plan.json plan.tp", vocab, f"use tp {' or '.join(map(str, ok[-2:]))}, or re-plan with "
+                        "`planner search`")
     unsupported = runtime_problems(plan)
     if unsupported:
         raise ExecutionError("plan.json", unsupported[0].split(" (")[0],
@@ -239,8 +243,9 @@ def check_config(cfg: Any, plan: Plan, model: ModelSpec, expected: dict[str, Any
                         REWRITE)
     prec = _precision(cfg)
     if prec != plan.precision:
+        what = "neither is enabled (fp32)" if prec == "fp32" else f"select {prec}"
         raise SpecError("ds_config.json bf16.enabled/fp16.enabled",
-                        f"select {prec}, plan.json has precision {plan.precision}", REWRITE)
+                        f"{what}, plan.json has precision {plan.precision}", REWRITE)
     pipe = cfg.get("pipeline") if isinstance(cfg.get("pipeline"), dict) else {}
     stages = pipe.get("stages")
     if (plan.pp > 1 and stages != plan.pp) or (plan.pp == 1 and stages not in (None, "auto", 1)):
@@ -287,7 +292,7 @@ def check_host(plan: Plan, model: ModelSpec, cluster: ClusterSpec, train: TrainS
     if world > limit:
         raise ExecutionError("plan.json dp/tp/pp", f"{world} ranks on {host.cores} core(s): more than "
                              f"{RANKS_PER_CORE} ranks per core, the most measured to train here",
-                             f"re-plan with at most --gpus {limit}xcpu, or pass --ignore-host-checks")
+                             f"re-plan with at most --gpus {limit}xcpu (or `planner run --ignore-host-checks`)")
     if host.mem_available_bytes is None:
         return
     per_stage = [m.total for m in est.stage_memory]
@@ -296,10 +301,11 @@ def check_host(plan: Plan, model: ModelSpec, cluster: ClusterSpec, train: TrainS
     if total > allowed:
         raise ExecutionError("plan.json cluster",
                              f"{world} ranks need {total / GB:.1f} GB predicted ({max(per_stage) / GB:.2f} GB "
-                             f"per rank at most), more than {HOST_MEMORY_FRACTION:.0%} of this host's "
+                             f"per rank at most), more than {Fraction(HOST_MEMORY_FRACTION).limit_denominator(10)} "
+                             f"({allowed / GB:.1f} GB) of this host's "
                              f"{host.mem_available_bytes / GB:.1f} GB available (MemAvailable)",
-                             "re-plan with a smaller --scale or fewer --gpus, free memory, or pass "
-                             "--ignore-host-checks")
+                             "re-plan with a smaller --scale or fewer --gpus, free memory (or `planner run "
+                             "--ignore-host-checks`)")
 
 
 # --- all of it ---------------------------------------------------------------------------------

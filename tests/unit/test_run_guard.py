@@ -84,7 +84,7 @@ def edit(path: Path, fn) -> None:
     (lambda c: c.update(train_micro_batch_size_per_gpu="auto"), "train_micro_batch_size_per_gpu", "positive integer"),
     (lambda c: c["zero_optimization"].update(stage=2), "zero_optimization.stage", "is 2, plan.json has zero 0"),
     (lambda c: c.pop("zero_optimization"), None, None),        # absent: DeepSpeed's ZeRO-0, the plan's
-    (lambda c: c["bf16"].update(enabled=False), "bf16.enabled/fp16.enabled", "select fp32, plan.json has precision bf16"),
+    (lambda c: c["bf16"].update(enabled=False), "bf16.enabled/fp16.enabled", "neither is enabled (fp32), plan.json has precision bf16"),
     (lambda c: c["fp16"].update(enabled=True), "bf16.enabled/fp16.enabled", "both are enabled"),
     (lambda c: c.update(pipeline={"stages": 2}), "pipeline.stages", "is 2, plan.json has pp 1"),
     (lambda c: c.update(tensor_parallel={"autotp_size": 2}), "tensor_parallel", "AutoTP is not what the plan runs"),
