@@ -8,7 +8,9 @@ checkpointing - backward without.
 Memory: bytes the block saves for backward, counted with torch.autograd.graph.saved_tensors_hooks
 (every tensor autograd packs; parameters excluded; storages counted once), with and without
 checkpointing. On CUDA the allocator's growth over the forward is recorded beside it.
-The cost model's figure for the same point is added by planner.profiler.write.
+The cost model's figure for the same point (planner.cost.layer_costs, whose activations are
+planner.cost.memory.block_activation_bytes: the one formula, never a copy here) is added by
+planner.profiler.write.cost_model_point.
 """
 from __future__ import annotations
 
@@ -121,13 +123,3 @@ def measure_point(model: ModelSpec, b: int, s: int, tp: int, precision: str, tar
     return LayerPoint(micro_batch=b, seq=s, tp=tp, forward=fwd, backward=bwd, forward_ckpt=fwd_c,
                       backward_ckpt=bwd_c, saved_bytes=saved_bytes(plain, params),
                       saved_bytes_ckpt=saved_bytes(ckpt, params), allocator_bytes=alloc, source=source)
-
-
-def korthikanti_bytes(model: ModelSpec, b: int, s: int, tp: int, element_bytes: int) -> dict[str, float]:
-    """Korthikanti et al. 2022 (arXiv 2205.05198) Table 2, bytes per layer with TP:
-    s b h (10 + 24/t + 5 a s/(h t)); full recompute keeps s b h x 2. Those assume 2-byte
-    activations and 1-byte dropout masks; scaled by element_bytes/2 for other precisions."""
-    h, a = model.hidden, model.heads
-    k = element_bytes / 2
-    return {"no_recompute": s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * k,
-            "full_recompute": s * b * h * 2 * k}

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from planner.profiler.gemm import efficiency_curve, peak_tflops
-from planner.profiler.layers import korthikanti_bytes
 from planner.profiler.run import ProfileOptions
 from planner.rundir import atomic_write_json
 from planner.specs.hardware import PRECISIONS, SCHEMA_VERSION, find_device, profile_from_dict
@@ -102,10 +101,8 @@ def measured_section(raw: dict[str, Any], env: dict[str, Any], opts: ProfileOpti
                      data: dict[str, Any]) -> dict[str, Any]:
     layer_rows = []
     prof = profile_from_dict(data, data["name"])
-    elem = 4 if opts.precision == "fp32" else 2
     for p in raw["layers"]:
         row = p.to_dict()
-        row["korthikanti_bytes"] = korthikanti_bytes(opts.model, p.micro_batch, p.seq, p.tp, elem)
         row["cost_model"] = cost_model_point(opts, prof, p.micro_batch, p.seq, p.tp)
         layer_rows.append(row)
     return {
@@ -124,7 +121,10 @@ def measured_section(raw: dict[str, Any], env: dict[str, Any], opts: ProfileOpti
 
 
 def cost_model_point(opts: ProfileOptions, prof: Any, b: int, s: int, tp: int) -> dict[str, Any]:
-    """What planner.cost predicts for this block (time and saved bytes), beside the measurement."""
+    """What planner.cost predicts for this block (time and saved bytes), beside the measurement.
+    The one place the profiler asks the cost model: its activation bytes are
+    planner.cost.memory.block_activation_bytes through layer_costs, for the attention kernel
+    and dropout the TrainSpec and model below imply."""
     try:
         from planner.cost import layer_costs
         from planner.specs.hardware import ClusterSpec

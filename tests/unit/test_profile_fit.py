@@ -8,7 +8,6 @@ import pytest
 
 from planner.profiler import comm, gemm
 from planner.profiler.fit import bus_factor, fit_alpha_beta
-from planner.profiler.layers import korthikanti_bytes
 from planner.profiler.stats import Sample, summarize, time_call
 from planner.specs import preset, scale
 
@@ -89,16 +88,6 @@ def test_peak_and_efficiency_curve():
     curve = gemm.efficiency_curve([r for r in rs if r.precision == "bf16"], best["bf16"].tflops)
     assert [round(e, 3) for _, e in curve] == [0.24, 0.8, 1.0]  # 128 and 130 share a half-decade bin: median
     assert all(a[0] < b[0] for a, b in zip(curve, curve[1:]))
-
-
-def test_korthikanti_table2():
-    m = preset("glm-10b")  # h 4096, a 64
-    s, b = 1024, 2
-    got = korthikanti_bytes(m, b, s, 1, 2)
-    assert got["no_recompute"] == s * b * 4096 * (34 + 5 * 64 * s / 4096)
-    assert got["full_recompute"] == 2 * s * b * 4096
-    assert korthikanti_bytes(m, b, s, 4, 4)["no_recompute"] == pytest.approx(
-        2 * s * b * 4096 * (10 + 24 / 4 + 5 * 64 * s / (4096 * 4)))
 
 
 def test_sample_summary_and_timer():

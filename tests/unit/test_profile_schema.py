@@ -63,7 +63,11 @@ def test_measured_profile_has_the_builtin_schema_and_round_trips(tmp_path):
         assert key in data["sources"]
     row = data["measured"]["layers"][0]
     assert row["forward_s"]["n"] == 5 and "spread" in row["forward_s"]
-    assert "no_recompute" in row["korthikanti_bytes"] and "block_act_bytes" in row["cost_model"]
+    # the cost model's figure for the block point (b 4, s 128, h 128, bf16), no copy of its formula:
+    # a fully checkpointed block keeps its input, e s b h = 2 x 128 x 4 x 128 bytes
+    assert "korthikanti_bytes" not in row and "error" not in row["cost_model"]
+    assert row["cost_model"]["block_act_bytes_full_recompute"] == 2 * 128 * 4 * 128
+    assert row["cost_model"]["block_act_bytes"] > row["cost_model"]["block_act_bytes_full_recompute"]
     path = tmp_path / "p.json"
     write.write(path, data)
     prof = load_profile(path)
