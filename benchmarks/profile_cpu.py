@@ -44,8 +44,7 @@ def main() -> int:
             print(f"  block b={row['micro_batch']} s={row['seq']} tp={row['tp']}: fwd {1e3 * row['forward_s']['median']:.2f} ms "
                   f"bwd {1e3 * row['backward_s']['median']:.2f} ms recompute {1e3 * row['recompute_s']:.2f} ms "
                   f"(spread {row['forward_s']['spread']:.2f}); saved {row['saved_activation_bytes'] / 1e6:.3f} MB "
-                  f"(cost model {cm.get('block_act_bytes', float('nan')) / 1e6:.3f}, Table 2 "
-                  f"{row['korthikanti_bytes']['no_recompute'] / 1e6:.3f}), checkpointed "
+                  f"(cost model {cm.get('block_act_bytes', float('nan')) / 1e6:.3f}), checkpointed "
                   f"{row['saved_activation_bytes_checkpointed'] / 1e6:.3f} MB "
                   f"(cost model {cm.get('block_act_bytes_full_recompute', float('nan')) / 1e6:.3f})")
     return 0
