@@ -40,7 +40,8 @@ TABLE1 = [
 def megatron_gpt(params_b: float, heads: int, hidden: int, layers: int) -> ModelSpec:
     return ModelSpec(name=f"gpt-{params_b}B", model_type="gpt2", hidden=hidden, layers=layers, heads=heads,
                      ffn_hidden=4 * hidden, activation="gelu", vocab=51200, max_seq=2048, norm="layernorm",
-                     norm_position="pre", position="learned", tied_embeddings=True)
+                     norm_position="pre", position="learned", tied_embeddings=True, hidden_dropout=0.1,
+                     attention_dropout=0.1)
 
 
 def best_plan(model: ModelSpec, gpus: int, tp: int, pp: int, batch: int, compute_scale: float | None = None):
@@ -48,7 +49,7 @@ def best_plan(model: ModelSpec, gpus: int, tp: int, pp: int, batch: int, compute
     if compute_scale is not None:
         dev = dataclasses.replace(cluster.device, factors={**cluster.device.factors, "compute_scale": compute_scale})
         cluster = dataclasses.replace(cluster, device=dev)
-    train = TrainSpec(global_batch=batch, seq_len=2048, precision="bf16")
+    train = TrainSpec(global_batch=batch, seq_len=2048, precision="bf16", attention="eager")
     dp = gpus // (tp * pp)
     best = None
     for mb in (1, 2, 4, 8):

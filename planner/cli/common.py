@@ -9,7 +9,7 @@ import click
 from planner.errors import SpecError
 from planner.specs.hardware import ClusterSpec, load_profile, parse_cluster
 from planner.specs.model import ModelSpec, preset, scale
-from planner.specs.train import TrainSpec
+from planner.specs.train import ATTENTION, TrainSpec
 
 SCALE_CHOICES = ["full", "tiny", "small"]
 
@@ -35,6 +35,9 @@ def cluster_options(f: Callable) -> Callable:
 
 
 def train_options(f: Callable) -> Callable:
+    f = click.option("--attention", type=click.Choice(list(ATTENTION)), default="flash", show_default=True,
+                     help="Attention kernel the run uses: flash (torch SDPA, no s x s scores kept, backward "
+                          "recomputes them) or eager (softmax stored; selective recompute pays off).")(f)
     f = click.option("--precision", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
                      help="Training precision (default bf16, fp16 where bf16 is unsupported).")(f)
     f = click.option("--seq-len", type=int, default=None, help="Tokens per sequence (default min(2048, model max); 128 on cpu).")(f)
@@ -63,7 +66,7 @@ def load_cluster(gpus: str, profile_path: str | None, inter_gbps: float | None,
 
 
 def load_train(model: ModelSpec, cluster: ClusterSpec, global_batch: int | None, seq_len: int | None,
-               precision: str | None) -> TrainSpec:
+               precision: str | None, attention: str = "flash") -> TrainSpec:
     cpu = cluster.device.kind == "cpu"
     if global_batch is None:
         global_batch = 8 if cpu else 512
@@ -74,7 +77,7 @@ def load_train(model: ModelSpec, cluster: ClusterSpec, global_batch: int | None,
     if seq_len > model.max_seq:
         raise SpecError("--seq-len", f"{seq_len} exceeds {model.name}'s maximum sequence {model.max_seq}",
                         f"use --seq-len {model.max_seq} or less")
-    return TrainSpec(global_batch=global_batch, seq_len=seq_len, precision=precision)
+    return TrainSpec(global_batch=global_batch, seq_len=seq_len, precision=precision, attention=attention)
 
 
 def load_inputs(kw: dict[str, Any]) -> tuple[ModelSpec, ClusterSpec, TrainSpec]:
@@ -82,12 +85,13 @@ def load_inputs(kw: dict[str, Any]) -> tuple[ModelSpec, ClusterSpec, TrainSpec]:
     model = load_model(kw.pop("model_arg"), kw.pop("scale"))
     cluster = load_cluster(kw.pop("gpus"), kw.pop("profile_path"), kw.pop("inter_gbps"),
                            kw.pop("inter_latency_us"), kw.pop("intra_gbps"))
-    train = load_train(model, cluster, kw.pop("global_batch"), kw.pop("seq_len"), kw.pop("precision"))
+    train = load_train(model, cluster, kw.pop("global_batch"), kw.pop("seq_len"), kw.pop("precision"),
+                       kw.pop("attention"))
     return model, cluster, train
 
 
 def common_inputs(f: Callable) -> Callable:
-    """--model/--scale, --gpus/--profile/network, --global-batch/--seq-len/--precision."""
+    """--model/--scale, --gpus/--profile/network, --global-batch/--seq-len/--precision/--attention."""
     return model_options(cluster_options(train_options(f)))
 
 

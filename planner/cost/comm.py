@@ -1,32 +1,85 @@
-"""Collective times: alpha-beta per link tier with nccl-tests bus-bandwidth conventions.
+"""Collective and point-to-point times, and the links the plan's rank layout puts them on.
 
 nccl-tests (PERFORMANCE.md): all-reduce busbw = algbw x 2(n-1)/n; reduce-scatter and all-gather
 busbw = algbw x (n-1)/n; send/recv busbw = algbw. So with a link's busbw B, an all-reduce of
 S bytes over n ranks takes S x 2(n-1)/n / B, plus a latency of alpha per ring step.
+
+Rank layout (planner/specs/plan.py, DeepSpeed's PipeModelDataParallelTopology): global rank
+= (pp_i * dp + dp_i) * tp + tp_i, and node = rank // gpus_per_node. Which groups and which
+pipeline boundaries cross nodes follows from that alone: nothing here assumes the layout is
+aligned to nodes.
 """
 from __future__ import annotations
 
-from planner.specs.hardware import ClusterSpec, Link
+from functools import lru_cache
+
+from planner.specs.hardware import ClusterSpec
+from planner.specs.plan import Plan
 
 
-def group_link(cluster: ClusterSpec, size: int, stride: int) -> tuple[float, float]:
-    """(bus bandwidth bytes/s, latency s) for a group of `size` ranks spaced `stride` apart.
+def _groups(dp: int, tp: int, pp: int, axis: str) -> list[list[int]]:
+    """The ranks of every group of one axis (dp or tp), stage by stage."""
+    out = []
+    for i in range(pp):
+        if axis == "dp":
+            out += [[(i * dp + j) * tp + k for j in range(dp)] for k in range(tp)]
+        else:
+            out += [[(i * dp + j) * tp + k for k in range(tp)] for j in range(dp)]
+    return out
 
-    Rank layout (planner/specs/plan.py): tp fastest, then dp, then pp. A group whose ranks all
-    sit in one node rides the intra-node link. A group spanning nodes is limited by the node's
-    network shared by the groups running at the same time: with k members per node out of g
-    devices, this group gets k/g of the node's inter-node bus bandwidth.
-    """
-    g = cluster.gpus_per_node
+
+@lru_cache(maxsize=4096)
+def group_sharing(gpus_per_node: int, dp: int, tp: int, pp: int, axis: str) -> tuple[int, ...]:
+    """Per pipeline stage: 0 when every group of `axis` in that stage sits inside one node;
+    else the largest number of node-crossing groups (of every stage, all syncing together)
+    that share one node's network with a crossing group of this stage."""
+    g = gpus_per_node
+    groups = _groups(dp, tp, pp, axis)
+    crossing: dict[int, int] = {}
+    spans = []
+    for ranks in groups:
+        nodes = {r // g for r in ranks}
+        spans.append(nodes if len(nodes) > 1 else set())
+        for n in spans[-1]:
+            crossing[n] = crossing.get(n, 0) + 1
+    per_group = len(groups) // pp
+    out = []
+    for i in range(pp):
+        share = 0
+        for nodes in spans[i * per_group:(i + 1) * per_group]:
+            for n in nodes:
+                share = max(share, crossing[n])
+        out.append(share)
+    return tuple(out)
+
+
+def group_links(cluster: ClusterSpec, plan: Plan, axis: str) -> tuple[tuple[float, float], ...]:
+    """(bus bandwidth bytes/s, latency s) of the `axis` groups of each pipeline stage.
+
+    A group inside one node rides the intra-node link. A group that spans nodes is limited
+    by the node's inter-node network, shared by all the node-crossing groups of that axis
+    with members on the same node (for node-aligned layouts: k members of the group per node
+    out of g devices gives it k/g of the node's bus bandwidth)."""
+    intra, inter = cluster.intra_node, cluster.inter_node
+    size = plan.dp if axis == "dp" else plan.tp
     if size <= 1:
-        return float("inf"), 0.0
-    intra = cluster.intra_node
-    if stride * (size - 1) < g or cluster.nodes == 1:  # the group starting at rank 0 fits one node
-        return intra.busbw_gbps * 1e9, intra.latency_us * 1e-6
-    members_per_node = 1 if stride >= g else min(size, g // stride)
-    inter = cluster.inter_node
-    bw = min(intra.busbw_gbps, inter.busbw_gbps * members_per_node / g) * 1e9
-    return bw, inter.latency_us * 1e-6
+        return ((float("inf"), 0.0),) * plan.pp
+    share = group_sharing(cluster.gpus_per_node, plan.dp, plan.tp, plan.pp, axis)
+    out = []
+    for s in share:
+        if s == 0:
+            out.append((intra.busbw_gbps * 1e9, intra.latency_us * 1e-6))
+        else:
+            out.append((min(intra.busbw_gbps, inter.busbw_gbps / s) * 1e9, inter.latency_us * 1e-6))
+    return tuple(out)
+
+
+@lru_cache(maxsize=4096)
+def cross_node_boundaries(gpus_per_node: int, dp: int, tp: int, pp: int) -> tuple[bool, ...]:
+    """For each pipeline boundary i -> i+1: does any rank of stage i send to another node?
+    Stage i holds ranks [i*dp*tp, (i+1)*dp*tp); rank r sends to r + dp*tp."""
+    w, g = dp * tp, gpus_per_node
+    return tuple(any((i * w + j) // g != ((i + 1) * w + j) // g for j in range(w)) for i in range(pp - 1))
 
 
 def allreduce_time(nbytes: float, n: int, busbw: float, latency: float, efficiency: float = 1.0) -> float:
@@ -44,13 +97,19 @@ def allgather_time(nbytes: float, n: int, busbw: float, latency: float, efficien
 
 reducescatter_time = allgather_time
 
+COLLECTIVES = {"all_reduce": allreduce_time, "all_gather": allgather_time, "reduce_scatter": reducescatter_time}
 
-def p2p_time(nbytes: float, link: Link, concurrent_per_node: int, gpus_per_node: int, inter: bool,
-             efficiency: float = 1.0) -> float:
-    """One send/recv of `nbytes`. Across nodes, each device gets its share of the node's network."""
+
+def p2p_time(nbytes: float, cluster: ClusterSpec, cross_node: bool, efficiency: float = 1.0) -> float:
+    """One send/recv of `nbytes` between pipeline stages. Inside a node it rides the
+    intra-node link; across nodes each device gets its share of the node's network
+    (inter-node bus bandwidth / devices per node: every rank of a stage sends at once)."""
     if nbytes <= 0:
         return 0.0
-    bw = link.busbw_gbps * 1e9 * efficiency
-    if inter:
-        bw = bw * max(1, concurrent_per_node) / gpus_per_node
-    return nbytes / bw + link.latency_us * 1e-6
+    if cross_node:
+        link = cluster.inter_node
+        bw = link.busbw_gbps * 1e9 / cluster.gpus_per_node
+    else:
+        link = cluster.intra_node
+        bw = link.busbw_gbps * 1e9
+    return nbytes / (bw * efficiency) + link.latency_us * 1e-6

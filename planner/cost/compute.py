@@ -36,8 +36,16 @@ def block_forward_flops(model: ModelSpec, s: int, b: int, t: int = 1) -> float:
 
 
 def logits_forward_flops(model: ModelSpec, s: int, b: int, t: int = 1) -> float:
-    """Output layer: 2 b s h V (vocab-parallel over TP)."""
-    return 2.0 * s * b * model.hidden * model.vocab / t
+    """Output layer on one TP rank: 2 b s h V_pad / t (vocab-parallel over the padded
+    vocabulary, ModelSpec.padded_vocab; V_pad = V at t = 1)."""
+    return 2.0 * s * b * model.hidden * model.padded_vocab(t) / t
+
+
+def flash_recompute_flops(model: ModelSpec, s: int, b: int, t: int = 1) -> float:
+    """Extra backward FLOPs of flash attention on one TP rank: it recomputes the scores QK^T
+    (2 b s^2 q / t; Dao et al. 2022, arXiv 2205.14135, Algorithm 4) instead of storing them.
+    Hardware FLOPs only, never model FLOPs."""
+    return 2.0 * b * s * s * model.q_size / t
 
 
 def model_flops_per_sequence(model: ModelSpec, s: int) -> float:
@@ -61,25 +69,44 @@ def block_compute_times(model: ModelSpec, device: DeviceProfile, s: int, b: int,
     """
     gemms, core = block_gemms(model, s, b, t)
     fwd = sum(gemm_time(device, g, precision, compute_scale) for g in gemms)
+    return fwd, core_time(model, device, core, b, t, precision, attention_scale)
+
+
+def core_time(model: ModelSpec, device: DeviceProfile, flops: float, b: int, t: int, precision: str,
+              attention_scale: float) -> float:
+    """Seconds of attention-core FLOPs: a batch of b x heads/t small GEMMs, at the efficiency
+    of one of them."""
+    if flops <= 0:
+        return 0.0
     heads_per_rank = max(1, model.heads // t)
-    # the core is a batch of b x heads small GEMMs; its efficiency is that of one of them
-    per_head = core / (b * heads_per_rank)
-    core_t = 0.0 if core <= 0 else core / (device.peak_flops(precision) * device.gemm_eff(per_head, precision)) * attention_scale
-    return fwd, core_t
+    per_head = flops / (b * heads_per_rank)
+    return flops / (device.peak_flops(precision) * device.gemm_eff(per_head, precision)) * attention_scale
 
 
 def block_elementwise_bytes(model: ModelSpec, s: int, b: int, t: int, act_bytes: float,
-                            sequence_parallel: bool, flash: bool = False) -> float:
-    """HBM traffic of the memory-bound ops of one block's forward: norms, residual adds,
-    bias/activation (GELU or GLU), rotary, dropout and softmax. Each reads its input and writes
-    its output once; widths from the real shapes.
+                            sequence_parallel: bool, kernel: str = "eager") -> float:
+    """Memory traffic of the memory-bound ops of one block's forward, from the real widths;
+    each reads its input and writes its output once:
+    - replicated in the TP region (sharded by sequence under SP): two norms, two residual adds,
+      and the two hidden dropouts (read, write, 1-byte mask) only when hidden_dropout > 0;
+    - sharded by TP: rotary on q/k/v, the FFN activation (GLU);
+    - attention scores, only for a kernel that materialises them (eager, math): the softmax
+      (read, write) and the attention dropout (read, write, mask) when attention_dropout > 0.
+      Flash fuses both into its kernel.
     """
     h, q, kv, f, k = model.hidden, model.q_size, model.kv_size, model.ffn_hidden, model.ffn_in_matrices
     sb = s * b
     e = act_bytes
-    rep = sb * e * h * (2 * 2 + 2 * 2 + 2 * 2)  # two norms, two residual adds, two dropouts (in + out)
-    sharded = sb * e * ((q + 2 * kv) * 2 + (k * f + f) * 2)  # rotary on q/k/v, activation (GLU)
-    softmax = 0.0 if flash else b * model.heads * s * s * (e * 2 + e * 2 + 1)  # softmax + dropout
+    rep = sb * h * (2 * 2 * e + 2 * 2 * e)                      # two norms, two residual adds
+    if model.hidden_dropout > 0:
+        rep += sb * h * 2 * (2 * e + 1)                         # two dropouts: read, write, mask
+    sharded = sb * e * ((q + 2 * kv) * 2 + (k * f + f) * 2)     # rotary on q/k/v, activation (GLU)
+    scores = 0.0
+    if kernel != "flash":
+        per_score = 2 * e                                       # softmax: read, write
+        if model.attention_dropout > 0:
+            per_score += 2 * e + 1                              # dropout: read, write, mask
+        scores = b * model.heads * s * s * per_score
     if sequence_parallel:
         rep /= t
-    return rep + (sharded + softmax) / t
+    return rep + (sharded + scores) / t

@@ -1,9 +1,12 @@
 """Assemble the step time, throughput, FLOPs utilisation and per-stage memory of a plan."""
 from __future__ import annotations
 
-from planner.cost import comm, compute, pipeline
+from planner.cost import comm, compute, engines, pipeline
+from planner.cost.attention import recomputes_scores
+from planner.cost.engines import Engine
 from planner.cost.factors import cluster_factors
-from planner.cost.model import _act_bytes, _block_times, _layer_costs, _stage_params, stage_memory, stage_times
+from planner.cost.layers import LayerCosts
+from planner.cost.model import _act_bytes, _block_times, _kernel, _layer_costs, stage_memory, stage_times
 from planner.specs.estimate import GB, Estimate, TimeBreakdown
 from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
@@ -15,46 +18,75 @@ _LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer
            "activations": "activations", "logits": "logits", "buckets": "communication buckets",
            "overhead": "runtime allowance"}
 
+ADAM_BYTES = {"fp32": 28.0, "mixed": 30.0}
+"""Memory traffic of one Adam(W) update per parameter (memory-bound): read and write the fp32
+weight (8), both fp32 moments (16), read the fp32 gradient (4); mixed precision also writes
+the 16-bit copy of the weight (2)."""
 
-def _dp_comm(cluster: ClusterSpec, plan: Plan, psi_dev: float, f: dict[str, float],
-             mb_compute: float, last_backward: float) -> tuple[float, float]:
-    """(exposed gradient-sync seconds, exposed ZeRO-3 gather seconds) per step.
 
-    ZeRO (Rajbhandari et al. 2020, section 7): stages 0-2 move 2 Psi per step (all-reduce, or
-    reduce-scatter + all-gather), stage 3 moves 3 Psi (gathers in forward and backward plus a
-    reduce-scatter). DeepSpeed's stage 2 and 3 reduce gradients every micro-batch.
+def dp_comm(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[int, ...], f: dict[str, float],
+            mb_compute: tuple[float, ...], backward: tuple[float, ...]) -> tuple[float, float]:
+    """(exposed gradient-sync seconds, exposed ZeRO-3 gather seconds) per step: the slowest
+    stage's, from the engine's data-parallel collectives (planner.cost.engines) over each
+    stage's DP link (planner.cost.comm.group_links).
+
+    A collective that DeepSpeed runs while backward still computes hides up to dp_overlap of
+    itself behind that window (one micro-batch for per-micro-batch collectives, the last
+    micro-batch's backward for per-step ones); the others are exposed in full. ZeRO's
+    volumes (Rajbhandari et al. 2020, sec. 7): 2 Psi for stages 0-2, 3 Psi for stage 3.
     """
     d = plan.dp
     if d <= 1:
         return 0.0, 0.0
-    bw, lat = comm.group_link(cluster, d, plan.tp)
-    eff = f["comm_efficiency"]
-    e = _act_bytes(plan.precision)
-    m = plan.grad_accum
+    links = comm.group_links(cluster, plan, "dp")
+    eff, m = f["comm_efficiency"], plan.grad_accum
     hide = f["dp_overlap"] if plan.overlap_comm else 0.0
-    if plan.zero in (0, 1):
-        t = comm.allreduce_time(psi_dev * e, d, bw, lat, eff)
-        # DeepSpeed's ZeRO-0 and pipeline engines reduce after the backward pass: no overlap
-        window = last_backward if (plan.zero == 1 and plan.pp == 1) else 0.0
-        return max(t - hide * min(t, window), 0.0), 0.0
-    rs = comm.reducescatter_time(psi_dev * e, d, bw, lat, eff)
-    if plan.zero == 2:
-        ag = comm.allgather_time(psi_dev * e, d, bw, lat, eff)
-        per_mb = max(rs - hide * min(rs, mb_compute), 0.0)
-        return m * per_mb + ag, 0.0
-    ag = comm.allgather_time(psi_dev * e, d, bw, lat, eff)
-    gathers = 2.0 * ag
-    per_mb_rs = max(rs - hide * min(rs, mb_compute), 0.0)
-    per_mb_ag = max(gathers - hide * min(gathers, mb_compute), 0.0)
-    return m * per_mb_rs, m * per_mb_ag
+    worst = (0.0, 0.0)
+    for i, n in enumerate(psi):
+        bw, lat = links[i]
+        # collectives sharing one overlap window hide at most dp_overlap x that window together
+        windows: dict[tuple[str, bool], list[tuple[bool, float]]] = {}
+        for c in engine.collectives:
+            t = comm.COLLECTIVES[c.kind](n * c.bytes, d, bw, lat, eff)
+            windows.setdefault((c.per, c.overlap), []).append((c.kind == "all_gather" and c.per == "micro_batch", t))
+        sync = gather = 0.0
+        for (per, overlap), items in windows.items():
+            total = sum(t for _, t in items)
+            window = (mb_compute[i] if per == "micro_batch" else backward[i]) if overlap else 0.0
+            exposed = max(total - hide * min(total, window), 0.0) * (m if per == "micro_batch" else 1)
+            for is_gather, t in items:
+                share = exposed * t / total if total > 0 else 0.0
+                if is_gather:
+                    gather += share
+                else:
+                    sync += share
+        if sync + gather > sum(worst):
+            worst = (sync, gather)
+    return worst
 
 
-def _optimizer_time(cluster: ClusterSpec, plan: Plan, psi_dev: float, f: dict[str, float]) -> float:
-    """Adam is memory-bound: per parameter it reads and writes master weight, momentum and
-    variance (fp32) and reads the gradient; mixed precision also writes the 2-byte copy."""
-    psi = psi_dev / (plan.dp if plan.zero >= 1 else 1)
-    per_param = 28.0 if plan.precision == "fp32" else 30.0
-    return psi * per_param / (cluster.device.hbm_bandwidth_gbps * 1e9) * f["optimizer_scale"]
+def optimizer_time(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[int, ...],
+                   f: dict[str, float]) -> float:
+    """Adam is memory-bound (ADAM_BYTES per parameter it updates); the engine updates all of
+    the stage's parameters or, when it shards the optimizer, 1/dp of them."""
+    n = max(psi) / (plan.dp if engine.optimizer_sharded else 1)
+    per_param = ADAM_BYTES["fp32" if plan.precision == "fp32" else "mixed"]
+    return n * per_param / (cluster.device.hbm_bandwidth_gbps * 1e9) * f["optimizer_scale"]
+
+
+def p2p_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan,
+              f: dict[str, float]) -> tuple[float, ...]:
+    """Seconds of one micro-batch's point-to-point traffic at each pipeline boundary: the
+    activations forward and their gradient back, b s h each (b s h / t under sequence
+    parallelism), sent by every rank of the stage (DeepSpeed sends each TP rank's full tensor).
+    A boundary crosses nodes exactly when the rank layout puts the two stages on different
+    nodes (planner.cost.comm.cross_node_boundaries)."""
+    if plan.pp <= 1:
+        return ()
+    e = _act_bytes(plan.precision)
+    nbytes = train.seq_len * plan.micro_batch * model.hidden * e / (plan.tp if plan.sequence_parallel else 1)
+    cross = comm.cross_node_boundaries(cluster.gpus_per_node, plan.dp, plan.tp, plan.pp)
+    return tuple(2.0 * comm.p2p_time(nbytes, cluster, x, f["comm_efficiency"]) for x in cross)
 
 
 def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan) -> Estimate:
@@ -64,45 +96,30 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
     f = cluster_factors(cluster)
     bt = _block_times(model, cluster, train, plan, f)
     lc = _layer_costs(model, cluster, train, plan, f, bt)
+    engine = engines.engine_for(plan)
     layers = plan.layers_per_stage(model.layers)
     ckpt = plan.checkpointed_per_stage(model.layers)
     m, v, p = plan.grad_accum, plan.interleave, plan.pp
+    mb_overhead = f["microbatch_overhead_s"]
 
-    times = stage_times(lc, layers, ckpt, f["microbatch_overhead_s"])
+    times = stage_times(lc, layers, ckpt, mb_overhead)
     slow = max(range(p), key=lambda i: times[i])
     steady, bubble = pipeline.pipeline_time(tuple(times), m, v)
-    # point-to-point: each micro-batch sends b s h activations forward and their gradient back
-    # at every boundary (v x as many with interleaving). DeepSpeed sends the full tensor from
-    # each TP rank (no scatter/gather).
-    e = _act_bytes(plan.precision)
-    p2p = 0.0
-    if p > 1:
-        inter = plan.dp * plan.tp >= cluster.gpus_per_node and cluster.nodes > 1
-        link = cluster.inter_node if inter else cluster.intra_node
-        one = comm.p2p_time(train.seq_len * plan.micro_batch * model.hidden * e, link,
-                            cluster.gpus_per_node, cluster.gpus_per_node, inter, f["comm_efficiency"])
-        p2p = 2.0 * one * v
-    pp_comm = m * p2p
-    bubble += (p - 1) * p2p / v if p > 1 else 0.0
+    # point-to-point: the slowest boundary sets the steady-state pace (v x as many sends when
+    # interleaved); filling and draining the pipe crosses every boundary once each way
+    p2p = p2p_times(model, cluster, train, plan, f)
+    pp_comm = m * v * max(p2p, default=0.0)
+    bubble += sum(p2p)
 
-    psi = _stage_params(model, plan, layers)
-    psi_dev = max(psi)
-    n_slow, r_slow = layers[slow], ckpt[slow]
-    mb_compute = times[slow]
-    last_bwd = n_slow * (bt.backward + bt.tp_bwd)
-    dp_sync, zero_gather = _dp_comm(cluster, plan, psi_dev, f, mb_compute, last_bwd)
-    opt = _optimizer_time(cluster, plan, psi_dev, f)
+    psi = tuple(lc.stage_psi(i, p, n)[0] for i, n in enumerate(layers))
+    backward = tuple(n * (bt.backward + bt.tp_bwd) for n in layers)
+    dp_sync, zero_gather = dp_comm(cluster, plan, engine, psi, f, tuple(times), backward)
+    opt = optimizer_time(cluster, plan, engine, psi, f)
 
-    # breakdown of the slowest stage's steady-state work
-    fwd = m * (n_slow * bt.forward)
-    bwd = m * (n_slow * bt.backward)
-    rec = m * (r_slow * (bt.forward + bt.tp_fwd) + (n_slow * bt.selective if plan.recompute == "selective" else 0.0))
-    tpc = m * n_slow * (bt.tp_fwd + bt.tp_bwd)
-    extra = steady - (fwd + bwd + rec + tpc)  # embedding / output layer / per-micro-batch overhead
-    slow_extra_fwd = extra / 3.0
-    time = TimeBreakdown(forward=fwd + slow_extra_fwd, backward=bwd + extra - slow_extra_fwd, recompute=rec,
-                         tp_comm=tpc, pp_comm=pp_comm, bubble=bubble, dp_sync=dp_sync, zero_gather=zero_gather,
-                         optimizer=opt, overhead=f["step_overhead_s"])
+    time = _breakdown(lc, bt, plan, layers[slow], ckpt[slow], slow == 0, slow == p - 1, m)
+    time = TimeBreakdown(**{**time, "pp_comm": pp_comm, "bubble": bubble, "dp_sync": dp_sync,
+                            "zero_gather": zero_gather, "optimizer": opt,
+                            "overhead": f["step_overhead_s"] + m * mb_overhead})
     step = time.total
 
     mem = stage_memory(model, plan, lc, layers, ckpt, f["memory_fragmentation"])
@@ -125,13 +142,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
     world = plan.world_size
     tokens = train.global_batch * train.seq_len
     model_flops = compute.model_flops_per_sequence(model, train.seq_len) * train.global_batch
-    recompute_flops = 0.0
-    if plan.recompute == "full":
-        recompute_flops = sum(ckpt) * compute.block_forward_flops(model, train.seq_len, 1) * train.global_batch
-    elif plan.recompute == "selective":
-        _, core = compute.block_gemms(model, train.seq_len, 1, 1)
-        recompute_flops = model.layers * core * train.global_batch
-    hw_flops = model_flops + recompute_flops
+    hw_flops = model_flops + hardware_extra_flops(model, cluster, train, plan, ckpt)
     peak = cluster.device.peak_flops(plan.precision) or cluster.device.peak_flops("fp32")
     denom = step * world
     return Estimate(
@@ -140,3 +151,36 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
         hfu=hw_flops / (denom * peak), stage_memory=tuple(mem), capacity_bytes=cap,
         bubble_fraction=pipeline.bubble_fraction(p, m, v), model_flops_per_step=model_flops,
         hardware_flops_per_step=hw_flops, stage_times=tuple(fwd_share))
+
+
+def _breakdown(lc: LayerCosts, bt, plan: Plan, n: int, r: int, first: bool, last: bool, m: int) -> dict[str, float]:
+    """The slowest stage's m micro-batches split into forward, backward, recompute and TP
+    communication (the embedding's and the output layer's compute 1/3 forward, 2/3 backward)."""
+    first_c = lc.first_stage_time - lc.first_stage_tp if first else 0.0
+    last_c = lc.last_stage_time - lc.last_stage_tp if last else 0.0
+    selective = (n - r) * bt.selective if plan.recompute == "selective" else 0.0
+    return {
+        "forward": m * (n * bt.forward + (first_c + last_c) / 3.0),
+        "backward": m * (n * bt.backward + 2.0 * (first_c + last_c) / 3.0),
+        "recompute": m * (r * (bt.forward + bt.tp_fwd) + selective),
+        "tp_comm": m * (n * (bt.tp_fwd + bt.tp_bwd) + (lc.first_stage_tp if first else 0.0)
+                        + (lc.last_stage_tp if last else 0.0)),
+    }
+
+
+def hardware_extra_flops(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan,
+                         ckpt: tuple[int, ...]) -> float:
+    """FLOPs the hardware runs beyond the model FLOPs (Korthikanti et al. 2022, sec. 6: HFU
+    counts recomputation): full recompute re-runs checkpointed blocks' forward; selective re-runs
+    the attention core; flash's backward recomputes QK^T in every block; the padded vocabulary's
+    extra output columns (forward and backward)."""
+    s, B = train.seq_len, train.global_batch
+    out = 0.0
+    if plan.recompute == "full":
+        out += sum(ckpt) * compute.block_forward_flops(model, s, 1)
+    elif plan.recompute == "selective":
+        out += model.layers * compute.block_gemms(model, s, 1, 1)[1]
+    if recomputes_scores(_kernel(model, cluster, train)):
+        out += model.layers * compute.flash_recompute_flops(model, s, 1)
+    out += 3.0 * (compute.logits_forward_flops(model, s, 1, plan.tp) * plan.tp - compute.logits_forward_flops(model, s, 1))
+    return out * B

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 class LayerCosts:
     """Costs of one device for ONE micro-batch, for a given (model, cluster, train, plan).
 
-    Times in seconds, memory in bytes. "block" is one transformer layer on one TP rank.
+    Times in seconds, memory in bytes, parameters in elements. "block" is one transformer
+    layer on one TP rank.
     """
 
     block_time: float
@@ -17,9 +18,15 @@ class LayerCosts:
     block_time_full_recompute: float
     """The same block when fully checkpointed (forward recomputed in backward)."""
     first_stage_time: float
-    """Extra forward + backward on the first stage: embedding lookup."""
+    """Extra forward + backward on the first stage: embedding lookup and its TP all-reduce."""
     last_stage_time: float
-    """Extra forward + backward on the last stage: final norm, output layer, loss."""
+    """Extra forward + backward on the last stage: final norm, output layer, loss, their TP
+    all-reduces."""
+    first_stage_tp: float
+    """Of first_stage_time, the TP communication (embedding forward all-reduce)."""
+    last_stage_tp: float
+    """Of last_stage_time, the TP communication (output-layer backward all-reduce and the
+    vocab-parallel cross-entropy's small all-reduces)."""
     block_act_bytes: float
     """Activations one block saves for backward (plan's recompute mode, none or selective)."""
     block_act_bytes_full_recompute: float
@@ -30,16 +37,29 @@ class LayerCosts:
     first_stage_act_bytes: float
     """Extra saved activations on the first stage (embedding output)."""
     last_stage_act_bytes: float
-    """Logits and loss buffers on the last stage (b s V/t, fp32 for the loss)."""
-    block_state_bytes: float
-    """Parameters + gradients + optimizer states of one block on one device (ZeRO applied)."""
-    first_stage_state_bytes: float
-    """Extra model states on the first stage (embedding)."""
-    last_stage_state_bytes: float
-    """Extra model states on the last stage (final norm, untied output layer)."""
+    """Logits and loss buffers on the last stage (b s V_pad/t, fp32 for the loss)."""
+    block_psi: int
+    """Parameters of one block on one device (planner.cost.params)."""
+    first_stage_psi: int
+    """Extra parameters on the first stage (embedding)."""
+    last_stage_psi: int
+    """Extra parameters on the last stage (final norm, output layer or its tied copy)."""
+    block_small: int
+    """Of block_psi, elements in tensors ZeRO-3 keeps gathered (persistence threshold)."""
+    first_stage_small: int
+    last_stage_small: int
     fixed_bytes: float
-    """Per-device runtime allowance independent of layers (communication buckets are per
-    stage: planner.cost.model.bucket_bytes)."""
+    """Per-device runtime allowance independent of layers (model states and communication
+    buffers are per stage and engine: planner.cost.model.stage_bytes)."""
     in_flight: tuple[float, ...]
     """Micro-batches whose activations a stage holds at its peak (1F1B: p - i on stage i,
     capped at the accumulation steps; interleaving scales it)."""
+
+    def stage_psi(self, stage: int, pp: int, blocks: int) -> tuple[int, int]:
+        """(parameters, small parameters) of one device of `stage` holding `blocks` blocks."""
+        psi, small = blocks * self.block_psi, blocks * self.block_small
+        if stage == 0:
+            psi, small = psi + self.first_stage_psi, small + self.first_stage_small
+        if stage == pp - 1:
+            psi, small = psi + self.last_stage_psi, small + self.last_stage_small
+        return psi, small

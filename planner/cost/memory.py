@@ -1,29 +1,11 @@
-"""Memory formulas: model states (ZeRO), activations (Korthikanti et al.), logits, buckets.
+"""Memory formulas: activations (Korthikanti et al.) and logits. Model states and buckets are
+per DeepSpeed engine: planner/cost/engines.py.
 
 All results are bytes per device.
 """
 from __future__ import annotations
 
 from planner.specs.model import ModelSpec
-
-
-def model_state_bytes(psi: float, dp: int, zero: int, precision: str) -> tuple[float, float, float]:
-    """(parameters, gradients, optimizer states) in bytes for `psi` parameters on one device.
-
-    Mixed precision (bf16/fp16) with Adam: Rajbhandari et al. 2020 (ZeRO, arXiv 1910.02054),
-    section 5 and Table 1: 2 Psi parameters + 2 Psi gradients + K Psi optimizer states with
-    K = 12 (fp32 master weights, momentum, variance); stage 1 partitions the K Psi, stage 2 also
-    the gradients, stage 3 also the parameters, each over the DP degree Nd.
-    fp32 training: 4 Psi parameters + 4 Psi gradients + 8 Psi Adam moments (no master copy).
-    """
-    if precision == "fp32":
-        p_b, g_b, k = 4.0, 4.0, 8.0
-    else:
-        p_b, g_b, k = 2.0, 2.0, 12.0
-    params = p_b * psi / (dp if zero >= 3 else 1)
-    grads = g_b * psi / (dp if zero >= 2 else 1)
-    opt = k * psi / (dp if zero >= 1 else 1)
-    return params, grads, opt
 
 
 def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, sequence_parallel: bool = False,
@@ -43,14 +25,16 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, sequen
 
 
 def block_activation_bytes(model: ModelSpec, s: int, b: int, t: int, *, sequence_parallel: bool,
-                           recompute: str, act_bytes: float = 2.0) -> float:
+                           recompute: str, act_bytes: float = 2.0, kernel: str = "eager") -> float:
     """Saved activations of one block from its real tensor shapes (generalises Table 2).
 
     Table 2's breakdown (section 4.1): attention 11 sbh + 5 a s^2 b; MLP 19 sbh; norms 4 sbh.
     Here each stored tensor is sized from the actual widths: query q, key/value kv (grouped
     attention), FFN width f with k input matrices (GLU: k = 2). With q = kv = h, f = 4h, k = 1
     this is exactly Table 2. `act_bytes` is the activation element size (2 for bf16/fp16, 4 for
-    fp32); masks stay 1 byte.
+    fp32); masks stay 1 byte. `kernel` is the attention kernel that runs
+    (planner.cost.attention.attention_kernel): only eager and math store the scores; the
+    dropouts are the model's (model.hidden_dropout, model.attention_dropout).
     """
     h, q, kv, f, k = model.hidden, model.q_size, model.kv_size, model.ffn_hidden, model.ffn_in_matrices
     a = model.heads
@@ -67,7 +51,7 @@ def block_activation_bytes(model: ModelSpec, s: int, b: int, t: int, *, sequence
     sharded = sb * e * (q + kv + kv + q + k * f + f)
     # attention core: softmax output (e), its dropout mask (1 byte), dropout output (e),
     # per head and score: 5 a s^2 b at e = 2
-    attn_core = 0.0 if recompute == "selective" else a * s * s * b * (2 * e + 1)
+    attn_core = 0.0 if recompute == "selective" or kernel == "flash" else a * s * s * b * (2 * e + 1)
     if sequence_parallel:
         return (replicated + sharded + attn_core) / t
     return replicated + (sharded + attn_core) / t

@@ -1,24 +1,27 @@
 """Checkpoint placement: the fewest fully checkpointed blocks that let a stage fit.
 
-Per-stage memory of one device (planner.cost.model.stage_memory, from the shared LayerCosts):
+Per-stage memory of one device (planner.cost.model.stage_bytes, from the shared LayerCosts and
+the DeepSpeed engine's buffers, planner.cost.engines):
 
-    mem(n, k) = states(n) + fixed + (1 + frag) * (acts(n, k) + logits + buckets(n))
+    mem(n, k) = states(n) + fixed + (1 + frag) * max(acts(n, k) + logits + backward buffers(n),
+                                                     step buffers(n))
     acts(n, k) = in_flight * ((n - k) * act + k * act_ckpt + first-stage extra) + work
 
 Checkpointing a block trades `act - act_ckpt` bytes per in-flight micro-batch for one extra
 forward (Chen et al. 2016, arXiv 1604.06174; Korthikanti et al. 2022, Table 2: a checkpointed
-block keeps only its 2sbh input). mem falls linearly in k (after the one-block working set
-that recomputation needs), so the fewest k that fits has a closed form, checked exactly
-against the memory function. Which k blocks does not matter (identical blocks); the plan
+block keeps only its 2sbh input). mem never rises with k and falls linearly in it until the
+optimizer step's buffers dominate (after the one-block working set that recomputation
+needs), so the fewest k that fits has a closed form, checked exactly against the memory
+function. Which k blocks does not matter (identical blocks); the plan
 checkpoints the first k of each stage (planner.specs.plan).
 """
 from __future__ import annotations
 
 import math
 
+from planner.cost import engines
 from planner.cost.factors import all_factors
 from planner.cost.layers import LayerCosts
-from planner.cost.model import bucket_bytes  # shared with the estimate so both agree exactly
 from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
@@ -27,51 +30,64 @@ from planner.specs.plan import Plan
 class StageModel:
     """Time and memory of stage i holding n blocks, k of them checkpointed, for one outer plan.
 
-    The same formulas as planner.cost.model.stage_times / stage_memory, with the per-stage
+    The same formulas as planner.cost.model.stage_times / stage_bytes, with the per-stage
     constants precomputed so that the solvers can call them thousands of times cheaply."""
 
-    __slots__ = ("pp", "lc", "frag1", "mb_overhead", "selective", "layer_psi", "first_psi", "last_psi",
-                 "bucket_elems", "bucket_slope", "capacity", "saving")
+    __slots__ = ("pp", "lc", "frag", "frag1", "mb_overhead", "capacity", "saving", "dp", "selective",
+                 "stage_lin", "mins", "psi_of", "acts_of", "fixed")
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, plan: Plan, lc: LayerCosts) -> None:
         f = all_factors(cluster.device)
-        self.pp = plan.pp
+        self.pp = p = plan.pp
         self.lc = lc
-        self.frag1 = 1.0 + f["memory_fragmentation"]
-        # DeepSpeed's buckets hold min(bucket_elements, parameters) elements (cost.model.bucket_bytes)
-        self.bucket_elems = float(plan.bucket_elements)
-        self.bucket_slope = bucket_bytes(plan, 1.0)
+        self.dp = plan.dp
+        self.selective = plan.recompute == "selective"
+        self.frag = f["memory_fragmentation"]
+        self.frag1 = 1.0 + self.frag
         self.saving = [self.frag1 * f_i * (lc.block_act_bytes - lc.block_act_bytes_full_recompute)
                        for f_i in lc.in_flight]
         self.mb_overhead = f["microbatch_overhead_s"]
-        self.selective = plan.recompute == "selective"
-        t = plan.tp
-        self.layer_psi = model.layer_params / t
-        self.first_psi = model.embedding_params / t
-        tied = model.vocab * model.hidden if model.tied_embeddings and plan.pp > 1 else 0
-        self.last_psi = (model.output_params + tied) / t
         self.capacity = cluster.memory_bytes
+        self.fixed = lc.fixed_bytes
+        fp = engines.footprint(plan)
+        self.mins = fp.mins
+        # per stage: the engine's linear quantities (held, held buckets, backward, backward
+        # buckets, step) as slope x blocks + intercept; psi(n) and the activation constants
+        lin: dict[int, tuple] = {}
+        psi_of: dict[int, tuple] = {}
+        for i in {0, p - 1, min(1, p - 1)}:  # inner stages differ only in their in-flight count
+            psi0, small0 = lc.stage_psi(i, p, 0)
+            psi_of[i] = (lc.block_psi, psi0)
+            lin[i] = tuple((a * lc.block_psi + b * lc.block_small, a * psi0 + b * small0 + c) for a, b, c in fp.linear)
+        inner = min(1, p - 1)
+        self.stage_lin = [lin[i if i in (0, p - 1) else inner] for i in range(p)]
+        self.psi_of = [psi_of[i if i in (0, p - 1) else inner] for i in range(p)]
+        flight = lc.in_flight
+        act, ckpt = lc.block_act_bytes, lc.block_act_bytes_full_recompute
+        self.acts_of = [(flight[i] * act, flight[i] * ckpt, flight[i] * lc.first_stage_act_bytes if i == 0 else 0.0,
+                         lc.last_stage_act_bytes if i == p - 1 else 0.0) for i in range(p)]
 
     def bytes(self, i: int, n: int, k: int) -> float:
-        lc = self.lc
-        first, last = i == 0, i == self.pp - 1
-        states = n * lc.block_state_bytes
-        psi = n * self.layer_psi
-        f = lc.in_flight[i]
-        acts = f * ((n - k) * lc.block_act_bytes + k * lc.block_act_bytes_full_recompute)
-        logits = 0.0
-        if first:
-            states += lc.first_stage_state_bytes
-            psi += self.first_psi
-            acts += f * lc.first_stage_act_bytes
-        if last:
-            states += lc.last_stage_state_bytes
-            psi += self.last_psi
-            logits = lc.last_stage_act_bytes
+        """planner.cost.model.stage_bytes(...) summed, from the precomputed constants."""
+        (s0, i0), (s1, i1), (s2, i2), (s3, i3), (s4, i4) = self.stage_lin[i]
+        held, held_b, back, back_b, step = s0 * n + i0, s1 * n + i1, s2 * n + i2, s3 * n + i3, s4 * n + i4
+        if self.mins:
+            slope, psi0 = self.psi_of[i]
+            psi = slope * n + psi0
+            q_vals = [held, held_b, back, back_b, step]
+            for q, c, basis, cap in self.mins:
+                q_vals[q] += c * (psi if psi < cap else cap) if basis == 3 else c * min(psi / self.dp, cap)
+            held, held_b, back, back_b, step = q_vals
+        act, act_ckpt, first, logits = self.acts_of[i]
+        acts = (n - k) * act + k * act_ckpt + first
         if n > 0 and (k > 0 or self.selective):
-            acts += lc.block_work_bytes
-        buckets = (psi if psi < self.bucket_elems else self.bucket_elems) * self.bucket_slope
-        return states + lc.fixed_bytes + self.frag1 * (acts + logits + buckets)
+            acts += self.lc.block_work_bytes
+        buckets = held_b + back_b
+        backward = acts + logits + back
+        if step > backward:
+            buckets += step - backward
+            back += step - backward
+        return held + back + acts + logits + self.fixed + self.frag * (acts + logits + buckets)
 
     def time(self, i: int, n: int, k: int) -> float:
         lc = self.lc

@@ -23,9 +23,8 @@ import optuna
 
 from planner.search.evaluate import Evaluator, Trial
 from planner.search.space import Shape, Space
-from planner.specs.plan import RECOMPUTE
 
-SPACE_VERSION = 1
+SPACE_VERSION = 2
 """Bump when parameter names or choices change, so old studies are not mixed with new ones."""
 
 
@@ -55,7 +54,7 @@ def _parse_layout(name: str) -> tuple[int, int]:
 
 def _complete(space: Space, tp: int, pp: int, pick: Callable[[str, Any], Any]) -> Shape:
     dp = space.cluster.world_size // (tp * pp)
-    recompute = pick("recompute", list(RECOMPUTE))
+    recompute = pick("recompute", list(space.recompute_modes()))
     return Shape(tp=tp, pp=pp, dp=dp, recompute=recompute)
 
 
@@ -160,11 +159,12 @@ def neighbours(shape: Shape, layouts: list[tuple[int, int, int]], space: Space) 
     same TP (stage balance makes throughput jagged in PP, so all of them); TP halved or
     doubled at the same PP or the same DP; each layout with every recompute mode."""
     legal = {(t, p): d for t, p, d in layouts}
-    out = [Shape(tp=shape.tp, pp=shape.pp, dp=shape.dp, recompute=r) for r in RECOMPUTE]
+    modes = space.recompute_modes()
+    out = [Shape(tp=shape.tp, pp=shape.pp, dp=shape.dp, recompute=r) for r in modes]
     moves = [(shape.tp, p) for t, p in legal if t == shape.tp]
     for t in (shape.tp // 2, shape.tp * 2):
         moves += [(t, shape.pp), (t, shape.pp * shape.tp // t if t else 0)]
     for t, p in moves:
         if (t, p) in legal and (t, p) != (shape.tp, shape.pp):
-            out += [Shape(tp=t, pp=p, dp=legal[(t, p)], recompute=r) for r in RECOMPUTE]
+            out += [Shape(tp=t, pp=p, dp=legal[(t, p)], recompute=r) for r in modes]
     return out

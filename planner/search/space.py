@@ -2,7 +2,8 @@
 
 Outer choices (what Optuna or the exhaustive sweep decides): TP and PP degrees (DP follows,
 DP x TP x PP = devices), ZeRO stage, micro-batch (accumulation follows: micro-batch x
-accumulation x DP = global batch, exactly), recompute mode, sequence parallelism and the
+accumulation x DP = global batch, exactly), recompute mode (selective only where the attention
+kernel stores its scores), sequence parallelism and the
 pipeline schedule (1F1B, or interleaved with v chunks per stage). The inner choices -- stage
 boundaries and which layers are checkpointed -- are solved exactly per outer point
 (planner/search/partition.py, checkpoint.py).
@@ -18,6 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Iterator
 
+from planner.cost.attention import selective_saves_memory
 from planner.errors import SpecError
 from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
@@ -111,6 +113,15 @@ class Space:
                     out.append((tp, pp, dp))
         return out
 
+    def recompute_modes(self) -> tuple[str, ...]:
+        """none and full always; selective (checkpoint the attention core) only where the
+        attention kernel stores its scores, i.e. where it saves memory
+        (planner.cost.attention.selective_saves_memory): with flash it would cost time for
+        nothing."""
+        if selective_saves_memory(self.model, self.train, self.cluster.device.kind):
+            return RECOMPUTE
+        return tuple(r for r in RECOMPUTE if r != "selective")
+
     def zero_stages(self, pp: int) -> tuple[int, ...]:
         return (0, 1, 2, 3) if pp == 1 else (0, 1)
 
@@ -131,7 +142,7 @@ class Space:
     def shapes(self) -> Iterator[Shape]:
         """Every legal shape, in a fixed order."""
         for tp, pp, dp in self.layouts():
-            for rc in RECOMPUTE:
+            for rc in self.recompute_modes():
                 yield Shape(tp=tp, pp=pp, dp=dp, recompute=rc)
 
     def outers(self, shape: Shape) -> list[list[Outer]]:

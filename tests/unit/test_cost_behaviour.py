@@ -41,6 +41,7 @@ def test_no_recompute_does_not_fit_130b_on_40gb(glm130b):
 
 def test_recompute_trades_memory_for_time(glm130b):
     m, c, t = glm130b
+    t = dataclasses.replace(t, attention="eager")  # selective saves memory only where the softmax is stored
     plan = published_plan(tp=8, dp=12, grad_accum=352)
     none, sel, full = (estimate(m, c, t, dataclasses.replace(plan, recompute=r)) for r in ("none", "selective", "full"))
     assert full.peak_memory_bytes < sel.peak_memory_bytes < none.peak_memory_bytes

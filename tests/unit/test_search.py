@@ -23,9 +23,9 @@ from planner.specs import TrainSpec, parse_cluster, preset, scale
 from planner.specs.validate import plan_problems
 
 
-def inputs(model="glm-10b", gpus="8xA100", batch=64, seq=1024, size=None):
+def inputs(model="glm-10b", gpus="8xA100", batch=64, seq=1024, size=None, attention="flash"):
     m = scale(preset(model), size)
-    return m, parse_cluster(gpus), TrainSpec(global_batch=batch, seq_len=seq)
+    return m, parse_cluster(gpus), TrainSpec(global_batch=batch, seq_len=seq, attention=attention)
 
 
 @pytest.mark.parametrize("args", [("glm-10b", "8xA100", 64, 1024), ("chatglm3-6b", "2x8xH100", 96, 2048),
@@ -147,7 +147,7 @@ def test_exhaustive_best_beats_every_plan_and_optuna_finds_it():
 
 
 def test_study_resumes(tmp_path):
-    m, c, t = inputs("chatglm3-6b", "8xA100", batch=64, seq=2048)
+    m, c, t = inputs("chatglm3-6b", "8xA100", batch=64, seq=2048, attention="eager")  # 3 recompute modes
     url = f"sqlite:///{tmp_path / 'study.db'}"
     first = search(m, c, t, n_trials=8, seed=1, storage=url)
     n = len(optuna.load_study(study_name=first.study_name, storage=url).trials)

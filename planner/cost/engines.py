@@ -1,0 +1,377 @@
+"""DeepSpeed's optimizer engines: which buffers each one holds, and what it sends over DP.
+
+DeepSpeed 0.19.8 picks the optimizer wrapper in runtime/engine.py
+`_do_optimizer_sanity_check` / `_configure_optimizer`, from the ZeRO stage, the model dtype
+(bf16/fp16/fp32), the gradient-accumulation dtype (our configs leave it unset: the model
+dtype) and whether the module is a PipelineModule:
+
+| ZeRO | precision | pipeline | wrapper                                   | engine here  |
+|------|-----------|----------|-------------------------------------------|--------------|
+| 0    | fp32      | any      | none: the basic optimizer (torch AdamW on CPU, FusedAdam on GPU) | torch_adam |
+| 0    | bf16      | no       | DDP_BFLOAT16 -> FP16_Optimizer (fused) / FP16_UnfusedOptimizer (client optimizer) | fp16_optimizer |
+| 0    | fp16      | any      | FP16 -> FP16_Optimizer / FP16_UnfusedOptimizer | fp16_optimizer |
+| 0    | bf16      | yes      | BFLOAT16 -> BF16_Optimizer                 | bf16_optimizer |
+| 1, 2 | any       | (1 only) | DeepSpeedZeroOptimizer (stage_1_and_2.py)  | zero1 / zero2 |
+| 3    | any       | no       | DeepSpeedZeroOptimizer_Stage3 (stage3.py)  | zero3        |
+
+Each engine is a list of buffers. A buffer's size is bytes x a basis (the device's
+parameters, its small parameters, the reduce bucket, ...), divided by the DP degree when
+DeepSpeed partitions it, and lives for one phase of the step:
+
+- "always": allocated at start-up (weights, master copies, Adam moments, flat buffers);
+- "grads": created by backward and freed by the optimizer step (p.grad, a ZeRO partition of
+  the reduced gradients) -- held at the step;
+- "backward": only while backward runs (ZeRO-1's full p.grad before its epilogue moves the
+  owned partition out, the reduce buckets, ZeRO-3's gathered parameters);
+- "step": only inside optimizer.step (fp32 copies of the gradients).
+
+The executor counts the same buffers tensor by tensor (planner/executor/measure.py): those
+reached through the module (`held_by="module"`: p.data, p.grad, ZeRO-3's ds_tensor) and those
+reached through the optimizer (`held_by="optimizer"`). Measured on tiny runs (README "The cost
+model"): every "always" and "grads" buffer below appears with the predicted size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from planner.specs.plan import Plan
+
+FALLBACK_BUCKET = 500_000_000
+"""Elements per flat all-reduce in ZeRO-0's gradient reduction (runtime/engine.py
+MEMORY_OPT_ALLREDUCE_SIZE, used by allreduce_gradients -> buffered_allreduce_fallback ->
+allreduce_no_retain, which flattens up to this many elements into one temporary buffer)."""
+
+PHASES = ("always", "grads", "backward", "step")
+ROLES = ("params", "grads", "optimizer", "buckets")
+BASES = ("psi", "small", "reduce_bucket", "fallback_bucket", "live_params", "sub_group")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Buffer:
+    """One kind of tensor an engine holds on each device."""
+
+    name: str
+    role: str
+    """Memory breakdown field: params, grads, optimizer or buckets."""
+    bytes: float
+    """Bytes per element of the basis."""
+    basis: str = "psi"
+    """psi: the device's parameters; small: ZeRO-3's persistent (small) parameters;
+    reduce_bucket: plan.bucket_elements; fallback_bucket: min(psi, FALLBACK_BUCKET);
+    live_params: min(psi, plan.bucket_elements); sub_group: min(psi / dp, plan.bucket_elements)."""
+    sharded: bool = False
+    """Partitioned over the data-parallel group (divided by dp)."""
+    phase: str = "always"
+    held_by: str = "optimizer"
+    """Where the executor's measurement finds it: module (p.data, p.grad) or optimizer."""
+    source: str = ""
+    """DeepSpeed 0.19.8 file and function that allocates it."""
+
+    def __post_init__(self) -> None:
+        assert self.role in ROLES and self.phase in PHASES and self.basis in BASES, self
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Collective:
+    """One data-parallel collective of an engine."""
+
+    kind: str
+    """all_reduce, reduce_scatter or all_gather (ring, nccl-tests conventions: planner.cost.comm)."""
+    bytes: float
+    """Bytes per parameter of the device (the full buffer, before partitioning)."""
+    per: str
+    """step (once per optimizer step) or micro_batch (every micro-batch)."""
+    overlap: bool
+    """Runs while backward still computes (hidden by up to dp_overlap of its time when
+    overlap_comm is on); False: after backward or after the step, exposed."""
+    source: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Engine:
+    name: str
+    """DeepSpeed's class name."""
+    buffers: tuple[Buffer, ...]
+    collectives: tuple[Collective, ...]
+    optimizer_sharded: bool
+    """Adam updates only this rank's 1/dp of the parameters."""
+    source: str
+
+    def bytes_by_role(self, sizes: "Sizes", phases: tuple[str, ...] = ("always", "grads", "backward"),
+                      held_by: str | None = None) -> dict[str, float]:
+        """Bytes per role of the buffers alive in `phases` (optionally only those the executor
+        finds through `held_by`)."""
+        out = dict.fromkeys(ROLES, 0.0)
+        for b in self.buffers:
+            if b.phase in phases and (held_by is None or b.held_by == held_by):
+                out[b.role] += b.bytes * sizes.of(b)
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sizes:
+    """The bases buffers are sized from, for one device."""
+
+    psi: float
+    """Parameters the device holds (planner.cost.params)."""
+    small: float = 0.0
+    """Of those, elements in tensors ZeRO-3 keeps whole (planner.cost.params.persistence_threshold)."""
+    dp: int = 1
+    bucket_elements: float = 0.0
+
+    def of(self, b: Buffer) -> float:
+        if b.basis == "psi":
+            n = self.psi
+        elif b.basis == "small":
+            n = self.small
+        elif b.basis == "reduce_bucket":
+            n = self.bucket_elements
+        elif b.basis == "fallback_bucket":
+            n = min(self.psi, FALLBACK_BUCKET)
+        elif b.basis == "live_params":
+            n = min(self.psi, self.bucket_elements)
+        else:  # sub_group
+            n = min(self.psi / self.dp, self.bucket_elements)
+        return n / self.dp if b.sharded else n
+
+
+def _lp(precision: str) -> float:
+    """Bytes of the model's (low-precision) weights and gradients."""
+    return 4.0 if precision == "fp32" else 2.0
+
+
+ENGINE_SRC = "deepspeed/runtime/engine.py _do_optimizer_sanity_check, _configure_optimizer"
+
+
+def _torch_adam(e: float) -> Engine:
+    return Engine(
+        name="torch AdamW / FusedAdam (no wrapper)", optimizer_sharded=False,
+        source=ENGINE_SRC + ": fp32 without ZeRO returns no wrapper",
+        buffers=(
+            Buffer(name="fp32 weights", role="params", bytes=4, held_by="module", source="the module's parameters"),
+            Buffer(name="fp32 gradients", role="grads", bytes=4, phase="grads", held_by="module",
+                   source="p.grad; engine.py _take_model_step -> zero_grad frees them"),
+            Buffer(name="Adam moments", role="optimizer", bytes=8, source="torch.optim.AdamW state exp_avg, exp_avg_sq"),
+            Buffer(name="flat all-reduce buffer", role="buckets", bytes=e, basis="fallback_bucket", phase="backward",
+                   source="engine.py allreduce_no_retain -> allreduce_bucket: self.flatten(bucket)"),
+        ),
+        collectives=(Collective(kind="all_reduce", bytes=e, per="step", overlap=False,
+                                source="engine.py allreduce_gradients -> buffered_allreduce_fallback, at the "
+                                       "accumulation boundary after backward"),))
+
+
+def _fp16_optimizer(e: float) -> Engine:
+    return Engine(
+        name="FP16_Optimizer / FP16_UnfusedOptimizer", optimizer_sharded=False,
+        source=ENGINE_SRC + ": bf16 without pipeline -> DDP_BFLOAT16, fp16 -> FP16; runtime/fp16/fused_optimizer.py "
+                            "(FusedAdam) or unfused_optimizer.py (a client torch optimizer)",
+        buffers=(
+            Buffer(name="16-bit weights", role="params", bytes=e, held_by="module",
+                   source="fused_optimizer.py __init__: fp16_groups_flat (the module's weights are views)"),
+            Buffer(name="16-bit gradients", role="grads", bytes=e, phase="grads", held_by="module",
+                   source="p.grad, freed by step (fused: p.grad = None; unfused: zero_grad)"),
+            Buffer(name="fp32 master weights", role="optimizer", bytes=4,
+                   source="fused_optimizer.py __init__: fp32_groups_flat; unfused_optimizer.py: fp32_groups"),
+            Buffer(name="Adam moments", role="optimizer", bytes=8, source="exp_avg, exp_avg_sq of the fp32 copy"),
+            Buffer(name="fp32 gradient copy", role="grads", bytes=4, phase="step",
+                   source="fused_optimizer.py step: grads_groups_flat (p.grad.to(fp32)); unfused: fp32_param.grad"),
+            Buffer(name="flat all-reduce buffer", role="buckets", bytes=e, basis="fallback_bucket", phase="backward",
+                   source="engine.py allreduce_no_retain -> allreduce_bucket: self.flatten(bucket)"),
+        ),
+        collectives=(Collective(kind="all_reduce", bytes=e, per="step", overlap=False,
+                                source="engine.py allreduce_gradients -> buffered_allreduce_fallback"),))
+
+
+def _bf16_optimizer(e: float) -> Engine:
+    return Engine(
+        name="BF16_Optimizer", optimizer_sharded=True,
+        source=ENGINE_SRC + ": bf16 with a pipeline and no ZeRO -> BFLOAT16; runtime/bf16_optimizer.py",
+        buffers=(
+            Buffer(name="bf16 weights", role="params", bytes=e, held_by="module",
+                   source="bf16_optimizer.py _setup_for_real_optimizer: bf16_groups_flat"),
+            Buffer(name="bf16 gradients", role="grads", bytes=e, phase="grads", held_by="module",
+                   source="p.grad (pipe/engine.py clears them before backward, zero_grad frees them after the step)"),
+            Buffer(name="gradient accumulation buffer", role="grads", bytes=e,
+                   source="bf16_optimizer.py _setup_for_real_optimizer: fp32_groups_gradients_flat in "
+                          "grad_acc_dtype (= bf16 here), whole, never freed"),
+            Buffer(name="fp32 master partition", role="optimizer", bytes=4, sharded=True,
+                   source="bf16_optimizer.py: fp32_groups_flat_partition (1/dp of the flat weights)"),
+            Buffer(name="Adam moments", role="optimizer", bytes=8, sharded=True,
+                   source="the basic optimizer steps the fp32 partition only"),
+            Buffer(name="fp32 gradient partition", role="grads", bytes=4, sharded=True, phase="step",
+                   source="bf16_optimizer.py step: grad_partition.to(fp32) when grad_acc_dtype is bf16"),
+        ),
+        collectives=(
+            Collective(kind="all_reduce", bytes=e, per="step", overlap=False,
+                       source="pipe/engine.py _exec_reduce_grads -> _bf16_reduce_grads -> buffered_allreduce_fallback"),
+            Collective(kind="all_gather", bytes=e, per="step", overlap=False,
+                       source="bf16_optimizer.py update_lp_params -> all_gather_dp_groups"),
+        ))
+
+
+def _zero12(stage: int, e: float, overlap: bool) -> Engine:
+    s = "runtime/zero/stage_1_and_2.py"
+    grads = (
+        Buffer(name="16-bit gradients", role="grads", bytes=e, phase="backward", held_by="module",
+               source=s + ": p.grad until independent_gradient_partition_epilogue moves the owned partition "
+                          "(all_grad_tensors) and _clear_param_grad_only"),
+    ) if stage == 1 else ()
+    return Engine(
+        name=f"DeepSpeedZeroOptimizer (stage {stage})", optimizer_sharded=True,
+        source=ENGINE_SRC + f": ZeRO -> _configure_zero_optimizer; {s}",
+        buffers=grads + (
+            Buffer(name="weights", role="params", bytes=e, held_by="module",
+                   source=s + " __init__: bit16_groups_flat (the module's weights are views)"),
+            Buffer(name="owned gradient partition", role="grads", bytes=e, sharded=True, phase="grads",
+                   source=s + ": averaged_gradients (get_flat_partition; stage 2: grads_in_partition), "
+                              "freed after the step"),
+            Buffer(name="fp32 master partition", role="optimizer", bytes=4, sharded=True,
+                   source=s + " __init__: single_partition_of_fp32_groups (a copy even in fp32)"),
+            Buffer(name="Adam moments", role="optimizer", bytes=8, sharded=True, source="state of the fp32 partition"),
+            Buffer(name="fp32 gradient partition", role="grads", bytes=4, sharded=True, phase="step",
+                   source=s + " step: single_partition_of_fp32_groups.grad (flattened, cast to fp32)"),
+            Buffer(name="reduce buckets", role="buckets", bytes=e * (2 if overlap else 1),
+                   basis="reduce_bucket", phase="backward",
+                   source=s + " setup_buckets (x2 with overlap_comm) / reduce_gradients (pipeline: overlap_comm "
+                              "forced off, one bucket); reduce_bucket_size elements, released by the epilogue"),
+        ),
+        collectives=(
+            Collective(kind="reduce_scatter", bytes=e, per="step" if stage == 1 else "micro_batch", overlap=overlap,
+                       source=s + " reduce_ipg_grads (stage 1: at the accumulation boundary; stage 2: every "
+                                  "micro-batch)"),
+            Collective(kind="all_gather", bytes=e, per="step", overlap=False,
+                       source=s + " step -> all_gather_dp_groups of the updated partitions"),
+        ))
+
+
+def _zero3(e: float, overlap: bool) -> Engine:
+    s = "runtime/zero/stage3.py"
+    return Engine(
+        name="DeepSpeedZeroOptimizer_Stage3", optimizer_sharded=True,
+        source=ENGINE_SRC + f": ZeRO-3 -> {s}",
+        buffers=(
+            Buffer(name="weight partition", role="params", bytes=e, sharded=True, held_by="module",
+                   source="partition_parameters.py: ds_tensor"),
+            Buffer(name="persistent small weights", role="params", bytes=e, basis="small",
+                   source="parameter_offload.py mark_persistent_parameters (numel <= param_persistence_threshold): "
+                          "kept gathered"),
+            Buffer(name="gathered weights", role="buckets", bytes=e, basis="live_params", phase="backward",
+                   source="partitioned_param_coordinator.py: at most stage3_max_live_parameters gathered"),
+            Buffer(name="gradient partition", role="grads", bytes=e, sharded=True,
+                   source=s + " __init__: grad_partitions_flat_buffer"),
+            Buffer(name="reduce bucket", role="buckets", bytes=e, basis="reduce_bucket",
+                   source=s + " __init__: ipg_buckets[dtype].buffer (reduce_bucket_size elements, kept)"),
+            Buffer(name="fp32 master partition", role="optimizer", bytes=4, sharded=True,
+                   source=s + " _create_fp32_partitions: fp32_partitioned_groups_flat"),
+            Buffer(name="Adam moments", role="optimizer", bytes=8, sharded=True, source="state of the fp32 partition"),
+            Buffer(name="fp32 gradient sub-group", role="grads", bytes=4, basis="sub_group", phase="step",
+                   source=s + " step: _prepare_fp32_grad_for_sub_group (one sub_group_size sub-group at a time)"),
+        ),
+        collectives=(
+            Collective(kind="all_gather", bytes=e, per="micro_batch", overlap=overlap,
+                       source=s + ": parameters gathered for forward"),
+            Collective(kind="all_gather", bytes=e, per="micro_batch", overlap=overlap,
+                       source=s + ": and again for backward"),
+            Collective(kind="reduce_scatter", bytes=e, per="micro_batch", overlap=overlap,
+                       source=s + " __reduce_and_partition_ipg_grads"),
+        ))
+
+
+@lru_cache(maxsize=64)
+def _engine(zero: int, precision: str, pipeline: bool, overlap_comm: bool) -> Engine:
+    e = _lp(precision)
+    if zero == 0:
+        if precision == "fp32":
+            return _torch_adam(e)
+        if precision == "bf16" and pipeline:
+            return _bf16_optimizer(e)
+        return _fp16_optimizer(e)
+    if zero in (1, 2):
+        # the pipeline engine turns overlap_comm off (runtime/engine.py _configure_zero_optimizer)
+        return _zero12(zero, e, overlap=overlap_comm and not pipeline)
+    return _zero3(e, overlap=overlap_comm)
+
+
+def engine_for(plan: Plan) -> Engine:
+    """The optimizer engine DeepSpeed 0.19.8 builds for this plan's ds_config."""
+    return _engine(plan.zero, plan.precision, plan.pp > 1, plan.overlap_comm)
+
+
+def sizes(plan: Plan, psi: float, small: float = 0.0) -> Sizes:
+    return Sizes(psi=psi, small=small, dp=plan.dp, bucket_elements=float(plan.bucket_elements))
+
+
+class Footprint:
+    """An engine's buffers for one plan, precompiled into coefficients so that the search can
+    evaluate them hundreds of thousands of times: the same numbers as Engine.bytes_by_role."""
+
+    __slots__ = ("terms", "linear", "mins")
+
+    def __init__(self, engine: Engine, plan: Plan) -> None:
+        d, bucket = plan.dp, float(plan.bucket_elements)
+        terms = []
+        for b in engine.buffers:
+            group = 0 if b.phase in ("always", "grads") else 1 if b.phase == "backward" else 2
+            k = b.bytes / (d if b.sharded else 1)
+            if b.basis == "psi":
+                terms.append((group, ROLES.index(b.role), k, 0, 0.0))
+            elif b.basis == "small":
+                terms.append((group, ROLES.index(b.role), k, 1, 0.0))
+            elif b.basis == "reduce_bucket":
+                terms.append((group, ROLES.index(b.role), k * bucket, 2, 0.0))
+            elif b.basis == "fallback_bucket":
+                terms.append((group, ROLES.index(b.role), k, 3, float(FALLBACK_BUCKET)))
+            elif b.basis == "live_params":
+                terms.append((group, ROLES.index(b.role), k, 3, bucket))
+            else:  # sub_group: min(psi / dp, bucket), not itself divided
+                terms.append((group, ROLES.index(b.role), b.bytes, 4, bucket))
+        self.terms = tuple(terms)
+        # totals for the search's fast path (planner.search.checkpoint.StageModel): per quantity (held, held buckets, backward,
+        # backward buckets, step) a * psi + b * small + c, plus the min() terms
+        lin = [[0.0, 0.0, 0.0] for _ in range(5)]
+        mins = []
+        for group, role, k, basis, cap in terms:
+            slots = [4] if group == 2 else ([0, 1] if role == 3 else [0]) if group == 0 else \
+                ([2, 3] if role == 3 else [2])
+            for q in slots:
+                if basis <= 2:
+                    lin[q][basis] += k
+                else:
+                    mins.append((q, k, basis, cap))
+        self.linear = tuple(tuple(x) for x in lin)
+        self.mins = tuple(mins)
+
+    def evaluate(self, psi: float, small: float, dp: int) -> tuple[list[float], list[float], float]:
+        """(bytes per role held from backward through the step, bytes per role during backward
+        only, bytes during the step only) for a device with `psi` parameters."""
+        held, back, step = [0.0] * 4, [0.0] * 4, 0.0
+        for group, role, k, basis, cap in self.terms:
+            if basis == 0:
+                x = k * psi
+            elif basis == 1:
+                x = k * small
+            elif basis == 2:
+                x = k
+            elif basis == 3:
+                x = k * (psi if psi < cap else cap)
+            else:
+                x = k * min(psi / dp, cap)
+            if group == 0:
+                held[role] += x
+            elif group == 1:
+                back[role] += x
+            else:
+                step += x
+        return held, back, step
+
+
+@lru_cache(maxsize=4096)
+def _footprint(zero: int, precision: str, pipeline: bool, overlap_comm: bool, dp: int, bucket: int) -> Footprint:
+    plan = Plan(dp=dp, zero=zero, precision=precision, overlap_comm=overlap_comm, bucket_elements=bucket,
+                pp=2 if pipeline else 1)
+    return Footprint(_engine(zero, precision, pipeline, overlap_comm), plan)
+
+
+def footprint(plan: Plan) -> Footprint:
+    return _footprint(plan.zero, plan.precision, plan.pp > 1, plan.overlap_comm, plan.dp, plan.bucket_elements)
