@@ -209,13 +209,13 @@ def test_required_files_and_bad_flags_are_one_line_errors(sample: Path, tmp_path
 
 
 def test_importances_need_enough_varied_trials(tmp_path: Path) -> None:
-    # one CPU process: one layout x 3 recompute modes, so the real search stops after a few trials
+    # one CPU process: one layout x the recompute modes, so the real search stops after a few trials
     from planner.specs import preset, scale
     few = write_sample_run(tmp_path / "few", model=scale(preset("chatglm3-6b"), "tiny"), gpus="1xcpu",
                            global_batch=8, seq_len=128, study_trials=MIN_TRIALS_FOR_IMPORTANCE - 1)
     run = load(few)
     n = len(run.study.history)
-    assert run.study is not None and not run.study.importances and 3 <= n < MIN_TRIALS_FOR_IMPORTANCE
+    assert run.study is not None and not run.study.importances and 1 <= n < MIN_TRIALS_FOR_IMPORTANCE
     assert f"only {n} complete" in run.study.importance_note
     html = render(run)
     assert 'id="img-history"' in html and 'id="img-importances"' not in html
