@@ -93,3 +93,18 @@ def test_multi_node_run_has_a_hostfile_and_a_study(tmp_path):
     fronts = est["pareto_front"]
     assert fronts and all(a["tokens_per_s"] > b["tokens_per_s"] and a["peak_memory_gb"] > b["peak_memory_gb"]
                           for a, b in zip(fronts, fronts[1:]))
+
+
+def test_attention_kernel_is_recorded_and_decides_selective_recompute(cpu_run, tmp_path):
+    """Flash (the default) keeps no scores: selective recompute is not offered. --attention
+    eager stores the softmax, so the search tries it; plan.json records the kernel."""
+    _, _, _, train, _ = load_run(cpu_run)
+    with open(cpu_run / "trials.csv") as fh:
+        assert train.attention == "flash" and "selective" not in {r["recompute"] for r in csv.DictReader(fh)}
+    rc = main(["search", "--model", "chatglm3-6b", "--scale", "tiny", "--gpus", "2xcpu", "--out-dir", str(tmp_path),
+               "--name", "eager", "--exhaustive", "--attention", "eager"])
+    assert rc == 0
+    _, _, _, train, doc = load_run(tmp_path / "eager")
+    assert train.attention == "eager" and doc["inputs"]["train"]["attention"] == "eager"
+    with open(tmp_path / "eager" / "trials.csv") as fh:
+        assert "selective" in {r["recompute"] for r in csv.DictReader(fh)}

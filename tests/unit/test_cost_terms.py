@@ -1,0 +1,285 @@
+"""Every term of the time and memory breakdowns, pinned to a value computed by hand.
+
+One toy device with round numbers (GEMMs at a flat 1e13 FLOP/s, memory traffic at 1e12 B/s,
+NVLink-like 1e11 B/s inside a node, 1e10 B/s per node between nodes, no latency), a
+4-block model (h 64, 4 heads, FFN 256, vocabulary 999), sequence 128, micro-batch 1, on
+2 nodes x 2 devices. Each expected value is the formula written out with these numbers, so
+a term that is removed, halved, doubled or put on the wrong link (or group) fails.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from planner.cost import estimate, layer_costs
+from planner.cost.memory import block_activation_bytes
+from planner.specs import ModelSpec, Plan, TrainSpec
+from planner.specs.hardware import ClusterSpec, DeviceProfile, Link
+
+INTRA, INTER = 1e11, 1e10          # bytes/s: intra-node link, one node's inter-node network
+FLOPS, HBM = 1e13, 1e12            # bf16 peak 20 TFLOP/s at a flat 50% GEMM efficiency; HBM 1000 GB/s
+STEP_OVERHEAD, MB_OVERHEAD = 0.01, 0.001
+FRAG, FIXED = 0.1, 1e9
+
+DEVICE = DeviceProfile(
+    name="toy", kind="gpu", memory_gb=80, peak_tflops={"bf16": 20, "fp16": 20, "fp32": 10},
+    hbm_bandwidth_gbps=1000, gemm_efficiency=((1.0, 0.5), (1e30, 0.5)), gpus_per_node=2,
+    intra_node=Link(name="nvlink", busbw_gbps=100, latency_us=0), inter_node=Link(name="ib", busbw_gbps=10, latency_us=0),
+    factors={"dp_overlap": 0.5, "step_overhead_s": STEP_OVERHEAD, "microbatch_overhead_s": MB_OVERHEAD,
+             "memory_overhead_gb": 1.0, "memory_fragmentation": FRAG})
+MODEL = ModelSpec(name="toy", hidden=64, layers=4, heads=4, ffn_hidden=256, activation="gelu", vocab=999,
+                  max_seq=128, norm="layernorm", norm_position="pre", position="rotary")
+
+
+def cluster(nodes: int = 2, per_node: int = 2, device: DeviceProfile = DEVICE) -> ClusterSpec:
+    return ClusterSpec(nodes=nodes, gpus_per_node=per_node, device=device, intra_node=device.intra_node,
+                       inter_node=device.inter_node)
+
+
+def train(plan: Plan, **kw) -> TrainSpec:
+    return TrainSpec(global_batch=plan.global_batch, seq_len=kw.pop("seq_len", 128), **kw)
+
+
+def run(plan: Plan, model: ModelSpec = MODEL, c: ClusterSpec | None = None, **train_kw):
+    c = c or cluster()
+    est = estimate(model, c, train(plan, **train_kw), plan)
+    assert not [r for r in est.reasons if "needs" not in r], est.reasons
+    return est
+
+
+# --- hand-computed pieces (bf16, s = 128, b = 1) -------------------------------------------
+# parameters per device (planner/cost/params.py; the contract's TP split)
+BLOCK_T1 = 256 + 64 * 192 + 192 + 64 * 64 + 64 + 64 * 256 + 256 + 256 * 64 + 64           # 49,984
+BLOCK_T2 = 256 + 64 * 192 // 2 + 96 + 64 * 64 // 2 + 64 + 64 * 256 // 2 + 128 + 256 * 64 // 2 + 64  # 25,184
+EMB_T1, EMB_T2 = 999 * 64, 1000 * 64 // 2          # vocabulary padded to 1000 for TP 2
+HEAD_T1, HEAD_T2 = 128 + EMB_T1, 128 + EMB_T2      # final LayerNorm + output layer
+PSI_TP2 = 4 * BLOCK_T2 + EMB_T2 + HEAD_T2          # 164,864
+PSI_T1 = 4 * BLOCK_T1 + EMB_T1 + HEAD_T1           # 327,936
+
+# one block, TP 2: GEMMs (QKV, out, FFN in, FFN out), attention core, element-wise
+GEMM_T2 = 2 * 128 * 64 * (192 + 64 + 256 + 256) / 2 / FLOPS
+CORE_T2 = 2 * 2 * 128 * 128 * 64 / 2 / FLOPS
+ELEM_T2 = (128 * 64 * (8 * 2) + 128 * 2 * (192 * 2 + 512 * 2) / 2) / HBM  # norms+adds; rotary+GELU
+F_T2 = GEMM_T2 + CORE_T2 + ELEM_T2
+FLASH_RECOMPUTE_T2 = 2 * 128 * 128 * 64 / 2 / FLOPS                       # QK^T again in backward
+B_T2 = 2 * (GEMM_T2 + CORE_T2) + FLASH_RECOMPUTE_T2 + 2 * ELEM_T2
+AR_T2 = 128 * 64 * 2 * 2 * (1 / 2) / INTRA                                # one all-reduce of b s h over TP 2
+# one block, TP 1
+GEMM_T1, CORE_T1 = 2 * GEMM_T2, 2 * CORE_T2
+ELEM_T1 = (128 * 64 * 16 + 128 * 2 * (384 + 1024)) / HBM
+F_T1 = GEMM_T1 + CORE_T1 + ELEM_T1
+B_T1 = 2 * (GEMM_T1 + CORE_T1) + 2 * FLASH_RECOMPUTE_T2 + 2 * ELEM_T1
+# embedding (first stage) and output layer + loss (last stage), compute only
+FIRST_C = 3 * 2 * 128 * 64 * 2 / HBM
+
+
+def last_c(vocab_local: int) -> float:
+    return 3 * 2 * 128 * 64 * vocab_local / FLOPS + (3 * 128 * vocab_local * (2 + 8) + 6 * 128 * 64 * 2) / HBM
+
+
+CE_AR_T2 = 3 * (128 * 4 * 2 * (1 / 2) / INTRA)                           # three fp32 all-reduces of b s
+
+
+def tp2dp2(**kw) -> Plan:
+    """TP 2 inside each node, DP 2 across the two nodes."""
+    return Plan(**{**dict(dp=2, tp=2, zero=0, micro_batch=1, grad_accum=2), **kw})
+
+
+# --- time terms ----------------------------------------------------------------------------
+def test_forward_backward_and_tp_comm_of_a_tp_plan():
+    t = run(tp2dp2()).time
+    lc2 = last_c(500)
+    assert t.forward == pytest.approx(2 * (4 * F_T2 + (FIRST_C + lc2) / 3), rel=1e-9)
+    assert t.backward == pytest.approx(2 * (4 * B_T2 + 2 * (FIRST_C + lc2) / 3), rel=1e-9)
+    # 2 + 2 all-reduces per block; embedding forward 1; output layer backward 1 + 3 small CE ones
+    assert t.tp_comm == pytest.approx(2 * (4 * 4 * AR_T2 + AR_T2 + AR_T2 + CE_AR_T2), rel=1e-9)
+    assert t.recompute == 0 and t.pp_comm == 0 and t.bubble == 0 and t.zero_gather == 0
+
+
+def test_eager_attention_has_no_recomputed_scores_but_pays_the_softmax_traffic():
+    t = run(tp2dp2(), attention="eager").time
+    softmax = 4 * 128 * 128 * (2 * 2) / 2 / HBM                           # read + write the scores, heads/t
+    b = 2 * (GEMM_T2 + CORE_T2) + 2 * (ELEM_T2 + softmax)
+    assert t.backward == pytest.approx(2 * (4 * b + 2 * (FIRST_C + last_c(500)) / 3), rel=1e-9)
+    assert t.forward == pytest.approx(2 * (4 * (F_T2 + softmax) + (FIRST_C + last_c(500)) / 3), rel=1e-9)
+
+
+def test_dropout_costs_time_only_where_it_runs():
+    drop = dataclasses.replace(MODEL, hidden_dropout=0.1, attention_dropout=0.1)
+    flash = run(tp2dp2(), drop).time
+    hidden = 128 * 64 * 2 * (2 * 2 + 1) / HBM                             # two dropouts: read, write, mask
+    assert flash.forward == pytest.approx(2 * (4 * (F_T2 + hidden) + (FIRST_C + last_c(500)) / 3), rel=1e-9)
+    eager = run(tp2dp2(), drop, attention="eager").time
+    scores = 4 * 128 * 128 * (2 * 2 + 2 * 2 + 1) / 2 / HBM               # softmax + attention dropout
+    assert eager.forward == pytest.approx(2 * (4 * (F_T2 + hidden + scores) + (FIRST_C + last_c(500)) / 3),
+                                          rel=1e-9)
+
+
+def test_full_and_selective_recompute():
+    full = run(tp2dp2(recompute="full")).time
+    assert full.recompute == pytest.approx(2 * 4 * (F_T2 + 2 * AR_T2), rel=1e-9)   # forward + its 2 all-reduces
+    sel = run(tp2dp2(recompute="selective"), attention="eager").time
+    softmax = 4 * 128 * 128 * 4 / 2 / HBM
+    assert sel.recompute == pytest.approx(2 * 4 * (CORE_T2 + softmax), rel=1e-9)
+
+
+def test_dp_sync_rides_the_inter_node_network_shared_by_both_dp_groups():
+    # DP groups {0, 2} and {1, 3} both cross the two nodes: each gets 1/2 of 1e10 B/s.
+    # FP16_Optimizer (bf16, ZeRO-0): one all-reduce of the bf16 gradients after backward.
+    t = run(tp2dp2()).time
+    assert t.dp_sync == pytest.approx(PSI_TP2 * 2 * 2 * (1 / 2) / (INTER / 2), rel=1e-9)
+    # on one node of 4 the same groups ride the intra-node link
+    one = run(tp2dp2(), c=cluster(1, 4)).time
+    assert one.dp_sync == pytest.approx(PSI_TP2 * 2 * 2 * (1 / 2) / INTRA, rel=1e-9)
+
+
+def test_zero1_reduce_scatter_hides_behind_the_last_backward_and_all_gather_does_not():
+    plan = Plan(dp=4, zero=1, micro_batch=1, grad_accum=2, bucket_elements=1000)
+    t = run(plan).time
+    # DP 4 over 2 nodes x 2: each node's network carries one group with 2 members -> 1e10 B/s
+    rs = ag = PSI_T1 * 2 * (3 / 4) / INTER
+    window = 4 * B_T1
+    assert t.dp_sync == pytest.approx(rs - 0.5 * min(rs, window) + ag, rel=1e-9)
+    no_overlap = run(dataclasses.replace(plan, overlap_comm=False)).time
+    assert no_overlap.dp_sync == pytest.approx(rs + ag, rel=1e-9)
+
+
+def test_zero2_reduces_every_micro_batch():
+    plan = Plan(dp=4, zero=2, micro_batch=1, grad_accum=2, bucket_elements=1000)
+    rs = ag = PSI_T1 * 2 * (3 / 4) / INTER
+    assert run(plan).time.dp_sync == pytest.approx(2 * 0.5 * rs + ag, rel=1e-9)   # window: a whole micro-batch
+    assert run(dataclasses.replace(plan, overlap_comm=False)).time.dp_sync == pytest.approx(2 * rs + ag, rel=1e-9)
+
+
+def test_zero3_gathers_twice_per_micro_batch():
+    plan = Plan(dp=4, zero=3, micro_batch=1, grad_accum=2, bucket_elements=1000, overlap_comm=False)
+    one = PSI_T1 * 2 * (3 / 4) / INTER
+    t = run(plan).time
+    assert t.zero_gather == pytest.approx(2 * 2 * one, rel=1e-9)
+    assert t.dp_sync == pytest.approx(2 * one, rel=1e-9)
+    hidden = run(dataclasses.replace(plan, overlap_comm=True)).time              # half of one window hides
+    assert hidden.zero_gather == pytest.approx(2 * 0.5 * 2 * one, rel=1e-9)
+    assert hidden.dp_sync == pytest.approx(2 * 0.5 * one, rel=1e-9)
+
+
+def test_bf16_pipeline_all_reduces_and_all_gathers_over_dp():
+    # PP 2 x DP 2: stage 0 on node 0, stage 1 on node 1; DP groups inside a node.
+    # BF16_Optimizer: all-reduce of the bf16 gradients + all-gather of the updated bf16 weights.
+    plan = Plan(dp=2, pp=2, zero=0, micro_batch=1, grad_accum=4)
+    t = run(plan).time
+    psi_last = 2 * BLOCK_T1 + HEAD_T1
+    assert t.dp_sync == pytest.approx(psi_last * 2 * (2 * (1 / 2) + (1 / 2)) / INTRA, rel=1e-9)
+    # ... and it updates only its half of the parameters (30 bytes per parameter, memory-bound)
+    assert t.optimizer == pytest.approx(psi_last / 2 * 30 / HBM, rel=1e-9)
+
+
+def test_optimizer_time_per_engine():
+    assert run(tp2dp2()).time.optimizer == pytest.approx(PSI_TP2 * 30 / HBM, rel=1e-9)          # whole
+    assert run(tp2dp2(precision="fp32")).time.optimizer == pytest.approx(PSI_TP2 * 28 / HBM, rel=1e-9)
+    z1 = Plan(dp=4, zero=1, micro_batch=1, grad_accum=2, bucket_elements=1000)
+    assert run(z1).time.optimizer == pytest.approx(PSI_T1 / 4 * 30 / HBM, rel=1e-9)             # sharded
+
+
+def test_pipeline_p2p_crosses_nodes_with_one_device_share_of_the_network():
+    plan = Plan(dp=2, pp=2, zero=1, micro_batch=1, grad_accum=4, bucket_elements=1000)
+    t = run(plan).time
+    p2p = 2 * 128 * 64 * 2 / (INTER / 2)                                  # activation + gradient, 1/2 of a node's network
+    assert t.pp_comm == pytest.approx(4 * p2p, rel=1e-9)
+    stage0 = 2 * (F_T1 + B_T1) + FIRST_C + MB_OVERHEAD                    # the faster stage fills/drains the pipe
+    assert t.bubble == pytest.approx(stage0 + p2p, rel=1e-9)
+    # the same plan on one node of 4: the boundary stays inside the node
+    inside = run(plan, c=cluster(1, 4)).time
+    assert inside.pp_comm == pytest.approx(4 * 2 * 128 * 64 * 2 / INTRA, rel=1e-9)
+
+
+def test_overhead_is_per_step_plus_per_micro_batch():
+    assert run(tp2dp2()).time.overhead == pytest.approx(STEP_OVERHEAD + 2 * MB_OVERHEAD, rel=1e-12)
+
+
+def test_step_time_adds_every_term_and_hfu_counts_flash_recompute():
+    plan = tp2dp2()
+    est = run(plan)
+    t = est.time
+    assert est.step_time_s == pytest.approx(t.forward + t.backward + t.tp_comm + t.dp_sync + t.optimizer + t.overhead)
+    # model FLOPs per sequence (72 B s l h^2-style count from the real shapes) vs hardware FLOPs
+    model = 3 * (4 * 2 * 128 * 64 * (192 + 64 + 256 + 256) + 4 * 2 * 2 * 128 * 128 * 64 + 2 * 128 * 64 * 999)
+    hardware = model + 4 * 2 * 128 * 128 * 64 + 3 * 2 * 128 * 64 * 1 * 1    # flash's QK^T; one padded vocab column
+    assert est.model_flops_per_step == pytest.approx(4 * model, rel=1e-12)
+    assert est.hardware_flops_per_step == pytest.approx(4 * hardware, rel=1e-12)
+    eager = run(plan, attention="eager")
+    assert eager.hardware_flops_per_step == pytest.approx(4 * (model + 3 * 2 * 128 * 64), rel=1e-12)
+
+
+# --- memory terms --------------------------------------------------------------------------
+def _acts_per_block(plan: Plan, kernel: str = "flash") -> float:
+    """Per-block activation bytes (their formula is pinned in test_cost_published.py)."""
+    return block_activation_bytes(MODEL, 128, 1, plan.tp, sequence_parallel=plan.sequence_parallel,
+                                  recompute="none", act_bytes=2.0, kernel=kernel)
+
+
+def test_fp16_optimizer_memory_terms():
+    plan = tp2dp2()
+    mem = run(plan).stage_memory[0]
+    assert (mem.params, mem.grads, mem.optimizer) == (2 * PSI_TP2, 2 * PSI_TP2, 12 * PSI_TP2)
+    acts = 1 * (4 * _acts_per_block(plan) + 128 * 64 * (2 + 1))           # one micro-batch in flight + embedding
+    assert mem.activations == pytest.approx(acts, rel=1e-12)
+    logits = 128 * 1000 / 2 * (2 + 4 + 4) + 128 * 64 * 2                   # V_pad / t columns, bf16 + 2 x fp32
+    assert mem.logits == pytest.approx(logits, rel=1e-12)
+    assert mem.buckets == 2 * PSI_TP2                                      # ZeRO-0's flat all-reduce copy
+    assert mem.overhead == pytest.approx(FIXED + FRAG * (acts + logits + 2 * PSI_TP2), rel=1e-12)
+
+
+def test_the_optimizer_step_phase_sets_the_peak_when_it_is_larger():
+    # sequence 8: tiny activations; FP16_Optimizer's fp32 gradient copy (4 bytes/param) dominates
+    plan = tp2dp2()
+    mem = run(plan, seq_len=8).stage_memory[0]
+    step = 4 * PSI_TP2
+    assert mem.activations + mem.logits + mem.buckets == pytest.approx(step, rel=1e-12)
+    assert mem.buckets > 2 * PSI_TP2
+
+
+def test_zero1_memory_terms():
+    plan = Plan(dp=4, zero=1, micro_batch=1, grad_accum=2, bucket_elements=1000)
+    mem = run(plan).stage_memory[0]
+    assert mem.params == 2 * PSI_T1
+    assert mem.grads == 2 * PSI_T1 + 2 * PSI_T1 / 4          # full p.grad in backward + the owned partition
+    assert mem.optimizer == 12 * PSI_T1 / 4
+    assert mem.buckets == 2 * 2 * 1000                       # two reduce buckets (overlap_comm)
+
+
+def test_zero2_and_zero3_memory_terms():
+    z2 = run(Plan(dp=4, zero=2, micro_batch=1, grad_accum=2, bucket_elements=1000)).stage_memory[0]
+    assert (z2.params, z2.grads, z2.optimizer) == (2 * PSI_T1, 2 * PSI_T1 / 4, 12 * PSI_T1 / 4)
+    z3 = run(Plan(dp=4, zero=3, micro_batch=1, grad_accum=2, bucket_elements=1000)).stage_memory[0]
+    small = 4 * (64 * 4 + 192 + 64 + 256 + 64) + 128          # tensors of <= 10 h elements stay gathered
+    assert z3.params == 2 * PSI_T1 / 4 + 2 * small
+    assert (z3.grads, z3.optimizer) == (2 * PSI_T1 / 4, 12 * PSI_T1 / 4)
+    assert z3.buckets == 2 * 1000 + 2 * 1000                 # reduce bucket + gathered weights (max live)
+
+
+def test_bf16_optimizer_memory_shards_masters_over_dp():
+    plan = Plan(dp=2, pp=2, zero=0, micro_batch=1, grad_accum=4)
+    last = run(plan).stage_memory[1]
+    psi = 2 * BLOCK_T1 + HEAD_T1
+    assert (last.params, last.grads, last.optimizer) == (2 * psi, 2 * psi + 2 * psi, 12 * psi / 2)
+    assert last.logits == pytest.approx(128 * 999 * (2 + 4 + 4) + 128 * 64 * 2, rel=1e-12)
+    first = run(plan).stage_memory[0]
+    assert first.logits == 0
+    # 1F1B: stage 0 holds p = 2 micro-batches in flight, stage 1 one
+    act1 = block_activation_bytes(MODEL, 128, 1, 1, sequence_parallel=False, recompute="none", act_bytes=2.0,
+                                  kernel="flash")
+    assert first.activations == pytest.approx(2 * (2 * act1 + 128 * 64 * 3), rel=1e-12)
+    assert last.activations == pytest.approx(1 * 2 * act1, rel=1e-12)
+
+
+def test_full_recompute_keeps_block_inputs_and_one_working_block():
+    plan = tp2dp2(recompute="full")
+    mem = run(plan).stage_memory[0]
+    kept = 128 * 64 * 2                                       # each checkpointed block keeps its input
+    assert mem.activations == pytest.approx(4 * kept + 128 * 64 * 3 + _acts_per_block(plan), rel=1e-12)
+
+
+def test_layer_costs_carry_the_exact_parameter_split():
+    lc = layer_costs(MODEL, cluster(), train(tp2dp2()), tp2dp2())
+    assert (lc.block_psi, lc.first_stage_psi, lc.last_stage_psi) == (BLOCK_T2, EMB_T2, HEAD_T2)
