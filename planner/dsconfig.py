@@ -10,9 +10,11 @@ Optimizer choice (measured, /work/shared/notes/deepspeed-on-cpu.md "One-time com
   JIT-compile DeepSpeed's CPU FusedAdam, ~30 s per fresh machine, for no benefit here).
 Both use the same hyperparameters (`OPTIMIZER`).
 
-The model the config refers to is planner.executor.model.GLMModel; its linears carry
-ChatGLM's names (query_key_value, dense, dense_h_to_4h, dense_4h_to_h), which the AutoTP
-partition_config below splits (Megatron column/row parallel, Shoeybi et al. 2019, sec. 3).
+Tensor parallelism is not a DeepSpeed setting here: the executor's model is built from
+Megatron-style tensor-parallel layers (planner/executor/parallel/, Shoeybi et al. 2019,
+sec. 3) on the groups of DeepSpeed's PipeModelDataParallelTopology, and DeepSpeed is handed
+those groups (an mpu, or the PipelineModule's topology). The config therefore has no
+"tensor_parallel" block: DeepSpeed must not run AutoTP over layers that are already split.
 """
 from __future__ import annotations
 
@@ -59,24 +61,9 @@ def _zero_block(plan: Plan, model: ModelSpec) -> dict[str, Any]:
     return z
 
 
-def partition_config(model: ModelSpec) -> dict[str, Any]:
-    """AutoTP layer specs for GLMModel: column-parallel QKV / FFN-in, row-parallel outputs.
-
-    The fused query_key_value weight is [q | k | v] along dim 0 with grouped KV heads, so it
-    is split as three unequal sub-parameters; a GLU dense_h_to_4h is [gate | up] (ChatGLM2).
-    """
-    qkv: dict[str, Any] = {"patterns": [r".*\.query_key_value\.(weight|bias)$"], "partition_type": "column",
-                           "shape": [[model.q_size, model.kv_size, model.kv_size], -1], "partition_dim": 0}
-    h_to_4h: dict[str, Any] = {"patterns": [r".*\.dense_h_to_4h\.(weight|bias)$"], "partition_type": "column"}
-    if model.glu:
-        h_to_4h.update({"shape": [2, -1], "partition_dim": 0})
-    rows = {"patterns": [r".*\.self_attention\.dense\.weight$", r".*\.dense_4h_to_h\.weight$"],
-            "partition_type": "row"}
-    return {"use_default_specs": False, "strict_mode": False, "layer_specs": [qkv, h_to_4h, rows]}
-
-
 def ds_config(plan: Plan, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec) -> dict[str, Any]:
-    """The DeepSpeed config for `plan`: batch sizes, precision, ZeRO, AutoTP, pipeline, monitor."""
+    """The DeepSpeed config for `plan`: batch sizes, precision, ZeRO, pipeline, monitor (TP is the
+    executor's own layers, see the module docstring)."""
     gpu = cluster.device.kind != "cpu"
     cfg: dict[str, Any] = {
         "train_batch_size": plan.global_batch,
@@ -103,8 +90,6 @@ def ds_config(plan: Plan, model: ModelSpec, train: TrainSpec, cluster: ClusterSp
         cfg["optimizer"] = {"type": "AdamW", "params": dict(OPTIMIZER)}
     else:
         cfg["zero_allow_untested_optimizer"] = True
-    if plan.tp > 1:
-        cfg["tensor_parallel"] = {"autotp_size": plan.tp, "partition_config": partition_config(model)}
     if plan.pp > 1:
         # DeepSpeed reads stages/seed/interval here; stage_layers records the plan's explicit
         # boundaries, which the executor's PipelineModule applies (DeepSpeed has no such method)

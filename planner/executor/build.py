@@ -10,8 +10,10 @@ from torch.utils.data import DataLoader, Dataset
 from planner import dsconfig
 from planner.errors import ExecutionError
 from planner.executor.data import Layout, Rows
-from planner.executor.model import (Block, Embedding, FinalNorm, GLMModel, Head, block_flags, lm_loss,
-                                    tied_logits)
+from planner.executor.model import GLMModel, WordEmbedding, block_flags
+from planner.executor.parallel.groups import Groups
+from planner.executor.parallel.pipeline import build_pipeline
+from planner.executor.parallel.tensor import seed_dropout
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
 
@@ -22,54 +24,40 @@ def rank_coords(rank: int, plan: Plan) -> tuple[int, int, int]:
     return rank // (plan.dp * plan.tp), (rank // plan.tp) % plan.dp, rank % plan.tp
 
 
-def _pipeline_class():
-    from deepspeed.pipe import PipelineModule
-
-    class PlannedPipeline(PipelineModule):
-        """PipelineModule cut at the plan's explicit stage boundaries (DeepSpeed has no such
-        partition method; overriding _partition_layers is the measured way, see the CPU notes)."""
-
-        def __init__(self, *args, parts: list[int], **kw) -> None:
-            object.__setattr__(self, "_planned_parts", list(parts))
-            super().__init__(*args, **kw)
-
-        def _partition_layers(self, method: str = "uniform") -> None:
-            self.parts = list(self._planned_parts)
-            stage = self._topo.get_coord(self.global_rank).pipe
-            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
-
-    return PlannedPipeline
-
-
-def build_module(plan: Plan, spec: ModelSpec) -> torch.nn.Module:
+def build_module(plan: Plan, spec: ModelSpec, groups: Groups, attention: str = "flash",
+                 seed: int = 1234) -> torch.nn.Module:
+    """The plan's model on this rank: Megatron-style TP layers on `groups`, cut into pipeline
+    stages when pp > 1 (parallel/pipeline.py)."""
     stages = plan.layers_per_stage(spec.layers)
     flags = block_flags(spec, stages, plan.checkpointed_per_stage(spec.layers))
     selective = plan.recompute == "selective"
     if plan.pp == 1:
-        return GLMModel(spec, flags, selective)
-    from deepspeed.pipe import LayerSpec, TiedLayerSpec
-    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-    blocks = [LayerSpec(Block, spec, f, selective) for f in flags]
-    if spec.tied_embeddings:  # the first and last stage share the embedding (DeepSpeed ties its gradient)
-        tie = {"tied_weight_attr": ["word_embeddings.weight"]}
-        layers = [TiedLayerSpec("embed", Embedding, spec, **tie)] + blocks + [
-            LayerSpec(FinalNorm, spec), TiedLayerSpec("embed", Embedding, spec, forward_fn=tied_logits, **tie)]
-    else:
-        layers = [LayerSpec(Embedding, spec)] + blocks + [LayerSpec(Head, spec)]
-    # embedding on the first stage, head on the last: boundaries in the flat layer list
-    parts, at = [0], 1
-    for n in stages:
-        at += n
-        parts.append(at)
-    parts[-1] = len(layers)
-    topo = PipeModelDataParallelTopology(num_pp=plan.pp, num_mp=plan.tp, num_dp=plan.dp)
-    return _pipeline_class()(layers=layers, topology=topo, loss_fn=lm_loss, parts=parts,
-                             seed_layers=True, activation_checkpoint_interval=0, partition_method="uniform")
+        return GLMModel(spec, flags, selective, tp=groups.tp, attention=attention, seed=seed)
+    return build_pipeline(spec, groups, stages, flags, selective, attention, seed)
 
 
-def build_engine(plan: Plan, spec: ModelSpec, cfg: dict[str, Any]):
+def mark_norm_owners(module: torch.nn.Module, tp_rank: int) -> None:
+    """Make DeepSpeed's gradient norm count each parameter exactly once.
+
+    DeepSpeed counts a parameter on a rank when `is_model_parallel_parameter(p)` (the attribute
+    `model_parallel`) or when the rank is model-parallel rank 0, then sums over its model-parallel
+    group (deepspeed/runtime/utils.py clip_grad_norm_ and is_model_parallel_parameter;
+    zero/stage_1_and_2.py and zero/stage3.py get_grad_norm_direct; bf16_optimizer.py
+    get_grads_for_norm). Most paths take "rank 0" as the TP rank, but clip_grad_norm_ (fp32,
+    ZeRO-0) takes mpu.get_model_parallel_rank(), which under a pipeline is the rank in the
+    pipe x model group, and it does not skip the tied copy on the last stage. So: a TP-split
+    parameter is counted on every TP rank (each holds a different slice), a replicated one on
+    TP rank 0 only, and the pipeline's tied copy (`ds_pipe_replicated`) never."""
+    for p in module.parameters():
+        if getattr(p, "ds_pipe_replicated", False):
+            p.model_parallel = False
+        else:
+            p.model_parallel = getattr(p, "tp_split", None) is not None or tp_rank == 0
+
+
+def build_engine(plan: Plan, spec: ModelSpec, cfg: dict[str, Any], *, attention: str = "flash", seed: int = 1234):
     """deepspeed.initialize with the saved config; a client torch AdamW when the config names
-    no optimizer (CPU; planner/dsconfig.py explains why)."""
+    no optimizer (CPU; planner/dsconfig.py explains why). Returns (engine, groups)."""
     import deepspeed
     ac = cfg.get("activation_checkpointing", {})
     deepspeed.checkpointing.configure(None, partition_activations=ac.get("partition_activations", False),
@@ -77,48 +65,75 @@ def build_engine(plan: Plan, spec: ModelSpec, cfg: dict[str, Any]):
                                       checkpoint_in_cpu=ac.get("cpu_checkpointing", False),
                                       synchronize=ac.get("synchronize_checkpoint_boundary", False),
                                       profile=ac.get("profile", False))
-    module = build_module(plan, spec)
+    try:
+        groups = Groups(plan.pp, plan.dp, plan.tp, sequence_parallel=plan.sequence_parallel)
+        module = build_module(plan, spec, groups, attention, seed)
+    except ValueError as exc:
+        raise ExecutionError("plan.json", f"the model cannot be split as planned: {exc}",
+                             "re-plan with `planner search`") from None
+    seed_dropout(seed, groups.pp_rank, groups.tp_rank)  # after the build: PipelineModule may reseed
+    mark_norm_owners(module, groups.tp_rank)
+    if plan.zero == 3 and plan.pp == 1 and spec.tied_embeddings:
+        # the output layer uses the embedding's weight outside the embedding's forward
+        deepspeed.zero.register_external_parameter(module, module.embedding.word_embeddings.weight)
     cfg = copy.deepcopy(cfg)
     optimizer = None
     if "optimizer" not in cfg:
         o = dsconfig.OPTIMIZER
         optimizer = torch.optim.AdamW(module.parameters(), lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],
                                       weight_decay=o["weight_decay"])
-    mpu = None
-    if plan.tp > 1:
-        # DeepSpeed checks train_batch_size against the DP size of the mpu it is given; with
-        # config-only AutoTP it would count TP ranks as data parallel. Build the (dp, tp) mesh
-        # first (TP fastest, the plan's rank order) and pass DeepSpeed's own groups as the mpu.
-        from deepspeed.utils import groups
-        groups._init_tp_mesh_device(tensor_model_parallel_size=plan.tp)
-        mpu = groups
     try:
-        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=cfg, mpu=mpu,
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=cfg,
+                                               mpu=groups if plan.pp == 1 else None,
                                                model_parameters=None if optimizer else module.parameters())
     except (AssertionError, ValueError, NotImplementedError, TypeError) as exc:
         raise ExecutionError("ds_config.json", f"DeepSpeed rejected the plan: {type(exc).__name__}: {exc}",
                              "re-plan with `planner search` (the plan is not runnable as written)") from None
-    return engine
+    _keep_fp32_clip_norm(engine)
+    return engine, groups
 
 
-def check_topology(engine, plan: Plan, rank: int) -> None:
-    """DeepSpeed's groups must match the plan's rank layout (one vocabulary)."""
+def _keep_fp32_clip_norm(engine) -> None:
+    """DeepSpeed's fp32 ZeRO-0 path (engine.clip_fp32_gradients) computes the global gradient
+    norm for clipping and drops it; keep it, so get_global_grad_norm() (the stability monitor,
+    the parity test) sees the norm the step used."""
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip() -> None:
+        engine._global_grad_norm = clip_grad_norm_(parameters=engine.module.parameters(),
+                                                   max_norm=engine.gradient_clipping(), mpu=engine.mpu)
+    engine.clip_fp32_gradients = clip
+
+
+def check_topology(engine, groups: Groups, plan: Plan, rank: int) -> None:
+    """DeepSpeed's groups and ours must match the plan's rank layout (one vocabulary)."""
+    import torch.distributed as dist
+    from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
     pp_i, dp_i, tp_i = rank_coords(rank, plan)
+    want = {"model": [(pp_i * plan.dp + dp_i) * plan.tp + t for t in range(plan.tp)],
+            "data": [(pp_i * plan.dp + d) * plan.tp + tp_i for d in range(plan.dp)],
+            "pipe": [(p * plan.dp + dp_i) * plan.tp + tp_i for p in range(plan.pp)]}
+    mpu = engine.mpu
+    got = {"coords": (groups.pp_rank, groups.dp_rank, groups.tp_rank), "groups": groups.ranks,
+           "deepspeed data group": dist.get_process_group_ranks(mpu.get_data_parallel_group()),
+           "deepspeed TP rank": bwc_tensor_model_parallel_rank(mpu)}
     if plan.pp > 1:
-        got = (engine.grid.get_stage_id(), engine.grid.get_data_parallel_id())
-        if got != (pp_i, dp_i):
-            raise ExecutionError("rank layout", f"rank {rank}: DeepSpeed put it at stage/dp {got}, plan says "
-                                 f"{(pp_i, dp_i)}", "report this as a bug")
-    if plan.tp > 1:
-        from deepspeed.utils import groups
-        if groups.get_tensor_model_parallel_rank() != tp_i:
-            raise ExecutionError("rank layout", f"rank {rank}: DeepSpeed's TP rank is "
-                                 f"{groups.get_tensor_model_parallel_rank()}, plan says {tp_i}", "report this as a bug")
+        got["deepspeed stage/dp"] = (engine.grid.get_stage_id(), engine.grid.get_data_parallel_id())
+        got["deepspeed TP group"] = dist.get_process_group_ranks(engine.grid.get_slice_parallel_group())
+    expect = {"coords": (pp_i, dp_i, tp_i), "groups": want, "deepspeed data group": want["data"],
+              "deepspeed TP rank": tp_i}
+    if plan.pp > 1:
+        expect["deepspeed stage/dp"] = (pp_i, dp_i)
+        expect["deepspeed TP group"] = want["model"]
+    for key, value in expect.items():
+        if got[key] != value:
+            raise ExecutionError("rank layout", f"rank {rank}: {key} is {got[key]}, the plan's layout says {value}",
+                                 "report this as a bug")
 
 
 def set_poison(engine, on: bool) -> None:
     for m in engine.module.modules():
-        if isinstance(m, Embedding):
+        if isinstance(m, WordEmbedding):
             m.poison = on
 
 

@@ -11,7 +11,7 @@ import torch
 from planner.executor.build import build_engine, check_topology, loader, rank_coords, set_poison
 from planner.executor.data import DataSpec, Layout, Rows
 from planner.executor.measure import CPU_METHOD, GPU_METHOD, model_state_bytes, peak_bytes, reset_peak, rss_bytes
-from planner.executor.model import Block, lm_loss
+from planner.executor.model import Block
 from planner.executor.monitor import StabilityMonitor
 from planner.executor.files import CKPT_DIR, RANKS_DIR, progress
 from planner.rundir import atomic_write_json, load_run, read_json
@@ -48,9 +48,11 @@ def train(args, run_dir: Path, rank: int, status) -> None:
     torch.manual_seed(args.seed)
     status.write(phase="init")
     os.chdir(run_dir)  # the monitor's relative output paths land in the run directory
-    engine = build_engine(plan, spec, cfg)
-    check_topology(engine, plan, rank)
+    engine, groups = build_engine(plan, spec, cfg, attention=trainspec.attention, seed=args.seed)
+    check_topology(engine, groups, plan, rank)
     pp_i, dp_i, tp_i = rank_coords(rank, plan)
+    if args.dump_grads:
+        _dump_first_grads(engine, Path(args.dump_grads), rank, (pp_i, dp_i, tp_i))
     pipe = plan.pp > 1
     last_stage = pp_i == plan.pp - 1
 
@@ -105,7 +107,7 @@ def train(args, run_dir: Path, rank: int, status) -> None:
             losses = []
             for k, (ids, pos, seg, lab) in enumerate(micro):
                 logits = engine(ids.to(device), pos.to(device), seg.to(device))
-                l = lm_loss(logits, lab.to(device))
+                l = engine.module.loss_fn(logits, lab.to(device))
                 engine.backward(l)
                 if step >= 1 and k == len(micro) - 1 and states is None:
                     # gradients reduced and optimizer state allocated: count model states here
@@ -165,8 +167,7 @@ def train(args, run_dir: Path, rank: int, status) -> None:
             "selective_blocks": [bool(m.self_attention.checkpoint_core) for m in engine.module.modules()
                                  if isinstance(m, Block)],
             "local_params": sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters()),
-            "param_shapes": {n: list(getattr(p, "ds_shape", p.shape)) for n, p in engine.module.named_parameters()
-                             if n.endswith("query_key_value.weight")},
+            "param_shapes": {p.canonical: list(getattr(p, "ds_shape", p.shape)) for p in engine.module.parameters()},
             "step_times_s": [times.get(s) for s in range(args.steps)]}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
@@ -179,6 +180,32 @@ def train(args, run_dir: Path, rank: int, status) -> None:
             "step_tokens": state.get("step_tokens", []),
             "ranks": gathered})
     dist.barrier()
+
+
+def _dump_first_grads(engine, out: Path, rank: int, coords: tuple[int, int, int]) -> None:
+    """Test hook (worker --dump-grads DIR): just before the first optimizer step, write this
+    rank's gradients as the optimizer sees them (averaged over DP; with ZeRO, DeepSpeed's
+    safe_get_full_grad gathers this rank's whole TP slice), with what is needed to reassemble
+    them across TP (`tp_split`) and the global gradient norm the step used."""
+    from deepspeed.utils import safe_get_full_grad
+    take_step = engine._take_model_step
+    done = []
+
+    def dump_then_step(*args, **kw):
+        if done:
+            return take_step(*args, **kw)
+        grads = [{"name": p.canonical, "split": p.tp_split, "pipe_replicated": bool(getattr(p, "ds_pipe_replicated", False)),
+                  "grad": safe_get_full_grad(p).detach().float().cpu().clone()} for p in engine.module.parameters()]
+        result = take_step(*args, **kw)
+        norm = engine.get_global_grad_norm()
+        done.append(True)
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save({"rank": rank, "coords": list(coords), "grads": grads,
+                    "grad_norm": float(norm.item() if isinstance(norm, torch.Tensor) else norm)},
+                   out / f"rank{rank}.pt")
+        return result
+
+    engine._take_model_step = dump_then_step
 
 
 def _rollback(engine, run_dir: Path, rank: int, state: dict, step: int, batch: int, loss: float,

@@ -81,14 +81,26 @@ def test_pipeline_two_stages_checkpoints_as_planned(tmp_path: Path) -> None:
     assert m["status"] == "ok" and len(m["loss"]) == 3
 
 
-def test_tensor_parallel_autotp(tmp_path: Path) -> None:
+def test_tensor_parallel_layers_hold_their_slice(tmp_path: Path) -> None:
+    """TP 2 with the executor's Megatron-style layers (no AutoTP): each rank holds half the
+    heads and KV groups, half the FFN, half the padded vocabulary; norms are replicated."""
     d = make_run(tmp_path, "tp2", tp=2, zero=1, micro_batch=2, grad_accum=2, precision="bf16")
     m = run_plan(d, steps=3, warmup=1)
     assert m["status"] == "ok"
-    full = MODEL.q_size + 2 * MODEL.kv_size
+    h, q, kv, f, v = 128, 128, 64, 432, 1024  # chatglm3-6b tiny: 4 heads x 32, 2 KV groups, SwiGLU, vocab 1024
+    # per rank: embedding V/2 x h; per block QKV (q + 2kv)/2 x h + bias, dense h x q/2, gate|up 2 (f/2) x h,
+    # down h x f/2, two RMSNorm weights; final norm; output layer V/2 x h (no linear biases in ChatGLM3)
+    block = (q + 2 * kv) // 2 * h + (q + 2 * kv) // 2 + h * q // 2 + 2 * (f // 2) * h + h * f // 2 + 2 * h
+    per_rank = v // 2 * h + 4 * block + h + v // 2 * h
+    assert per_rank == 562_816
     for r in result(d)["ranks"]:
-        assert all(shape == [full // 2, MODEL.hidden] for shape in r["param_shapes"].values())
-        assert r["local_params"] < MODEL.params
+        shapes = r["param_shapes"]
+        assert shapes["layers.0.self_attention.query_key_value.weight"] == [(q + 2 * kv) // 2, h]
+        assert shapes["layers.0.mlp.dense_h_to_4h.weight"] == [f, h] and shapes["layers.0.mlp.dense_4h_to_h.weight"] == [h, f // 2]
+        assert shapes["embedding.word_embeddings.weight"] == [v // 2, h]
+        assert shapes["head.output_layer.weight"] == [v // 2, h]
+        assert shapes["layers.0.input_layernorm.weight"] == [h]
+        assert r["local_params"] == per_rank
 
 
 def test_four_processes_dp2_pp2(tmp_path: Path) -> None:
