@@ -146,135 +146,260 @@ ENGINE_SRC = "deepspeed/runtime/engine.py _do_optimizer_sanity_check, _configure
 
 def _torch_adam(e: float) -> Engine:
     return Engine(
-        name="torch AdamW / FusedAdam (no wrapper)", optimizer_sharded=False,
+        name="torch AdamW / FusedAdam (no wrapper)",
+        optimizer_sharded=False,
         source=ENGINE_SRC + ": fp32 without ZeRO returns no wrapper",
         buffers=(
-            Buffer(name="fp32 weights", role="params", bytes=4, held_by="module", source="the module's parameters"),
-            Buffer(name="fp32 gradients", role="grads", bytes=4, phase="grads", held_by="module",
-                   source="p.grad; engine.py _take_model_step -> zero_grad frees them"),
-            Buffer(name="Adam moments", role="optimizer", bytes=8, source="torch.optim.AdamW state exp_avg, exp_avg_sq"),
-            Buffer(name="flat all-reduce buffer", role="buckets", bytes=e, basis="fallback_bucket", phase="backward",
-                   source="engine.py allreduce_no_retain -> allreduce_bucket: self.flatten(bucket)"),
+            Buffer(
+                name="fp32 weights",
+                role="params", bytes=4, held_by="module",
+                source="the module's parameters",
+            ),
+            Buffer(
+                name="fp32 gradients",
+                role="grads", bytes=4, phase="grads", held_by="module",
+                source="p.grad; engine.py _take_model_step -> zero_grad frees them",
+            ),
+            Buffer(
+                name="Adam moments",
+                role="optimizer", bytes=8,
+                source="torch.optim.AdamW state exp_avg, exp_avg_sq",
+            ),
+            Buffer(
+                name="flat all-reduce buffer",
+                role="buckets", bytes=e, basis="fallback_bucket", phase="backward",
+                source="engine.py allreduce_no_retain -> allreduce_bucket: self.flatten(bucket)",
+            ),
         ),
-        collectives=(Collective(kind="all_reduce", bytes=e, per="step", overlap=False,
-                                source="engine.py allreduce_gradients -> buffered_allreduce_fallback, at the "
-                                       "accumulation boundary after backward"),))
+        collectives=(
+            Collective(
+                kind="all_reduce", bytes=e, per="step", overlap=False,
+                source="engine.py allreduce_gradients -> buffered_allreduce_fallback, at the accumulation "
+                       "boundary after backward",
+            ),
+        ))
 
 
 def _fp16_optimizer(e: float) -> Engine:
     return Engine(
-        name="FP16_Optimizer / FP16_UnfusedOptimizer", optimizer_sharded=False,
+        name="FP16_Optimizer / FP16_UnfusedOptimizer",
+        optimizer_sharded=False,
         source=ENGINE_SRC + ": bf16 without pipeline -> DDP_BFLOAT16, fp16 -> FP16; runtime/fp16/fused_optimizer.py "
                             "(FusedAdam) or unfused_optimizer.py (a client torch optimizer)",
         buffers=(
-            Buffer(name="16-bit weights", role="params", bytes=e, held_by="module",
-                   source="fused_optimizer.py __init__: fp16_groups_flat (the module's weights are views)"),
-            Buffer(name="16-bit gradients", role="grads", bytes=e, phase="grads", held_by="module",
-                   source="p.grad, freed by step (fused: p.grad = None; unfused: zero_grad)"),
-            Buffer(name="fp32 master weights", role="optimizer", bytes=4,
-                   source="fused_optimizer.py __init__: fp32_groups_flat; unfused_optimizer.py: fp32_groups"),
-            Buffer(name="Adam moments", role="optimizer", bytes=8, source="exp_avg, exp_avg_sq of the fp32 copy"),
-            Buffer(name="fp32 gradient copy", role="grads", bytes=4, phase="step",
-                   source="fused_optimizer.py step: grads_groups_flat (p.grad.to(fp32)); unfused: fp32_param.grad"),
-            Buffer(name="flat all-reduce buffer", role="buckets", bytes=e, basis="fallback_bucket", phase="backward",
-                   source="engine.py allreduce_no_retain -> allreduce_bucket: self.flatten(bucket)"),
+            Buffer(
+                name="16-bit weights",
+                role="params", bytes=e, held_by="module",
+                source="fused_optimizer.py __init__: fp16_groups_flat (the module's weights are views)",
+            ),
+            Buffer(
+                name="16-bit gradients",
+                role="grads", bytes=e, phase="grads", held_by="module",
+                source="p.grad, freed by step (fused: p.grad = None; unfused: zero_grad)",
+            ),
+            Buffer(
+                name="fp32 master weights",
+                role="optimizer", bytes=4,
+                source="fused_optimizer.py __init__: fp32_groups_flat; unfused_optimizer.py: fp32_groups",
+            ),
+            Buffer(
+                name="Adam moments",
+                role="optimizer", bytes=8,
+                source="exp_avg, exp_avg_sq of the fp32 copy",
+            ),
+            Buffer(
+                name="fp32 gradient copy",
+                role="grads", bytes=4, phase="step",
+                source="fused_optimizer.py step: grads_groups_flat (p.grad.to(fp32)); unfused: fp32_param.grad",
+            ),
+            Buffer(
+                name="flat all-reduce buffer",
+                role="buckets", bytes=e, basis="fallback_bucket", phase="backward",
+                source="engine.py allreduce_no_retain -> allreduce_bucket: self.flatten(bucket)",
+            ),
         ),
-        collectives=(Collective(kind="all_reduce", bytes=e, per="step", overlap=False,
-                                source="engine.py allreduce_gradients -> buffered_allreduce_fallback"),))
+        collectives=(
+            Collective(
+                kind="all_reduce", bytes=e, per="step", overlap=False,
+                source="engine.py allreduce_gradients -> buffered_allreduce_fallback",
+            ),
+        ))
 
 
 def _bf16_optimizer(e: float) -> Engine:
     return Engine(
-        name="BF16_Optimizer", optimizer_sharded=True,
+        name="BF16_Optimizer",
+        optimizer_sharded=True,
         source=ENGINE_SRC + ": bf16 with a pipeline and no ZeRO -> BFLOAT16; runtime/bf16_optimizer.py",
         buffers=(
-            Buffer(name="bf16 weights", role="params", bytes=e, held_by="module",
-                   source="bf16_optimizer.py _setup_for_real_optimizer: bf16_groups_flat"),
-            Buffer(name="bf16 gradients", role="grads", bytes=e, phase="grads", held_by="module",
-                   source="p.grad (pipe/engine.py clears them before backward, zero_grad frees them after the step)"),
-            Buffer(name="gradient accumulation buffer", role="grads", bytes=e,
-                   source="bf16_optimizer.py _setup_for_real_optimizer: fp32_groups_gradients_flat in "
-                          "grad_acc_dtype (= bf16 here), whole, never freed"),
-            Buffer(name="fp32 master partition", role="optimizer", bytes=4, sharded=True,
-                   source="bf16_optimizer.py: fp32_groups_flat_partition (1/dp of the flat weights)"),
-            Buffer(name="Adam moments", role="optimizer", bytes=8, sharded=True,
-                   source="the basic optimizer steps the fp32 partition only"),
-            Buffer(name="fp32 gradient partition", role="grads", bytes=4, sharded=True, phase="step",
-                   source="bf16_optimizer.py step: grad_partition.to(fp32) when grad_acc_dtype is bf16"),
+            Buffer(
+                name="bf16 weights",
+                role="params", bytes=e, held_by="module",
+                source="bf16_optimizer.py _setup_for_real_optimizer: bf16_groups_flat",
+            ),
+            Buffer(
+                name="bf16 gradients",
+                role="grads", bytes=e, phase="grads", held_by="module",
+                source="p.grad (pipe/engine.py clears them before backward, zero_grad frees them after the step)",
+            ),
+            Buffer(
+                name="gradient accumulation buffer",
+                role="grads", bytes=e,
+                source="bf16_optimizer.py _setup_for_real_optimizer: fp32_groups_gradients_flat in grad_acc_dtype (= "
+                    "bf16 here), whole, never freed",
+            ),
+            Buffer(
+                name="fp32 master partition",
+                role="optimizer", bytes=4, sharded=True,
+                source="bf16_optimizer.py: fp32_groups_flat_partition (1/dp of the flat weights)",
+            ),
+            Buffer(
+                name="Adam moments",
+                role="optimizer", bytes=8, sharded=True,
+                source="the basic optimizer steps the fp32 partition only",
+            ),
+            Buffer(
+                name="fp32 gradient partition",
+                role="grads", bytes=4, sharded=True, phase="step",
+                source="bf16_optimizer.py step: grad_partition.to(fp32) when grad_acc_dtype is bf16",
+            ),
         ),
         collectives=(
-            Collective(kind="all_reduce", bytes=e, per="step", overlap=False,
-                       source="pipe/engine.py _exec_reduce_grads -> _bf16_reduce_grads -> buffered_allreduce_fallback"),
-            Collective(kind="all_gather", bytes=e, per="step", overlap=False,
-                       source="bf16_optimizer.py update_lp_params -> all_gather_dp_groups"),
+            Collective(
+                kind="all_reduce", bytes=e, per="step", overlap=False,
+                source="pipe/engine.py _exec_reduce_grads -> _bf16_reduce_grads -> buffered_allreduce_fallback",
+            ),
+            Collective(
+                kind="all_gather", bytes=e, per="step", overlap=False,
+                source="bf16_optimizer.py update_lp_params -> all_gather_dp_groups",
+            ),
         ))
 
 
 def _zero12(stage: int, e: float, overlap: bool) -> Engine:
     s = "runtime/zero/stage_1_and_2.py"
     grads = (
-        Buffer(name="16-bit gradients", role="grads", bytes=e, phase="backward", held_by="module",
-               source=s + ": p.grad until independent_gradient_partition_epilogue moves the owned partition "
-                          "(all_grad_tensors) and _clear_param_grad_only"),
+        Buffer(
+            name="16-bit gradients",
+            role="grads", bytes=e, phase="backward", held_by="module",
+            source=s +
+                ": p.grad until independent_gradient_partition_epilogue moves the owned partition (all_grad_tensors) "
+                "and _clear_param_grad_only",
+        ),
     ) if stage == 1 else ()
     return Engine(
-        name=f"DeepSpeedZeroOptimizer (stage {stage})", optimizer_sharded=True,
+        name=f"DeepSpeedZeroOptimizer (stage {stage})",
+        optimizer_sharded=True,
         source=ENGINE_SRC + f": ZeRO -> _configure_zero_optimizer; {s}",
         buffers=grads + (
-            Buffer(name="weights", role="params", bytes=e, held_by="module",
-                   source=s + " __init__: bit16_groups_flat (the module's weights are views)"),
-            Buffer(name="owned gradient partition", role="grads", bytes=e, sharded=True, phase="grads",
-                   source=s + ": averaged_gradients (get_flat_partition; stage 2: grads_in_partition), "
-                              "freed after the step"),
-            Buffer(name="fp32 master partition", role="optimizer", bytes=4, sharded=True,
-                   source=s + " __init__: single_partition_of_fp32_groups (a copy even in fp32)"),
-            Buffer(name="Adam moments", role="optimizer", bytes=8, sharded=True, source="state of the fp32 partition"),
-            Buffer(name="fp32 gradient partition", role="grads", bytes=4, sharded=True, phase="step",
-                   source=s + " step: single_partition_of_fp32_groups.grad (flattened, cast to fp32)"),
-            Buffer(name="reduce buckets", role="buckets", bytes=e * (2 if overlap else 1),
-                   basis="reduce_bucket", phase="backward",
-                   source=s + " setup_buckets (x2 with overlap_comm) / reduce_gradients (pipeline: overlap_comm "
-                              "forced off, one bucket); reduce_bucket_size elements, released by the epilogue"),
+            Buffer(
+                name="weights",
+                role="params", bytes=e, held_by="module",
+                source=s + " __init__: bit16_groups_flat (the module's weights are views)",
+            ),
+            Buffer(
+                name="owned gradient partition",
+                role="grads", bytes=e, sharded=True, phase="grads",
+                source=s +
+                    ": averaged_gradients (get_flat_partition; stage 2: grads_in_partition), freed after the step",
+            ),
+            Buffer(
+                name="fp32 master partition",
+                role="optimizer", bytes=4, sharded=True,
+                source=s + " __init__: single_partition_of_fp32_groups (a copy even in fp32)",
+            ),
+            Buffer(
+                name="Adam moments",
+                role="optimizer", bytes=8, sharded=True,
+                source="state of the fp32 partition",
+            ),
+            Buffer(
+                name="fp32 gradient partition",
+                role="grads", bytes=4, sharded=True, phase="step",
+                source=s + " step: single_partition_of_fp32_groups.grad (flattened, cast to fp32)",
+            ),
+            Buffer(
+                name="reduce buckets",
+                role="buckets", bytes=e * (2 if overlap else 1), basis="reduce_bucket", phase="backward",
+                source=s +
+                    "setup_buckets (x2 with overlap_comm) / reduce_gradients (pipeline: overlap_comm forced off, one "
+                    "bucket); reduce_bucket_size elements, released by the epilogue",
+            ),
         ),
         collectives=(
-            Collective(kind="reduce_scatter", bytes=e, per="step" if stage == 1 else "micro_batch", overlap=overlap,
-                       source=s + " reduce_ipg_grads (stage 1: at the accumulation boundary; stage 2: every "
-                                  "micro-batch)"),
-            Collective(kind="all_gather", bytes=e, per="step", overlap=False,
-                       source=s + " step -> all_gather_dp_groups of the updated partitions"),
+            Collective(
+                kind="reduce_scatter", bytes=e, per="step" if stage == 1 else "micro_batch", overlap=overlap,
+                source=s + " reduce_ipg_grads (stage 1: at the accumulation boundary; stage 2: every micro-batch)",
+            ),
+            Collective(
+                kind="all_gather", bytes=e, per="step", overlap=False,
+                source=s + " step -> all_gather_dp_groups of the updated partitions",
+            ),
         ))
 
 
 def _zero3(e: float, overlap: bool) -> Engine:
     s = "runtime/zero/stage3.py"
     return Engine(
-        name="DeepSpeedZeroOptimizer_Stage3", optimizer_sharded=True,
+        name="DeepSpeedZeroOptimizer_Stage3",
+        optimizer_sharded=True,
         source=ENGINE_SRC + f": ZeRO-3 -> {s}",
         buffers=(
-            Buffer(name="weight partition", role="params", bytes=e, sharded=True, held_by="module",
-                   source="partition_parameters.py: ds_tensor"),
-            Buffer(name="persistent small weights", role="params", bytes=e, basis="small",
-                   source="parameter_offload.py mark_persistent_parameters (numel <= param_persistence_threshold): "
-                          "kept gathered"),
-            Buffer(name="gathered weights", role="buckets", bytes=e, basis="live_params", phase="backward",
-                   source="partitioned_param_coordinator.py: at most stage3_max_live_parameters gathered"),
-            Buffer(name="gradient partition", role="grads", bytes=e, sharded=True,
-                   source=s + " __init__: grad_partitions_flat_buffer"),
-            Buffer(name="reduce bucket", role="buckets", bytes=e, basis="reduce_bucket",
-                   source=s + " __init__: ipg_buckets[dtype].buffer (reduce_bucket_size elements, kept)"),
-            Buffer(name="fp32 master partition", role="optimizer", bytes=4, sharded=True,
-                   source=s + " _create_fp32_partitions: fp32_partitioned_groups_flat"),
-            Buffer(name="Adam moments", role="optimizer", bytes=8, sharded=True, source="state of the fp32 partition"),
-            Buffer(name="fp32 gradient sub-group", role="grads", bytes=4, basis="sub_group", phase="step",
-                   source=s + " step: _prepare_fp32_grad_for_sub_group (one sub_group_size sub-group at a time)"),
+            Buffer(
+                name="weight partition",
+                role="params", bytes=e, sharded=True, held_by="module",
+                source="partition_parameters.py: ds_tensor",
+            ),
+            Buffer(
+                name="persistent small weights",
+                role="params", bytes=e, basis="small",
+                source="parameter_offload.py mark_persistent_parameters (numel <= param_persistence_threshold): kept "
+                    "gathered",
+            ),
+            Buffer(
+                name="gathered weights",
+                role="buckets", bytes=e, basis="live_params", phase="backward",
+                source="partitioned_param_coordinator.py: at most stage3_max_live_parameters gathered",
+            ),
+            Buffer(
+                name="gradient partition",
+                role="grads", bytes=e, sharded=True,
+                source=s + " __init__: grad_partitions_flat_buffer",
+            ),
+            Buffer(
+                name="reduce bucket",
+                role="buckets", bytes=e, basis="reduce_bucket",
+                source=s + " __init__: ipg_buckets[dtype].buffer (reduce_bucket_size elements, kept)",
+            ),
+            Buffer(
+                name="fp32 master partition",
+                role="optimizer", bytes=4, sharded=True,
+                source=s + " _create_fp32_partitions: fp32_partitioned_groups_flat",
+            ),
+            Buffer(
+                name="Adam moments",
+                role="optimizer", bytes=8, sharded=True,
+                source="state of the fp32 partition",
+            ),
+            Buffer(
+                name="fp32 gradient sub-group",
+                role="grads", bytes=4, basis="sub_group", phase="step",
+                source=s + " step: _prepare_fp32_grad_for_sub_group (one sub_group_size sub-group at a time)",
+            ),
         ),
         collectives=(
-            Collective(kind="all_gather", bytes=e, per="micro_batch", overlap=overlap,
-                       source=s + ": parameters gathered for forward"),
-            Collective(kind="all_gather", bytes=e, per="micro_batch", overlap=overlap,
-                       source=s + ": and again for backward"),
-            Collective(kind="reduce_scatter", bytes=e, per="micro_batch", overlap=overlap,
-                       source=s + " __reduce_and_partition_ipg_grads"),
+            Collective(
+                kind="all_gather", bytes=e, per="micro_batch", overlap=overlap,
+                source=s + ": parameters gathered for forward",
+            ),
+            Collective(
+                kind="all_gather", bytes=e, per="micro_batch", overlap=overlap,
+                source=s + ": and again for backward",
+            ),
+            Collective(
+                kind="reduce_scatter", bytes=e, per="micro_batch", overlap=overlap,
+                source=s + " __reduce_and_partition_ipg_grads",
+            ),
         ))
 
 

@@ -5,6 +5,8 @@ run"); memory feasibility is the cost model's job. Each problem is one sentence 
 """
 from __future__ import annotations
 
+import math
+
 from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
@@ -20,12 +22,17 @@ def plan_problems(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan
     if plan.tp > cluster.gpus_per_node or cluster.gpus_per_node % plan.tp:
         out.append(f"tp {plan.tp} must divide the {cluster.gpus_per_node} devices of a node "
                    "(tensor parallelism stays inside a node)")
+    # Megatron TP splits QKV by heads and KV groups and the FFN by columns (the executor's
+    # planner/executor/parallel/tensor.py); the vocabulary is padded, so it always splits
     if model.heads % plan.tp:
-        out.append(f"tp {plan.tp} does not divide the {model.heads} attention heads")
+        out.append(f"tp {plan.tp} does not divide the {model.heads} attention heads: "
+                   f"use a TP degree dividing {math.gcd(model.heads, model.kv_heads, model.ffn_hidden)}")
     if model.kv_heads % plan.tp:
-        out.append(f"tp {plan.tp} does not divide the {model.kv_heads} KV groups")
+        out.append(f"tp {plan.tp} does not divide the {model.kv_heads} KV groups: "
+                   f"use a TP degree dividing {math.gcd(model.heads, model.kv_heads, model.ffn_hidden)}")
     if model.ffn_hidden % plan.tp:
-        out.append(f"tp {plan.tp} does not divide the FFN size {model.ffn_hidden}")
+        out.append(f"tp {plan.tp} does not divide the FFN size {model.ffn_hidden}: "
+                   f"use a TP degree dividing {math.gcd(model.heads, model.kv_heads, model.ffn_hidden)}")
     if plan.pp * plan.interleave > model.layers:
         out.append(f"pp {plan.pp} x interleave {plan.interleave} exceeds the {model.layers} layers")
     if plan.stage_layers:

@@ -1,6 +1,8 @@
 """What DeepSpeed cannot run is never launched: the executor refuses it with one line."""
 from __future__ import annotations
 
+import dataclasses
+
 from planner.cli import main
 from planner.rundir import atomic_write_json, plan_document
 from planner.specs import Plan, TrainSpec, parse_cluster, preset, scale
@@ -35,3 +37,14 @@ def test_run_scale_must_match_the_plan(tmp_path, capsys):
         assert main([cmd, str(tmp_path), "--scale", "small"]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "planned at scale tiny" in err and "--scale small" in err
+
+
+def test_tp_that_splits_neither_heads_nor_kv_groups_names_the_fix():
+    from planner.specs.validate import plan_problems
+    model = preset("chatglm3-6b")                         # 32 heads, 2 KV groups
+    cluster = parse_cluster("8xA100")
+    problems = plan_problems(model, cluster, TrainSpec(global_batch=8, seq_len=128), Plan(dp=2, tp=4, micro_batch=4))
+    assert problems == ["tp 4 does not divide the 2 KV groups: use a TP degree dividing 2"]
+    # the vocabulary never blocks TP: it is padded (ModelSpec.padded_vocab)
+    odd = dataclasses.replace(model, vocab=65023, kv_groups=None)
+    assert plan_problems(odd, cluster, TrainSpec(global_batch=8, seq_len=128), Plan(dp=1, tp=8, micro_batch=8)) == []

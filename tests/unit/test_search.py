@@ -132,21 +132,25 @@ def test_solver_and_estimate_agree(args):
     assert checked > 20
 
 
-def test_optuna_reaches_the_exhaustive_optimum_on_fewer_than_half_the_shapes():
-    """Optuna earns its keep only where it does not enumerate the space: on GLM-130B's 90
-    shapes with a budget of 15 trials it evaluates under half of them and still lands on the
-    exhaustive optimum, which the heuristic start alone does not reach."""
-    m, c, t = inputs("glm-130b", "96x8xA100-40GB", batch=4224, seq=2048)
+@pytest.mark.parametrize("args,trials,seed", [
+    (("glm-10b", "4x8xA100", 512, 1024, None, "eager"), 10, 1),       # 54 shapes
+    (("glm-130b", "96x8xA100-40GB", 4224, 2048), 15, 0),               # 90 shapes
+], ids=["glm10b", "glm130b"])
+def test_optuna_reaches_the_exhaustive_optimum_on_fewer_than_half_the_shapes(args, trials, seed):
+    """Optuna earns its keep only where it does not enumerate the space: with a small trial
+    budget it evaluates under half of the shapes and still lands on the exhaustive optimum,
+    which the heuristic start alone does not reach."""
+    m, c, t = inputs(*args)
     space = Space(model=m, cluster=c, train=t)
     best = rank(exhaustive(space, Evaluator(m, c, t)))[0]
     total = sum(1 for _ in space.shapes())
     ev = Evaluator(m, c, t)
     start = heuristic(space, ev)
     from_start = rank(list(ev.cache.values()))
-    trials, study = optuna_search(space, ev, start, n_trials=15, seed=0)
+    found, study = optuna_search(space, ev, start, n_trials=trials, seed=seed)
     assert study.trials[0].params == params_of(start, space)            # heuristic enqueued first
-    assert len({x.outer.shape for x in trials}) < total / 2
-    assert rank(trials)[0].plan == best.plan
+    assert len({x.outer.shape for x in found}) < total / 2
+    assert rank(found)[0].plan == best.plan
     assert from_start and from_start[0].tokens_per_s < 0.95 * best.tokens_per_s
 
 
