@@ -43,6 +43,25 @@ continuation lines of messages (changing their text cannot change a number)."""
 NOT_MUTATED = ["planner/search/trials.py", "planner/search/driver.py"]
 """CSV writing and the search driver's plumbing are exercised by the CLI tests (not run per mutant)."""
 
+CONFTEST = '''
+
+import sys as _sys
+
+import pytest as _pytest
+
+
+@_pytest.fixture(autouse=True)
+def _fresh_caches():
+    """mutmut forks every mutant from a process that already ran the tests: empty the cost
+    model's lru_caches first, or a mutant would be served the original code's results."""
+    for name, mod in list(_sys.modules.items()):
+        if name.startswith(("planner.cost", "planner.search")) or ".planner.cost" in name:
+            for value in list(vars(mod).values()):
+                if callable(getattr(value, "cache_clear", None)):
+                    value.cache_clear()
+    yield
+'''
+
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped", 35: "suspicious",
           36: "timeout", 37: "caught by type check", -24: "timeout", 24: "timeout", 152: "timeout", 255: "timeout",
           -11: "segfault", -9: "segfault", None: "not checked", 2: "interrupted"}
@@ -60,6 +79,8 @@ def prepare(work: Path) -> None:
     for extra in ("tests/__init__.py", "tests/unit/__init__.py", "tests/conftest.py", "tests/unit/conftest.py"):
         if (ROOT / extra).exists():
             shutil.copy(ROOT / extra, work / extra)
+    with open(work / "tests" / "conftest.py", "a") as fh:
+        fh.write(CONFTEST)
     lines = ["[mutmut]", "source_paths=planner", "also_copy=profiles",
              "only_mutate=" + "\n    ".join(MUTATE),
              "do_not_mutate=" + "\n    ".join(NOT_MUTATED),

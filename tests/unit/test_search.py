@@ -132,16 +132,16 @@ def test_solver_and_estimate_agree(args):
     assert checked > 20
 
 
-@pytest.mark.parametrize("args,trials,seed", [
-    (("glm-10b", "4x8xA100", 512, 1024, None, "eager"), 10, 1),       # 54 shapes
-    (("glm-130b", "96x8xA100-40GB", 4224, 2048), 15, 0),               # 90 shapes
-], ids=["glm10b", "glm130b"])
-def test_optuna_reaches_the_exhaustive_optimum_on_fewer_than_half_the_shapes(args, trials, seed):
+@pytest.mark.parametrize("args,interleave,trials,seed", [
+    (("glm-10b", "4x8xA100", 32, 1024, "small", "eager"), 1, 6, 0),      # 45 shapes, 738 plans
+    (("glm-130b", "96x8xA100-40GB", 4224, 2048), 4, 15, 0),              # 90 shapes, 6088 plans
+], ids=["glm10b-small", "glm130b"])
+def test_optuna_reaches_the_exhaustive_optimum_on_fewer_than_half_the_shapes(args, interleave, trials, seed):
     """Optuna earns its keep only where it does not enumerate the space: with a small trial
     budget it evaluates under half of the shapes and still lands on the exhaustive optimum,
     which the heuristic start alone does not reach."""
     m, c, t = inputs(*args)
-    space = Space(model=m, cluster=c, train=t)
+    space = Space(model=m, cluster=c, train=t, max_interleave=interleave)
     best = rank(exhaustive(space, Evaluator(m, c, t)))[0]
     total = sum(1 for _ in space.shapes())
     ev = Evaluator(m, c, t)
