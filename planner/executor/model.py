@@ -34,7 +34,7 @@ from torch import nn
 from planner.executor.parallel.groups import SINGLE, TPGroup
 from planner.executor.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                               mark_replicated, mark_split, parallel_input_linear, replicated,
-                                              scaled_std, seeded_normal, seq_shard, tp_rng,
+                                              scaled_std, scatter_seq, seeded_normal, tp_rng,
                                               vocab_parallel_cross_entropy, INIT_STD)
 from planner.specs.model import ModelSpec
 
@@ -356,7 +356,8 @@ class WordEmbedding(nn.Module):
         super().__init__()
         self.tp = tp
         self.word_embeddings = VocabParallelEmbedding(spec.vocab, spec.padded_vocab(tp.size), spec.hidden, tp,
-                                                      "embedding.word_embeddings", seed)
+                                                      "embedding.word_embeddings", seed,
+                                                      scatter=spec.position != "learned")
         self.poison = False
         """Set by the stability test (--inject-nan): makes this micro-batch's activations NaN."""
 
@@ -372,7 +373,9 @@ class WordEmbedding(nn.Module):
 
 
 class PositionEmbedding(nn.Module):
-    """Learned absolute positions (GLM-10B), replicated on every TP rank."""
+    """Learned absolute positions (GLM-10B), replicated on every TP rank, added on the whole
+    sequence; under SP the sum is then split into sequence shards (Megatron-LM's order), so the
+    position table's gradient is whole on every TP rank and needs no TP all-reduce."""
 
     def __init__(self, spec: ModelSpec, tp: TPGroup = SINGLE, seed: int = 0) -> None:
         super().__init__()
@@ -384,9 +387,8 @@ class PositionEmbedding(nn.Module):
 
     def forward(self, inputs):
         h, pos, segments = inputs
-        if self.tp.sequence_parallel:
-            pos = seq_shard(pos, self.tp)
-        return h + F.embedding(pos, replicated(self.weight, self.tp)), inputs[1], segments
+        h = h + F.embedding(pos, self.weight)
+        return (scatter_seq(h, self.tp) if self.tp.sequence_parallel else h), pos, segments
 
 
 class FinalNorm(nn.Module):

@@ -39,7 +39,8 @@ TOL = 1e-4
 CHATGLM = scale(preset("chatglm3-6b"), "tiny")
 GLM10B = dataclasses.replace(scale(preset("glm-10b"), "tiny"), hidden_dropout=0.0, attention_dropout=0.0)
 PADDED = dataclasses.replace(GLM10B, name="glm-10b-tiny-v1023", vocab=1023)
-MODELS = {"chatglm3": CHATGLM, "glm10b": GLM10B, "glm10b-v1023": PADDED}
+DROPOUT = dataclasses.replace(GLM10B, name="glm-10b-tiny-dropout", hidden_dropout=0.1, attention_dropout=0.1)
+MODELS = {"chatglm3": CHATGLM, "glm10b": GLM10B, "glm10b-v1023": PADDED, "glm10b-dropout": DROPOUT}
 
 # (id, model, plan fields, attention); global batch 4 everywhere, micro-batch 2
 CASES = [
@@ -158,3 +159,17 @@ def test_layout_reproduces_single_process(case, references, monkeypatch: pytest.
     assert loss_err < TOL, (got["loss"], ref["loss"])
     assert grad_err[worst] < TOL, (worst, grad_err[worst])
     assert norm_err < TOL, (got["norms"], ref["norms"])
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["TP2", "TP2_SP"])
+def test_dropout_keeps_the_tp_ranks_in_step(sp: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With dropout (GLM-10B's 0.1) a TP run has no single-process twin, but its TP ranks must
+    agree: hidden dropout on replicated activations draws the same mask on every TP rank (the
+    default generator), attention dropout on head slices and, under SP, hidden dropout on
+    sequence shards draw per-rank masks (the tracker). Replicated parameters' gradients then
+    agree across TP ranks, which `assemble` asserts."""
+    for module in (launch, getattr(launch, "preflight", None)):
+        if hasattr(module, "runtime_problems"):
+            monkeypatch.setattr(module, "runtime_problems", lambda plan: [])
+    got = _run(tmp_path, "dropout", "glm10b-dropout", tp=2, zero=1, sequence_parallel=sp)
+    assert all(x == x for x in got["loss"]) and "layers.0.input_layernorm.weight" in got["grads"]

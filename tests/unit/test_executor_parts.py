@@ -339,6 +339,26 @@ def test_dropout_runs_only_in_training_and_is_replicated_across_calls_in_eval() 
         assert not torch.equal(m(*batch[:3]), m(*batch[:3]))
 
 
+def test_recompute_replays_the_same_dropout_masks() -> None:
+    """Hidden and attention dropout under full and selective recompute: DeepSpeed's checkpoint
+    restores the default generator and the TP-region tracker, so the gradients are unchanged."""
+    from planner.executor.parallel.tensor import seed_dropout
+    spec = dataclasses.replace(scale(preset("glm-10b"), "tiny"), hidden_dropout=0.2, attention_dropout=0.2)
+    rows = Rows(DataSpec(seq_len=32, vocab=spec.vocab), "static")
+    batch = [torch.from_numpy(np.stack(c)) for c in zip(rows.tensors(0), rows.tensors(1))]
+    grads = []
+    for flags, sel in (([False] * 4, False), ([True, True, False, True], False), ([False] * 4, True)):
+        m = GLMModel(spec, flags, sel, seed=3)
+        seed_dropout(11, 0, 0)
+        m.loss_fn(m(*batch[:3]), batch[3]).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-6) and torch.allclose(grads[0], grads[2], atol=1e-6)
+    m = GLMModel(spec, [False] * 4, False, seed=3)
+    seed_dropout(12, 0, 0)  # another seed: other masks
+    m.loss_fn(m(*batch[:3]), batch[3]).backward()
+    assert not torch.allclose(grads[0], torch.cat([p.grad.flatten() for p in m.parameters()]), atol=1e-6)
+
+
 def test_block_flags_first_k_of_each_stage() -> None:
     spec = scale(preset("chatglm3-6b"), "tiny")
     assert block_flags(spec, (3, 1), (2, 0)) == [True, True, False, False]

@@ -117,6 +117,23 @@ class _ReduceScatterSeq(torch.autograd.Function):
         return _gather_seq(grad, ctx.tp), None
 
 
+class _ScatterSeq(torch.autograd.Function):
+    """Keep this rank's sequence shard forward (no communication), all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return seq_shard(x, tp).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.tp), None
+
+
+def scatter_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    return x if tp.group is None else _ScatterSeq.apply(x, tp)
+
+
 def copy_to_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return x if tp.group is None else _CopyToTP.apply(x, tp)
 
@@ -272,8 +289,12 @@ class VocabParallelEmbedding(nn.Module):
     """Rows [t V_pad/T, (t+1) V_pad/T) of the padded word embedding; a token outside this
     rank's rows contributes zeros, and the all-reduce (reduce-scatter under SP) sums the ranks."""
 
-    def __init__(self, vocab: int, padded: int, hidden: int, tp: TPGroup, name: str, seed: int) -> None:
+    def __init__(self, vocab: int, padded: int, hidden: int, tp: TPGroup, name: str, seed: int,
+                 scatter: bool = True) -> None:
         super().__init__()
+        self.scatter = scatter and tp.sequence_parallel
+        """Under SP, reduce-scatter to sequence shards (else the sum stays whole: learned positions are
+        added on the whole sequence first, as Megatron-LM does)."""
         if padded % tp.size or padded < vocab:
             raise ValueError(f"padded vocabulary {padded} must be >= {vocab} and divisible by TP {tp.size}")
         self.tp, self.vocab, self.padded = tp, vocab, padded
@@ -289,7 +310,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.start) | (ids >= self.stop)
         out = F.embedding((ids - self.start).masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside[..., None], 0.0)
-        return reduce_scatter_seq(out, self.tp) if self.tp.sequence_parallel else reduce_from_tp(out, self.tp)
+        return reduce_scatter_seq(out, self.tp) if self.scatter else reduce_from_tp(out, self.tp)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
