@@ -15,6 +15,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable
 
+from planner import dsconfig
 from planner.calibrate.core import apply, calibrate
 from planner.calibrate.runs import MeasuredRun
 from planner.cost import estimate
@@ -97,6 +98,9 @@ def refine(run_dir: str | Path, k: int, steps: int = 5, *, warmup: int = 1, prof
         atomic_write_json(sub / "plan.json", plan_document(plan, model, c, train, model_arg=doc["inputs"].get("model_arg", ""),
                                                            scale=doc["inputs"].get("scale"), command=f"refine {run}"))
         atomic_write_json(sub / "estimate.json", {"plan": plan.to_dict(), "estimate": est.to_json()})
+        # this plan's own DeepSpeed config: a directory reused from an earlier search must not
+        # keep the previous plan's config (the executor refuses a mismatch)
+        atomic_write_json(sub / "ds_config.json", dsconfig.ds_config(plan, model, train, c))
         echo(f"refine {i + 1}/{len(top)}: {plan.describe()}")
         try:
             m = runner(sub, steps, warmup)

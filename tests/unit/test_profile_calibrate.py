@@ -125,9 +125,13 @@ def test_refine_with_a_fake_executor(tmp_path):
     def fake_runner(sub, steps, warmup):
         doc = json.loads((sub / "plan.json").read_text())
         p = Plan.from_dict(doc["plan"])
+        cfg = json.loads((sub / "ds_config.json").read_text())  # this plan's own config, never a stale one
+        assert (cfg["train_micro_batch_size_per_gpu"], cfg["zero_optimization"]["stage"]) == (p.micro_batch, p.zero)
         e = estimate(MODEL, dataclasses.replace(cluster, device=true_dev), TRAIN, p)
         return {"step_time_s": e.step_time_s, "peak_memory_gb": e.peak_memory_gb}
 
+    stale = tmp_path / "refine" / "plan-0" / "ds_config.json"  # left by an earlier search's refine
+    atomic_write_json(stale, {"train_micro_batch_size_per_gpu": 99, "zero_optimization": {"stage": 3}})
     out = refine(tmp_path, 4, steps=3, runner=fake_runner)
     saved = json.loads((tmp_path / "refine.json").read_text())
     assert saved["summary"]["runs"] == 4 and len(saved["plans"]) == 4
