@@ -124,12 +124,13 @@ def test_nan_is_caught_and_rolled_back(tmp_path: Path) -> None:
 def test_rejected_plan_and_timeout_name_the_rank(tmp_path: Path) -> None:
     d = make_run(tmp_path, "bad", dp=2, zero=1, micro_batch=2, grad_accum=1, precision="fp32")
     cfg = json.loads((d / "ds_config.json").read_text())
-    cfg["train_batch_size"] = 6  # DeepSpeed's batch assertion rejects it
+    # DeepSpeed's own config validation rejects it (the preflight compares only the layout fields)
+    cfg["zero_optimization"]["reduce_bucket_size"] = -1
     atomic_write_json(d / "ds_config.json", cfg)
     with pytest.raises(ExecutionError, match=r"rank \d.*DeepSpeed rejected the plan"):
         run_plan(d, steps=2, warmup=0)
     m = json.loads((d / "metrics.json").read_text())
-    assert m["status"] == "failed" and m["failed_rank"] in (0, 1) and "train_batch_size" in m["error"]
+    assert m["status"] == "failed" and m["failed_rank"] in (0, 1) and "reduce_bucket_size" in m["error"]
     d2 = make_run(tmp_path, "slow", dp=2, zero=0, micro_batch=2, grad_accum=1, precision="fp32")
     with pytest.raises(ExecutionError, match="hung"):
         run_plan(d2, steps=1000, warmup=0, timeout=4)
