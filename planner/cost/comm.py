@@ -61,9 +61,6 @@ def group_links(cluster: ClusterSpec, plan: Plan, axis: str) -> tuple[tuple[floa
     with members on the same node (for node-aligned layouts: k members of the group per node
     out of g devices gives it k/g of the node's bus bandwidth)."""
     intra, inter = cluster.intra_node, cluster.inter_node
-    size = plan.dp if axis == "dp" else plan.tp
-    if size <= 1:
-        return ((float("inf"), 0.0),) * plan.pp
     share = group_sharing(cluster.gpus_per_node, plan.dp, plan.tp, plan.pp, axis)
     out = []
     for s in share:
@@ -82,16 +79,13 @@ def cross_node_boundaries(gpus_per_node: int, dp: int, tp: int, pp: int) -> tupl
     return tuple(any((i * w + j) // g != ((i + 1) * w + j) // g for j in range(w)) for i in range(pp - 1))
 
 
-def allreduce_time(nbytes: float, n: int, busbw: float, latency: float, efficiency: float = 1.0) -> float:
-    if n <= 1 or nbytes <= 0:
-        return 0.0
+def allreduce_time(nbytes: float, n: int, busbw: float, latency: float, efficiency: float) -> float:
+    """Ring all-reduce of `nbytes` over n ranks (0 for one rank: nothing is sent)."""
     return nbytes * 2.0 * (n - 1) / n / (busbw * efficiency) + 2.0 * (n - 1) * latency
 
 
-def allgather_time(nbytes: float, n: int, busbw: float, latency: float, efficiency: float = 1.0) -> float:
-    """All-gather (or reduce-scatter) whose full (gathered) buffer is `nbytes`."""
-    if n <= 1 or nbytes <= 0:
-        return 0.0
+def allgather_time(nbytes: float, n: int, busbw: float, latency: float, efficiency: float) -> float:
+    """All-gather (or reduce-scatter) whose full (gathered) buffer is `nbytes` (0 for one rank)."""
     return nbytes * (n - 1) / n / (busbw * efficiency) + (n - 1) * latency
 
 
@@ -100,12 +94,10 @@ reducescatter_time = allgather_time
 COLLECTIVES = {"all_reduce": allreduce_time, "all_gather": allgather_time, "reduce_scatter": reducescatter_time}
 
 
-def p2p_time(nbytes: float, cluster: ClusterSpec, cross_node: bool, efficiency: float = 1.0) -> float:
+def p2p_time(nbytes: float, cluster: ClusterSpec, cross_node: bool, efficiency: float) -> float:
     """One send/recv of `nbytes` between pipeline stages. Inside a node it rides the
     intra-node link; across nodes each device gets its share of the node's network
     (inter-node bus bandwidth / devices per node: every rank of a stage sends at once)."""
-    if nbytes <= 0:
-        return 0.0
     if cross_node:
         link = cluster.inter_node
         bw = link.busbw_gbps * 1e9 / cluster.gpus_per_node

@@ -9,6 +9,7 @@ counted from their shapes, never from those closed forms.
 """
 from __future__ import annotations
 
+from planner.cost.attention import KERNELS
 from planner.specs.hardware import DeviceProfile
 from planner.specs.model import ModelSpec
 
@@ -53,10 +54,8 @@ def model_flops_per_sequence(model: ModelSpec, s: int) -> float:
     return 3.0 * (model.layers * block_forward_flops(model, s, 1) + logits_forward_flops(model, s, 1))
 
 
-def gemm_time(device: DeviceProfile, flops: float, precision: str, scale: float = 1.0) -> float:
+def gemm_time(device: DeviceProfile, flops: float, precision: str, scale: float) -> float:
     """Seconds for one GEMM of `flops`, at the device's achievable efficiency for that size."""
-    if flops <= 0:
-        return 0.0
     peak = device.peak_flops(precision)
     return flops / (peak * device.gemm_eff(flops, precision)) * scale
 
@@ -69,22 +68,19 @@ def block_compute_times(model: ModelSpec, device: DeviceProfile, s: int, b: int,
     """
     gemms, core = block_gemms(model, s, b, t)
     fwd = sum(gemm_time(device, g, precision, compute_scale) for g in gemms)
-    return fwd, core_time(model, device, core, b, t, precision, attention_scale)
+    return fwd, core_time(model, device, core, s, precision, attention_scale)
 
 
-def core_time(model: ModelSpec, device: DeviceProfile, flops: float, b: int, t: int, precision: str,
+def core_time(model: ModelSpec, device: DeviceProfile, flops: float, s: int, precision: str,
               attention_scale: float) -> float:
-    """Seconds of attention-core FLOPs: a batch of b x heads/t small GEMMs, at the efficiency
-    of one of them."""
-    if flops <= 0:
-        return 0.0
-    heads_per_rank = max(1, model.heads // t)
-    per_head = flops / (b * heads_per_rank)
-    return flops / (device.peak_flops(precision) * device.gemm_eff(per_head, precision)) * attention_scale
+    """Seconds of attention-core FLOPs: a batch of b x heads/t small GEMMs (s x d by d x s,
+    or s x s by s x d: 2 s^2 d each), at the efficiency of one of them."""
+    one = 2.0 * s * s * model.dim_per_head
+    return flops / (device.peak_flops(precision) * device.gemm_eff(one, precision)) * attention_scale
 
 
 def block_elementwise_bytes(model: ModelSpec, s: int, b: int, t: int, act_bytes: float,
-                            sequence_parallel: bool, kernel: str = "eager") -> float:
+                            sequence_parallel: bool, kernel: str) -> float:
     """Memory traffic of the memory-bound ops of one block's forward, from the real widths;
     each reads its input and writes its output once:
     - replicated in the TP region (sharded by sequence under SP): two norms, two residual adds,
@@ -94,6 +90,7 @@ def block_elementwise_bytes(model: ModelSpec, s: int, b: int, t: int, act_bytes:
       (read, write) and the attention dropout (read, write, mask) when attention_dropout > 0.
       Flash fuses both into its kernel.
     """
+    assert kernel in KERNELS, kernel
     h, q, kv, f, k = model.hidden, model.q_size, model.kv_size, model.ffn_hidden, model.ffn_in_matrices
     sb = s * b
     e = act_bytes

@@ -70,6 +70,7 @@ class Buffer:
 
     def __post_init__(self) -> None:
         assert self.role in ROLES and self.phase in PHASES and self.basis in BASES, self
+        assert self.held_by in ("module", "optimizer") and isinstance(self.sharded, bool), self
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -87,6 +88,10 @@ class Collective:
     overlap_comm is on); False: after backward or after the step, exposed."""
     source: str = ""
 
+    def __post_init__(self) -> None:
+        assert self.kind in ("all_reduce", "reduce_scatter", "all_gather") and self.per in ("step", "micro_batch"), self
+        assert isinstance(self.overlap, bool), self
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Engine:
@@ -97,6 +102,9 @@ class Engine:
     optimizer_sharded: bool
     """Adam updates only this rank's 1/dp of the parameters."""
     source: str
+
+    def __post_init__(self) -> None:
+        assert isinstance(self.optimizer_sharded, bool), self
 
     def bytes_by_role(self, sizes: "Sizes", phases: tuple[str, ...] = ("always", "grads", "backward"),
                       held_by: str | None = None) -> dict[str, float]:
@@ -423,72 +431,51 @@ def engine_for(plan: Plan) -> Engine:
     return _engine(plan.zero, plan.precision, plan.pp > 1, plan.overlap_comm)
 
 
-def sizes(plan: Plan, psi: float, small: float = 0.0) -> Sizes:
+def sizes(plan: Plan, psi: float, small: float) -> Sizes:
     return Sizes(psi=psi, small=small, dp=plan.dp, bucket_elements=float(plan.bucket_elements))
 
 
 class Footprint:
     """An engine's buffers for one plan, precompiled into coefficients so that the search can
-    evaluate them hundreds of thousands of times: the same numbers as Engine.bytes_by_role."""
+    evaluate them hundreds of thousands of times: the same numbers as Engine.bytes_by_role.
+
+    Each buffer is a * psi + b * small + c + k * min(psi / div, cap) bytes."""
 
     __slots__ = ("terms", "linear", "mins")
 
     def __init__(self, engine: Engine, plan: Plan) -> None:
         d, bucket = plan.dp, float(plan.bucket_elements)
+        capped = {"fallback_bucket": (1, float(FALLBACK_BUCKET)), "live_params": (1, bucket), "sub_group": (d, bucket)}
         terms = []
-        for b in engine.buffers:
-            group = 0 if b.phase in ("always", "grads") else 1 if b.phase == "backward" else 2
-            k = b.bytes / (d if b.sharded else 1)
-            if b.basis == "psi":
-                terms.append((group, ROLES.index(b.role), k, 0, 0.0))
-            elif b.basis == "small":
-                terms.append((group, ROLES.index(b.role), k, 1, 0.0))
-            elif b.basis == "reduce_bucket":
-                terms.append((group, ROLES.index(b.role), k * bucket, 2, 0.0))
-            elif b.basis == "fallback_bucket":
-                terms.append((group, ROLES.index(b.role), k, 3, float(FALLBACK_BUCKET)))
-            elif b.basis == "live_params":
-                terms.append((group, ROLES.index(b.role), k, 3, bucket))
-            else:  # sub_group: min(psi / dp, bucket), not itself divided
-                terms.append((group, ROLES.index(b.role), b.bytes, 4, bucket))
+        for buf in engine.buffers:
+            group = 0 if buf.phase in ("always", "grads") else 1 if buf.phase == "backward" else 2
+            k = buf.bytes / (d if buf.sharded else 1)
+            div, cap = capped.get(buf.basis, (1, 0.0))
+            terms.append((group, ROLES.index(buf.role), k if buf.basis == "psi" else 0.0,
+                          k if buf.basis == "small" else 0.0, k * bucket if buf.basis == "reduce_bucket" else 0.0,
+                          k if buf.basis in capped else 0.0, div, cap))
         self.terms = tuple(terms)
-        # totals for the search's fast path (planner.search.checkpoint.StageModel): per quantity (held, held buckets, backward,
-        # backward buckets, step) a * psi + b * small + c, plus the min() terms
+        # totals for the search's fast path (planner.search.checkpoint.StageModel): per quantity
+        # (held, held buckets, backward, backward buckets, step) a * psi + b * small + c, plus
+        # the min() terms
         lin = [[0.0, 0.0, 0.0] for _ in range(5)]
         mins = []
-        for group, role, k, basis, cap in terms:
-            slots = [4] if group == 2 else ([0, 1] if role == 3 else [0]) if group == 0 else \
-                ([2, 3] if role == 3 else [2])
+        for group, role, a, b, c, k, div, cap in terms:
+            slots = (4,) if group == 2 else (2 * group, 2 * group + 1) if role == 3 else (2 * group,)
             for q in slots:
-                if basis <= 2:
-                    lin[q][basis] += k
-                else:
-                    mins.append((q, k, basis, cap))
+                lin[q] = [lin[q][0] + a, lin[q][1] + b, lin[q][2] + c]
+                if k:
+                    mins.append((q, k, div, cap))
         self.linear = tuple(tuple(x) for x in lin)
         self.mins = tuple(mins)
 
-    def evaluate(self, psi: float, small: float, dp: int) -> tuple[list[float], list[float], float]:
+    def evaluate(self, psi: float, small: float) -> tuple[list[float], list[float], float]:
         """(bytes per role held from backward through the step, bytes per role during backward
         only, bytes during the step only) for a device with `psi` parameters."""
-        held, back, step = [0.0] * 4, [0.0] * 4, 0.0
-        for group, role, k, basis, cap in self.terms:
-            if basis == 0:
-                x = k * psi
-            elif basis == 1:
-                x = k * small
-            elif basis == 2:
-                x = k
-            elif basis == 3:
-                x = k * (psi if psi < cap else cap)
-            else:
-                x = k * min(psi / dp, cap)
-            if group == 0:
-                held[role] += x
-            elif group == 1:
-                back[role] += x
-            else:
-                step += x
-        return held, back, step
+        out = ([0.0] * 4, [0.0] * 4, [0.0])
+        for group, role, a, b, c, k, div, cap in self.terms:
+            out[group][role if group < 2 else 0] += a * psi + b * small + c + k * min(psi / div, cap)
+        return out[0], out[1], out[2][0]
 
 
 @lru_cache(maxsize=4096)

@@ -40,7 +40,7 @@ def dp_comm(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[int, ..
         return 0.0, 0.0
     links = comm.group_links(cluster, plan, "dp")
     eff, m = f["comm_efficiency"], plan.grad_accum
-    hide = f["dp_overlap"] if plan.overlap_comm else 0.0
+    hide = f["dp_overlap"]  # the engine's collectives say whether they overlap (overlap_comm)
     worst = (0.0, 0.0)
     for i, n in enumerate(psi):
         bw, lat = links[i]
@@ -55,7 +55,7 @@ def dp_comm(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[int, ..
             window = (mb_compute[i] if per == "micro_batch" else backward[i]) if overlap else 0.0
             exposed = max(total - hide * min(total, window), 0.0) * (m if per == "micro_batch" else 1)
             for is_gather, t in items:
-                share = exposed * t / total if total > 0 else 0.0
+                share = exposed * t / total
                 if is_gather:
                     gather += share
                 else:
@@ -81,8 +81,6 @@ def p2p_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pl
     parallelism), sent by every rank of the stage (DeepSpeed sends each TP rank's full tensor).
     A boundary crosses nodes exactly when the rank layout puts the two stages on different
     nodes (planner.cost.comm.cross_node_boundaries)."""
-    if plan.pp <= 1:
-        return ()
     e = _act_bytes(plan.precision)
     nbytes = train.seq_len * plan.micro_batch * model.hidden * e / (plan.tp if plan.sequence_parallel else 1)
     cross = comm.cross_node_boundaries(cluster.gpus_per_node, plan.dp, plan.tp, plan.pp)
@@ -122,7 +120,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
                             "overhead": f["step_overhead_s"] + m * mb_overhead})
     step = time.total
 
-    mem = stage_memory(model, plan, lc, layers, ckpt, f["memory_fragmentation"])
+    mem = stage_memory(plan, lc, layers, ckpt, f["memory_fragmentation"])
     cap = cluster.memory_bytes
     for i, mb in enumerate(mem):
         if mb.total > cap:
@@ -158,7 +156,7 @@ def _breakdown(lc: LayerCosts, bt, plan: Plan, n: int, r: int, first: bool, last
     communication (the embedding's and the output layer's compute 1/3 forward, 2/3 backward)."""
     first_c = lc.first_stage_time - lc.first_stage_tp if first else 0.0
     last_c = lc.last_stage_time - lc.last_stage_tp if last else 0.0
-    selective = (n - r) * bt.selective if plan.recompute == "selective" else 0.0
+    selective = n * bt.selective if plan.recompute == "selective" else 0.0  # no full checkpointing then
     return {
         "forward": m * (n * bt.forward + (first_c + last_c) / 3.0),
         "backward": m * (n * bt.backward + 2.0 * (first_c + last_c) / 3.0),

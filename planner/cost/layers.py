@@ -33,7 +33,8 @@ class LayerCosts:
     """What a fully checkpointed block keeps: its input (Korthikanti Table 2: 2sbh)."""
     block_work_bytes: float
     """Transient working set while one block runs its backward (recomputed activations of a
-    checkpointed block, attention scores); counted once per stage, not per micro-batch."""
+    checkpointed block, attention scores); counted once per stage that recomputes, not per
+    micro-batch."""
     first_stage_act_bytes: float
     """Extra saved activations on the first stage (embedding output)."""
     last_stage_act_bytes: float

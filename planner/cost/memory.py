@@ -5,7 +5,9 @@ All results are bytes per device.
 """
 from __future__ import annotations
 
+from planner.cost.attention import KERNELS
 from planner.specs.model import ModelSpec
+from planner.specs.plan import RECOMPUTE
 
 
 def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, sequence_parallel: bool = False,
@@ -16,6 +18,7 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, sequen
     TP + SP: s b h (34/t + 5 a s / (h t)); selective recompute drops the 5 a s/h term;
     full recompute keeps s b h (2). (GPT with a 4h GELU MLP and multi-head attention.)
     """
+    assert recompute in RECOMPUTE, recompute
     if recompute == "full":
         return 2.0 * s * b * h
     attn = 0.0 if recompute == "selective" else 5.0 * a * s / (h * t)
@@ -36,6 +39,7 @@ def block_activation_bytes(model: ModelSpec, s: int, b: int, t: int, *, sequence
     (planner.cost.attention.attention_kernel): only eager and math store the scores; the
     dropouts are the model's (model.hidden_dropout, model.attention_dropout).
     """
+    assert recompute in RECOMPUTE and kernel in KERNELS, (recompute, kernel)
     h, q, kv, f, k = model.hidden, model.q_size, model.kv_size, model.ffn_hidden, model.ffn_in_matrices
     a = model.heads
     e = act_bytes

@@ -59,7 +59,7 @@ def _block_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
     elem_f = elem / hbm * f["elementwise_scale"]
     scores_f = (elem - no_scores) / hbm * f["elementwise_scale"]
     # flash's backward recomputes QK^T (one of the core's two GEMMs)
-    rec_f = compute.core_time(model, dev, compute.flash_recompute_flops(model, s, b, t), b, t, prec,
+    rec_f = compute.core_time(model, dev, compute.flash_recompute_flops(model, s, b, t), s, prec,
                               f["attention_scale"]) if recomputes_scores(kernel) else 0.0
     bw, lat = _tp_link(cluster, plan)
     # Megatron TP: two all-reduces of b s h per block forward and two backward (with sequence
@@ -110,7 +110,7 @@ def _layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
     act = memory.block_activation_bytes(model, s, b, t, recompute=act_mode, **kw) * f["activation_scale"]
     act_none = memory.block_activation_bytes(model, s, b, t, recompute="none", **kw) * f["activation_scale"]
     act_full = memory.block_activation_bytes(model, s, b, t, recompute="full", **kw)
-    work = act_none if plan.recompute != "none" else 0.0
+    work = act_none  # counted only where a block is recomputed (stage_bytes)
     thr = params.persistence_threshold(model)
     blk, fst, lst = (params.block_tensors(model, t), params.first_stage_tensors(model, t),
                      params.last_stage_tensors(model, t, plan.pp))
@@ -141,23 +141,23 @@ def stage_bytes(fp: engines.Footprint, plan: Plan, lc: LayerCosts, stage: int, b
     """
     p = plan.pp
     psi, small = lc.stage_psi(stage, p, blocks)
-    held, back, step_only = fp.evaluate(psi, small, plan.dp)
+    held, back, step_only = fp.evaluate(psi, small)
     k = lc.in_flight[stage]
     acts = k * ((blocks - checkpointed) * lc.block_act_bytes + checkpointed * lc.block_act_bytes_full_recompute)
     if stage == 0:
         acts += k * lc.first_stage_act_bytes
-    if blocks > 0 and (checkpointed > 0 or plan.recompute == "selective"):
+    if checkpointed > 0 or plan.recompute == "selective":
         acts += lc.block_work_bytes
     logits = lc.last_stage_act_bytes if stage == p - 1 else 0.0
-    buckets = held[3] + back[3]
-    backward = acts + logits + back[0] + back[1] + back[2] + back[3]
+    params, grads, opt, buckets = (h + b for h, b in zip(held, back))
+    backward = acts + logits + sum(back)
     if step_only > backward:
         buckets += step_only - backward
     overhead = lc.fixed_bytes + fragmentation * (acts + logits + buckets)
-    return held[0] + back[0], held[1] + back[1], held[2] + back[2], acts, logits, buckets, overhead
+    return params, grads, opt, acts, logits, buckets, overhead
 
 
-def stage_memory(model: ModelSpec, plan: Plan, lc: LayerCosts, layers: tuple[int, ...],
+def stage_memory(plan: Plan, lc: LayerCosts, layers: tuple[int, ...],
                  checkpointed: tuple[int, ...], fragmentation: float) -> list[MemoryBreakdown]:
     """Per-stage peak memory of one device from the shared layer costs."""
     fp = engines.footprint(plan)

@@ -8,19 +8,19 @@ interleaving multiplies its activation memory by (1 + (p-1)/(p m)).
 from __future__ import annotations
 
 
-def bubble_fraction(p: int, m: int, v: int = 1) -> float:
+def bubble_fraction(p: int, m: int, v: int) -> float:
     """Idle fraction relative to the ideal m micro-batches of work."""
-    return (p - 1) / (v * m) if p > 1 else 0.0
+    return (p - 1) / (v * m)
 
 
-def in_flight(p: int, m: int, v: int = 1) -> tuple[float, ...]:
+def in_flight(p: int, m: int, v: int) -> tuple[float, ...]:
     """Micro-batches whose activations stage i holds at its peak under 1F1B: min(p - i, m);
     interleaving scales this by (1 + (p-1)/(p m)) (Korthikanti et al. 2022, eq. for 1F1B-int)."""
     scale = 1.0 + (p - 1) / (p * m) if v > 1 else 1.0
     return tuple(min(p - i, m) * scale for i in range(p))
 
 
-def pipeline_time(stage_times: tuple[float, ...], m: int, v: int = 1) -> tuple[float, float]:
+def pipeline_time(stage_times: tuple[float, ...], m: int, v: int) -> tuple[float, float]:
     """(steady-state time, fill/drain bubble time) for m micro-batches.
 
     Each micro-batch takes T_i (forward + backward) on stage i; the slowest stage sets the

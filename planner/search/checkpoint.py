@@ -33,14 +33,13 @@ class StageModel:
     The same formulas as planner.cost.model.stage_times / stage_bytes, with the per-stage
     constants precomputed so that the solvers can call them thousands of times cheaply."""
 
-    __slots__ = ("pp", "lc", "frag", "frag1", "mb_overhead", "capacity", "saving", "dp", "selective",
+    __slots__ = ("pp", "lc", "frag", "frag1", "mb_overhead", "capacity", "saving", "selective",
                  "stage_lin", "mins", "psi_of", "acts_of", "fixed")
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, plan: Plan, lc: LayerCosts) -> None:
         f = all_factors(cluster.device)
         self.pp = p = plan.pp
         self.lc = lc
-        self.dp = plan.dp
         self.selective = plan.recompute == "selective"
         self.frag = f["memory_fragmentation"]
         self.frag1 = 1.0 + self.frag
@@ -75,12 +74,12 @@ class StageModel:
             slope, psi0 = self.psi_of[i]
             psi = slope * n + psi0
             q_vals = [held, held_b, back, back_b, step]
-            for q, c, basis, cap in self.mins:
-                q_vals[q] += c * (psi if psi < cap else cap) if basis == 3 else c * min(psi / self.dp, cap)
+            for q, c, div, cap in self.mins:
+                q_vals[q] += c * min(psi / div, cap)
             held, held_b, back, back_b, step = q_vals
         act, act_ckpt, first, logits = self.acts_of[i]
         acts = (n - k) * act + k * act_ckpt + first
-        if n > 0 and (k > 0 or self.selective):
+        if k > 0 or self.selective:
             acts += self.lc.block_work_bytes
         buckets = held_b + back_b
         backward = acts + logits + back

@@ -283,3 +283,129 @@ def test_full_recompute_keeps_block_inputs_and_one_working_block():
 def test_layer_costs_carry_the_exact_parameter_split():
     lc = layer_costs(MODEL, cluster(), train(tp2dp2()), tp2dp2())
     assert (lc.block_psi, lc.first_stage_psi, lc.last_stage_psi) == (BLOCK_T2, EMB_T2, HEAD_T2)
+
+
+# --- the same terms with non-unit runtime factors, fp32, bigger micro-batches ---------------
+SCALED = dataclasses.replace(DEVICE, factors={**DEVICE.factors, "compute_scale": 2.0, "attention_scale": 3.0,
+                                              "elementwise_scale": 4.0, "comm_efficiency": 0.5,
+                                              "optimizer_scale": 5.0, "activation_scale": 1.5})
+
+
+def test_every_runtime_factor_scales_its_own_term():
+    est = run(tp2dp2(), c=cluster(device=SCALED))
+    t = est.time
+    f = GEMM_T2 * 2 + CORE_T2 * 3 + ELEM_T2 * 4
+    b = 2 * (GEMM_T2 * 2 + CORE_T2 * 3) + FLASH_RECOMPUTE_T2 * 3 + 2 * ELEM_T2 * 4
+    first = FIRST_C * 4
+    last = 3 * 2 * 128 * 64 * 500 / FLOPS * 2 + (3 * 128 * 500 * 10 + 6 * 128 * 64 * 2) / HBM * 4
+    assert t.forward == pytest.approx(2 * (4 * f + (first + last) / 3), rel=1e-12)
+    assert t.backward == pytest.approx(2 * (4 * b + 2 * (first + last) / 3), rel=1e-12)
+    assert t.tp_comm == pytest.approx(2 * (18 * AR_T2 + CE_AR_T2) / 0.5, rel=1e-12)
+    assert t.dp_sync == pytest.approx(PSI_TP2 * 2 * 2 * (1 / 2) / (INTER / 2) / 0.5, rel=1e-12)
+    assert t.optimizer == pytest.approx(PSI_TP2 * 30 / HBM * 5, rel=1e-12)
+    acts = 4 * _acts_per_block(tp2dp2()) * 1.5 + 128 * 64 * 3
+    assert est.stage_memory[0].activations == pytest.approx(acts, rel=1e-12)
+
+
+def test_fp32_doubles_every_activation_and_message_byte():
+    est = run(tp2dp2(precision="fp32"))
+    t = est.time
+    last = 2 * 3 * 2 * 128 * 64 * 500 / FLOPS + (3 * 128 * 500 * (4 + 8) + 6 * 128 * 64 * 4) / HBM
+    assert t.forward == pytest.approx(2 * (4 * 2 * F_T2 + (2 * FIRST_C + last) / 3), rel=1e-12)
+    assert t.tp_comm == pytest.approx(2 * (18 * 2 * AR_T2 + CE_AR_T2), rel=1e-12)
+    assert t.dp_sync == pytest.approx(PSI_TP2 * 4 * 2 * (1 / 2) / (INTER / 2), rel=1e-12)   # bare AdamW: after backward
+    mem = est.stage_memory[0]
+    assert (mem.params, mem.grads, mem.optimizer, mem.buckets) == (4 * PSI_TP2, 4 * PSI_TP2, 8 * PSI_TP2, 4 * PSI_TP2)
+    assert mem.logits == pytest.approx(128 * 500 * (4 + 4 + 4) + 128 * 64 * 4, rel=1e-12)
+
+
+def test_a_bigger_micro_batch_scales_tokens_and_messages():
+    t = run(tp2dp2(micro_batch=2, grad_accum=1)).time
+    assert t.forward == pytest.approx(1 * (4 * 2 * F_T2 + 2 * (FIRST_C + last_c(500)) / 3), rel=1e-12)
+    assert t.tp_comm == pytest.approx(1 * 2 * (18 * AR_T2 + CE_AR_T2), rel=1e-12)
+
+
+def test_sequence_parallel_shards_norms_and_the_pipeline_message():
+    plan = Plan(tp=2, pp=2, micro_batch=1, grad_accum=4, sequence_parallel=True)
+    t = run(plan).time                                                  # stage 1 (node 1) is the slowest
+    f = GEMM_T2 + CORE_T2 + (128 * 64 * 16 / 2 + 128 * 2 * 1408 / 2) / HBM
+    assert t.forward == pytest.approx(4 * (2 * f + last_c(500) / 3), rel=1e-12)
+    p2p = 2 * (128 * 64 * 2 / 2) / (INTER / 2)                          # b s h / t under SP
+    assert t.pp_comm == pytest.approx(4 * p2p, rel=1e-12)
+    assert t.dp_sync == 0 and t.zero_gather == 0                        # no data parallelism
+
+
+def test_interleaving_sends_v_times_per_micro_batch():
+    plan = Plan(dp=2, pp=2, zero=1, micro_batch=1, grad_accum=4, schedule="interleaved", interleave=2,
+                bucket_elements=1000)
+    est = run(plan)
+    p2p = 2 * 128 * 64 * 2 / (INTER / 2)
+    assert est.time.pp_comm == pytest.approx(4 * 2 * p2p, rel=1e-12)
+    stage0 = 2 * (F_T1 + B_T1) + FIRST_C + MB_OVERHEAD
+    assert est.time.bubble == pytest.approx(stage0 / 2 + p2p, rel=1e-12)
+    assert est.bubble_fraction == 1 / (2 * 4)
+
+
+def test_the_slowest_stage_owns_the_breakdown_and_each_stage_splits_forward_and_backward():
+    plan = Plan(dp=2, pp=2, zero=1, micro_batch=1, grad_accum=4, bucket_elements=1000)
+    est = run(plan)
+    last = last_c(999)
+    assert est.time.forward == pytest.approx(4 * (2 * F_T1 + last / 3), rel=1e-12)          # the last stage
+    assert est.time.backward == pytest.approx(4 * (2 * B_T1 + 2 * last / 3), rel=1e-12)
+    assert est.time.tp_comm == 0 and est.time.recompute == 0
+    (f0, b0), (f1, b1) = est.stage_times
+    assert f0 == pytest.approx(2 * F_T1 + FIRST_C / 3, rel=1e-12)
+    assert b0 == pytest.approx(2 * B_T1 + 2 * FIRST_C / 3 + MB_OVERHEAD, rel=1e-12)
+    assert f1 == pytest.approx(2 * F_T1 + last / 3, rel=1e-12)
+    assert b1 == pytest.approx(2 * B_T1 + 2 * last / 3 + MB_OVERHEAD, rel=1e-12)
+
+
+def test_selective_recompute_lengthens_the_stage():
+    est = run(tp2dp2(recompute="selective"), attention="eager")
+    softmax = 4 * 128 * 128 * 4 / 2 / HBM
+    f = F_T2 + softmax
+    b = 2 * (GEMM_T2 + CORE_T2) + 2 * (ELEM_T2 + softmax)
+    first, last = FIRST_C + AR_T2, last_c(500) + AR_T2 + CE_AR_T2
+    fw = 4 * (f + 2 * AR_T2) + (first + last) / 3
+    total = 4 * (f + b + 4 * AR_T2 + CORE_T2 + softmax) + first + last + MB_OVERHEAD
+    (f0, b0), = est.stage_times
+    assert f0 == pytest.approx(fw, rel=1e-12) and b0 == pytest.approx(total - fw, rel=1e-12)
+
+
+def test_throughput_and_utilisation_figures():
+    est = run(tp2dp2())
+    step = est.step_time_s
+    model = 3 * (4 * 2 * 128 * 64 * (192 + 64 + 256 + 256) + 4 * 2 * 2 * 128 * 128 * 64 + 2 * 128 * 64 * 999)
+    hardware = model + 4 * 2 * 128 * 128 * 64 + 3 * 2 * 128 * 64
+    assert est.tokens_per_s == pytest.approx(4 * 128 / step, rel=1e-12)
+    assert est.tflops_per_gpu == pytest.approx(4 * model / (step * 4) / 1e12, rel=1e-12)
+    assert est.mfu == pytest.approx(4 * model / (step * 4 * 20e12), rel=1e-12)
+    assert est.hfu == pytest.approx(4 * hardware / (step * 4 * 20e12), rel=1e-12)
+    assert est.capacity_bytes == 80e9 and est.bubble_fraction == 0
+
+
+def test_recompute_counts_as_hardware_flops():
+    block = 2 * 128 * 64 * (192 + 64 + 256 + 256) + 2 * 2 * 128 * 128 * 64     # one block's forward, t = 1
+    model = 3 * (4 * block + 2 * 128 * 64 * 999)
+    pad, flash = 3 * 2 * 128 * 64, 4 * 2 * 128 * 128 * 64
+    full = run(tp2dp2(recompute="full"))
+    assert full.hardware_flops_per_step == pytest.approx(4 * (model + 4 * block + flash + pad), rel=1e-12)
+    sel = run(tp2dp2(recompute="selective"), attention="eager")
+    assert sel.hardware_flops_per_step == pytest.approx(4 * (model + 4 * 2 * 2 * 128 * 128 * 64 + pad), rel=1e-12)
+
+
+def test_zero1_hides_its_reduce_scatter_behind_backward_and_tp():
+    plan = tp2dp2(zero=1, bucket_elements=1000)
+    rs = ag = PSI_TP2 * 2 * (1 / 2) / (INTER / 2)
+    window = 4 * (B_T2 + 2 * AR_T2)
+    assert run(plan).time.dp_sync == pytest.approx(rs - 0.5 * min(rs, window) + ag, rel=1e-12)
+
+
+def test_a_plan_that_does_not_fit_says_by_how_much():
+    small = cluster(device=dataclasses.replace(DEVICE, memory_gb=1.0))
+    est = estimate(MODEL, small, train(tp2dp2()), tp2dp2())
+    mem = est.stage_memory[0]
+    assert not est.feasible
+    assert est.reasons == (f"stage 0 needs {mem.total / 1e9:.1f} GB > 1.0 GB: runtime allowance "
+                           f"{mem.overhead / 1e9:.1f} GB",)
+    assert mem.total > 1e9 and f"{mem.total / 1e9:.1f}" == "1.0"

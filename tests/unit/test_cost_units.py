@@ -1,0 +1,153 @@
+"""The cost model's building blocks, one function at a time, against values computed by hand
+(sizes small enough to check on paper; non-unit efficiencies, latencies and scales so that a
+swapped operator or a dropped factor changes the number)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from planner.cost import comm, compute, factors, memory, params, pipeline
+from planner.cost.layers import LayerCosts
+from planner.specs import ModelSpec, parse_cluster
+from planner.specs.hardware import ClusterSpec, DeviceProfile, Link
+
+# hidden 8, 2 heads of 4, 1 KV group (q 8, kv 4), SwiGLU FFN 16 (gate and up), vocabulary 11
+TINY = ModelSpec(name="t", hidden=8, layers=2, heads=2, kv_groups=1, ffn_hidden=16, activation="swiglu", vocab=11,
+                 max_seq=4, norm="rmsnorm", position="rotary", linear_bias=False, hidden_dropout=0.1,
+                 attention_dropout=0.1)
+# efficiency 0.1 at 1e3 FLOPs rising to 0.5 at 1e9, linear in log(flops)
+SLOPED = DeviceProfile(name="sloped", kind="gpu", memory_gb=8, peak_tflops={"bf16": 10, "fp16": 10, "fp32": 5},
+                       hbm_bandwidth_gbps=100, gemm_efficiency=((1e3, 0.1), (1e9, 0.5)), gpus_per_node=4,
+                       intra_node=Link(name="i", busbw_gbps=100, latency_us=5),
+                       inter_node=Link(name="o", busbw_gbps=10, latency_us=20))
+
+
+def eff(flops: float) -> float:
+    """The sloped curve by hand (clamped at both ends, as DeviceProfile.gemm_eff)."""
+    x = min(max(flops, 1e3), 1e9)
+    return 0.1 + 0.4 * (math.log(x) - math.log(1e3)) / (math.log(1e9) - math.log(1e3))
+
+
+# --- communication ---------------------------------------------------------------------------
+def test_ring_collectives_with_latency_and_efficiency():
+    assert comm.allreduce_time(1e6, 4, 1e9, 1e-5, 0.5) == pytest.approx(1e6 * 2 * 3 / 4 / 0.5e9 + 2 * 3 * 1e-5,
+                                                                        rel=1e-12)
+    assert comm.allgather_time(1e6, 4, 1e9, 1e-5, 0.5) == pytest.approx(1e6 * 3 / 4 / 0.5e9 + 3 * 1e-5, rel=1e-12)
+    assert comm.reducescatter_time is comm.allgather_time
+    # one rank sends nothing and waits for nobody
+    assert comm.allreduce_time(1e6, 1, 1e9, 1e-5, 0.5) == 0 and comm.allgather_time(1e6, 1, 1e9, 1e-5, 0.5) == 0
+
+
+def test_point_to_point_inside_and_across_nodes():
+    c = ClusterSpec(nodes=2, gpus_per_node=4, device=SLOPED, intra_node=SLOPED.intra_node,
+                    inter_node=SLOPED.inter_node)
+    assert comm.p2p_time(1e6, c, True, 0.5) == pytest.approx(1e6 / (10e9 / 4 * 0.5) + 20e-6, rel=1e-12)
+    assert comm.p2p_time(1e6, c, False, 0.5) == pytest.approx(1e6 / (100e9 * 0.5) + 5e-6, rel=1e-12)
+
+
+def test_tp_groups_that_straddle_a_node_share_its_network():
+    # nodes of 4, TP 3 x PP 2: stage 1's TP group (ranks 3-5) spans nodes 0 and 1
+    assert comm.group_sharing(4, 1, 3, 2, "tp") == (0, 1)
+    assert comm.group_sharing(4, 2, 2, 2, "tp") == (0, 0)
+    c = parse_cluster("2x4xA100")
+    links = comm.group_links(c, dataclasses.replace(_plan(), dp=1, tp=3, pp=2), "tp")
+    assert [x for link in links for x in link] == pytest.approx([230e9, 8e-6, 180e9, 20e-6], rel=1e-12)
+
+
+def _plan():
+    from planner.specs import Plan
+    return Plan(micro_batch=1)
+
+
+# --- compute ---------------------------------------------------------------------------------
+def test_block_gemms_from_the_real_shapes():
+    # s 4, b 2 -> 8 tokens; TP 2
+    gemms, core = compute.block_gemms(TINY, 4, 2, 2)
+    assert gemms == (2 * 8 * 8 * (8 + 4 + 4) / 2, 2 * 8 * 8 * 8 / 2, 2 * 8 * 8 * 16 * 2 / 2, 2 * 8 * 16 * 8 / 2)
+    assert core == 2 * 2 * 2 * 4 * 4 * 8 / 2
+    assert compute.block_forward_flops(TINY, 4, 2, 2) == sum(gemms) + core
+
+
+def test_output_layer_and_flash_recompute_flops():
+    assert compute.logits_forward_flops(TINY, 4, 2, 2) == 2 * 4 * 2 * 8 * 12 / 2     # V_pad = 12 for TP 2
+    assert compute.logits_forward_flops(TINY, 4, 2, 1) == 2 * 4 * 2 * 8 * 11
+    assert compute.flash_recompute_flops(TINY, 4, 2, 2) == 2 * 2 * 4 * 4 * 8 / 2
+    per_sequence = 3 * (2 * compute.block_forward_flops(TINY, 4, 1, 1) + 2 * 4 * 8 * 11)
+    assert compute.model_flops_per_sequence(TINY, 4) == per_sequence
+
+
+def test_gemm_and_attention_core_times_use_the_efficiency_of_one_gemm():
+    assert compute.gemm_time(SLOPED, 1e6, "bf16", 2.0) == pytest.approx(1e6 / (10e12 * eff(1e6)) * 2.0, rel=1e-12)
+    one = 2 * 64 * 64 * 4                                   # one head's s x d by d x s GEMM: 2 s^2 d
+    assert compute.core_time(TINY, SLOPED, 1e6, 64, "fp32", 3.0) == pytest.approx(
+        1e6 / (5e12 * eff(one)) * 3.0, rel=1e-12)
+    gemm, core = compute.block_compute_times(TINY, SLOPED, 64, 2, 2, "bf16", compute_scale=2.0, attention_scale=3.0)
+    g, c = compute.block_gemms(TINY, 64, 2, 2)
+    assert gemm == pytest.approx(sum(x / (10e12 * eff(x)) * 2.0 for x in g), rel=1e-12)
+    assert core == pytest.approx(c / (10e12 * eff(one)) * 3.0, rel=1e-12)
+
+
+def test_elementwise_traffic_by_kernel_dropout_and_sequence_parallelism():
+    sb, h, e = 4 * 2, 8, 2
+    rep = sb * h * (2 * 2 * e + 2 * 2 * e) + sb * h * 2 * (2 * e + 1)       # norms, adds; two hidden dropouts
+    sharded = sb * e * ((8 + 4 + 4) * 2 + (2 * 16 + 16) * 2)                # rotary on q/k/v; SwiGLU
+    scores = 2 * 2 * 4 * 4 * (2 * e + 2 * e + 1)                            # b heads s^2: softmax + dropout
+    assert compute.block_elementwise_bytes(TINY, 4, 2, 2, e, False, "flash") == rep + sharded / 2
+    assert compute.block_elementwise_bytes(TINY, 4, 2, 2, e, False, "eager") == rep + (sharded + scores) / 2
+    assert compute.block_elementwise_bytes(TINY, 4, 2, 2, e, True, "math") == rep / 2 + (sharded + scores) / 2
+    dry = dataclasses.replace(TINY, hidden_dropout=0.0, attention_dropout=0.0)
+    assert compute.block_elementwise_bytes(dry, 4, 2, 1, 4, False, "eager") == (
+        sb * h * 8 * 4 + sb * 4 * (16 * 2 + 48 * 2) + 2 * 2 * 4 * 4 * 2 * 4)
+    with pytest.raises(AssertionError):
+        compute.block_elementwise_bytes(TINY, 4, 2, 2, e, False, "sdpa")
+
+
+# --- memory ----------------------------------------------------------------------------------
+def test_logits_and_their_loss_buffers():
+    assert memory.logits_bytes(4, 2, 12, 2, 2.0) == 4 * 2 * 6 * (2 + 4 + 4)
+
+
+def test_activation_formulas_refuse_unknown_modes():
+    with pytest.raises(AssertionError):
+        memory.layer_activation_bytes(4, 1, 8, 2, recompute="some")
+    with pytest.raises(AssertionError):
+        memory.block_activation_bytes(TINY, 4, 1, 1, sequence_parallel=False, recompute="none", kernel="sdpa")
+
+
+# --- parameters and layer costs --------------------------------------------------------------
+def test_small_tensors_include_the_threshold():
+    assert params.Tensors(numels=(80, 81, 3)).small(80) == 83
+    assert params.persistence_threshold(TINY) == 80
+
+
+def test_stage_parameters_add_the_first_and_last_extras():
+    lc = LayerCosts(block_time=0, block_time_full_recompute=0, first_stage_time=0, last_stage_time=0,
+                    first_stage_tp=0, last_stage_tp=0, block_act_bytes=0, block_act_bytes_full_recompute=0,
+                    block_work_bytes=0, first_stage_act_bytes=0, last_stage_act_bytes=0, block_psi=100,
+                    first_stage_psi=30, last_stage_psi=7, block_small=10, first_stage_small=3, last_stage_small=1,
+                    fixed_bytes=0, in_flight=(1, 1))
+    assert lc.stage_psi(0, 2, 4) == (430, 43)
+    assert lc.stage_psi(1, 2, 4) == (407, 41)
+    assert lc.stage_psi(0, 1, 4) == (437, 44)
+
+
+# --- pipeline and factors --------------------------------------------------------------------
+def test_pipeline_schedule():
+    assert pipeline.bubble_fraction(4, 8, 2) == 3 / 16
+    assert pipeline.bubble_fraction(1, 8, 1) == 0
+    assert pipeline.in_flight(4, 2, 1) == (2, 2, 2, 1)
+    scale = 1 + 3 / (4 * 8)                                  # interleaved: (1 + (p-1)/(p m))
+    assert pipeline.in_flight(4, 8, 2) == pytest.approx((4 * scale, 3 * scale, 2 * scale, 1 * scale), rel=1e-15)
+    assert pipeline.pipeline_time((1.0, 3.0, 2.0), 5, 2) == (15.0, 1.5)
+
+
+def test_cpu_processes_beyond_the_profile_stretch_compute_and_memory_bound_work():
+    c = parse_cluster("6xcpu")                              # the cpu profile was measured with 2 processes
+    dev = dataclasses.replace(c.device, factors={**c.device.factors, "compute_scale": 1.5, "comm_efficiency": 0.8})
+    f = factors.cluster_factors(dataclasses.replace(c, device=dev))
+    assert factors.oversubscription(c) == 3
+    assert f["compute_scale"] == 4.5 and f["elementwise_scale"] == 3 and f["optimizer_scale"] == 3
+    assert f["comm_efficiency"] == 0.8                      # the network is not shared that way
+    assert factors.oversubscription(parse_cluster("8xA100")) == 1

@@ -1,0 +1,310 @@
+"""The search's parts one at a time: the baseline's branches, the evaluator's cache and labels,
+the exact solvers' edge cases, the space's rules, the heuristic start and Optuna's bookkeeping."""
+from __future__ import annotations
+
+import dataclasses
+
+import optuna
+import pytest
+
+from planner.cost import estimate, layer_costs
+from planner.errors import SpecError
+from planner.search import Evaluator, Space, conventional_baseline, pareto_front, rank
+from planner.search.checkpoint import StageModel
+from planner.search.exhaustive import exhaustive
+from planner.search.heuristic import heuristic
+from planner.search.optuna_search import (evaluate_shape, neighbours, optuna_search, params_of, shape_from_params,
+                                          study_name)
+from planner.search.partition import NoFit, Partition, least_bytes, solve
+from planner.search.space import Outer, Shape, divisors
+from planner.specs import Plan, TrainSpec, parse_cluster, preset, scale
+
+
+def small_space(**kw) -> Space:
+    """GLM-10B at small scale on 4x8xA100: 45 shapes, a few hundred plans."""
+    m, c = scale(preset("glm-10b"), "small"), parse_cluster("4x8xA100")
+    t = TrainSpec(global_batch=32, seq_len=1024, attention="eager")
+    return Space(model=m, cluster=c, train=t, max_interleave=1, **kw)
+
+
+# --- baseline ------------------------------------------------------------------------------
+def test_baseline_when_the_batch_does_not_split_over_every_device():
+    m, c = preset("chatglm3-6b"), parse_cluster("8xA100")
+    t = TrainSpec(global_batch=12, seq_len=128)
+    plan, est = conventional_baseline(m, c, t)
+    assert plan == Plan(dp=8, micro_batch=1, grad_accum=1, precision="bf16")
+    assert not est.feasible and any("not the global batch 12" in r for r in est.reasons)
+
+
+def test_baseline_when_nothing_fits_returns_the_leanest_attempt():
+    m, c = preset("glm-130b"), parse_cluster("8xA100-40GB")
+    plan, est = conventional_baseline(m, c, TrainSpec(global_batch=64, seq_len=2048))
+    assert (plan.dp, plan.micro_batch, plan.grad_accum) == (8, 1, 8)
+    assert not est.feasible and est.peak_memory_bytes > 40e9
+    assert est.peak_memory_bytes == estimate(m, c, TrainSpec(global_batch=64, seq_len=2048), plan).peak_memory_bytes
+
+
+def test_baseline_in_another_precision_is_estimated_in_it():
+    m, c = scale(preset("chatglm3-6b"), "small"), parse_cluster("8xA100-40GB")
+    t = TrainSpec(global_batch=64, seq_len=1024)
+    plan, est = conventional_baseline(m, c, t, precision="fp32")
+    psi = est.stage_memory[0].params / 4                      # fp32 weights, bare AdamW
+    assert plan.precision == "fp32" and est.stage_memory[0].optimizer == 8 * psi
+    same, _ = conventional_baseline(m, c, t, precision="bf16")
+    assert same == conventional_baseline(m, c, t)[0]
+
+
+# --- evaluator -----------------------------------------------------------------------------
+def test_evaluator_caches_and_relabels():
+    space = small_space()
+    ev = Evaluator(space.model, space.cluster, space.train)
+    outer = next(iter(space.points()))
+    first = ev(outer)
+    assert first.source == "exhaustive" and ev(outer) is first
+    again = ev(outer, "optuna")
+    assert again.source == "optuna" and again.plan == first.plan and ev.cache[outer] is first
+
+
+def test_full_recompute_records_the_checkpointed_blocks_or_drops_to_none():
+    m, c = preset("glm-10b"), parse_cluster("8xA100-40GB")
+    t = TrainSpec(global_batch=64, seq_len=1024)
+    ev = Evaluator(m, c, t)
+    needs = ev(Outer(tp=1, pp=2, dp=4, zero=1, micro_batch=1, grad_accum=16, recompute="full",
+                     sequence_parallel=False, interleave=1))
+    assert needs.feasible and needs.plan.recompute == "full"
+    assert needs.plan.stage_layers and sum(needs.plan.stage_layers) == 48
+    assert 0 < sum(needs.plan.recompute_layers) < 48
+    easy = ev(Outer(tp=8, pp=1, dp=1, zero=1, micro_batch=1, grad_accum=64, recompute="full",
+                    sequence_parallel=False, interleave=1))
+    assert easy.feasible and easy.plan.recompute == "none" and easy.plan.recompute_layers == ()
+
+
+def test_a_shape_no_split_can_fit_is_a_value_with_the_memory_it_needs():
+    m, c = preset("glm-130b"), parse_cluster("8xA100-40GB")
+    t = TrainSpec(global_batch=8, seq_len=2048)
+    outer = Outer(tp=1, pp=2, dp=4, zero=1, micro_batch=1, grad_accum=2, recompute="none", sequence_parallel=False,
+                  interleave=1)
+    trial = Evaluator(m, c, t)(outer, "optuna")
+    assert not trial.feasible and trial.estimate is None and trial.source == "optuna" and trial.outer == outer
+    assert trial.needs_bytes > trial.capacity_bytes == 40e9 and "even with the best stage split" in trial.reason
+    assert trial.plan == outer.plan("bf16") and trial.tokens_per_s == 0
+    sp = dataclasses.replace(outer, tp=2, dp=2, sequence_parallel=True)
+    assert "Megatron-LM only" in Evaluator(m, c, t)(sp).reason
+    assert "Megatron-LM only" not in Evaluator(m, c, t, megatron_features=True)(sp).reason
+
+
+def test_rank_and_pareto_front():
+    space = small_space()
+    trials = exhaustive(space, Evaluator(space.model, space.cluster, space.train))
+    ranked = rank(trials)
+    assert len({t.plan for t in ranked}) == len(ranked) == len({t.plan for t in trials if t.feasible})
+    assert [t.tokens_per_s for t in ranked] == sorted((t.tokens_per_s for t in ranked), reverse=True)
+    front = pareto_front(trials)
+    assert front[0] is ranked[0]
+    for a, b in zip(front, front[1:]):
+        assert a.tokens_per_s >= b.tokens_per_s and a.needs_bytes > b.needs_bytes
+    # nothing outside the front beats a front member on both axes
+    for t in ranked:
+        assert any(f.tokens_per_s >= t.tokens_per_s and f.needs_bytes <= t.needs_bytes for f in front)
+
+
+def test_exhaustive_reports_progress_every_256_plans_and_at_the_end():
+    space = small_space()
+    calls = []
+    trials = exhaustive(space, Evaluator(space.model, space.cluster, space.train), lambda i, n: calls.append((i, n)))
+    n = len(trials)
+    assert n > 512 and {t.source for t in trials} == {"exhaustive"}
+    assert calls == [(k, n) for k in range(256, n, 256)] + [(n, n)]
+
+
+# --- exact solvers -------------------------------------------------------------------------
+def _stage_model(m, c, t, outer):
+    plan = outer.plan(t.precision)
+    return StageModel(m, c, plan, layer_costs(m, c, t, plan))
+
+
+def test_checkpointing_what_fits_and_what_does_not():
+    m, c = preset("glm-10b"), parse_cluster("8xA100-40GB")
+    t = TrainSpec(global_batch=64, seq_len=1024, attention="eager")
+    sm = _stage_model(m, c, t, Outer(tp=1, pp=2, dp=4, zero=1, micro_batch=2, grad_accum=8, recompute="full",
+                                     sequence_parallel=False, interleave=1))
+    assert sm.fewest_checkpointed(0, 1) == 0                       # one block fits as it is
+    assert sm.fewest_checkpointed(0, 12, allow=False) is None       # too big without checkpointing
+    k = sm.fewest_checkpointed(0, 12)
+    assert 0 < k < 12 and sm.bytes(0, 12, k) <= sm.capacity < sm.bytes(0, 12, k - 1)
+    assert sm.fewest_checkpointed(0, 24) is None                    # not even with every block checkpointed
+    assert sm.bytes(0, 12, k) - sm.bytes(0, 12, k + 1) == pytest.approx(sm.saving[0], rel=1e-9)
+
+
+def test_the_stage_time_adds_its_blocks_embedding_and_head():
+    m, c = preset("glm-10b"), parse_cluster("8xA100")
+    t = TrainSpec(global_batch=64, seq_len=1024)
+    outer = Outer(tp=1, pp=4, dp=2, zero=1, micro_batch=1, grad_accum=32, recompute="full",
+                  sequence_parallel=False, interleave=1)
+    plan = outer.plan("bf16")
+    lc = layer_costs(m, c, t, plan)
+    sm = StageModel(m, c, plan, lc)
+    blocks = 3 * lc.block_time + 2 * lc.block_time_full_recompute
+    assert sm.time(0, 5, 2) == pytest.approx(blocks + lc.first_stage_time, rel=1e-12)
+    assert sm.time(1, 5, 2) == pytest.approx(blocks, rel=1e-12)
+    assert sm.time(3, 5, 2) == pytest.approx(blocks + lc.last_stage_time, rel=1e-12)
+
+
+def test_no_fit_names_the_tightest_stage_and_its_least_memory():
+    """The least any split needs, by brute force over every split of 12 blocks into 3 stages."""
+    m, c = dataclasses.replace(preset("glm-130b"), layers=12), parse_cluster("8xA100-40GB")
+    t = TrainSpec(global_batch=8, seq_len=2048)
+    for ckpt in (False, True):
+        outer = Outer(tp=1, pp=3, dp=1, zero=1, micro_batch=1, grad_accum=8, recompute="full" if ckpt else "none",
+                      sequence_parallel=False, interleave=1)
+        sm = _stage_model(m, c, t, outer)
+        nofit = solve(sm, 12, ckpt)
+        assert isinstance(nofit, NoFit) and nofit == least_bytes(sm, 12, ckpt)
+        k = (lambda n: n) if ckpt else (lambda n: 0)
+        splits = [(a, b, 12 - a - b) for a in range(1, 11) for b in range(1, 12 - a)]
+        best = min(splits, key=lambda sp: max(sm.bytes(i, n, k(n)) for i, n in enumerate(sp)))
+        per = [sm.bytes(i, n, k(n)) for i, n in enumerate(best)]
+        assert nofit.needs_bytes == pytest.approx(max(per), rel=1e-12)
+        assert nofit.stage == per.index(max(per)) and nofit.capacity_bytes == 40e9
+    one = _stage_model(m, c, t, dataclasses.replace(outer, pp=1, dp=3))
+    assert least_bytes(one, 12, True) == NoFit(stage=0, needs_bytes=one.bytes(0, 12, 12), capacity_bytes=40e9)
+    assert least_bytes(one, 12, False).needs_bytes == one.bytes(0, 12, 0)
+
+
+def test_one_stage_partition_carries_its_time_and_memory():
+    m, c = preset("glm-10b"), parse_cluster("8xA100")
+    t = TrainSpec(global_batch=64, seq_len=1024)
+    sm = _stage_model(m, c, t, Outer(tp=8, pp=1, dp=1, zero=1, micro_batch=1, grad_accum=64, recompute="none",
+                                     sequence_parallel=False, interleave=1))
+    got = solve(sm, 48, False)
+    assert got == Partition(stage_layers=(48,), checkpointed=(0,), stage_times=(sm.time(0, 48, 0),),
+                            stage_bytes=(sm.bytes(0, 48, 0),))
+
+
+def test_partition_stage_memory_and_checkpoints_come_with_the_split():
+    m, c = preset("glm-10b"), parse_cluster("8xA100-40GB")
+    t = TrainSpec(global_batch=64, seq_len=1024)
+    sm = _stage_model(m, c, t, Outer(tp=1, pp=2, dp=4, zero=1, micro_batch=1, grad_accum=16, recompute="full",
+                                     sequence_parallel=False, interleave=1))
+    got = solve(sm, 48, True)
+    assert isinstance(got, Partition) and sum(got.stage_layers) == 48
+    assert got.checkpointed == tuple(sm.fewest_checkpointed(i, n) for i, n in enumerate(got.stage_layers))
+    assert got.stage_bytes == tuple(sm.bytes(i, n, k) for i, (n, k) in enumerate(zip(got.stage_layers,
+                                                                                       got.checkpointed)))
+    assert got.stage_times == tuple(sm.time(i, n, k) for i, (n, k) in enumerate(zip(got.stage_layers,
+                                                                                      got.checkpointed)))
+
+
+# --- the space -----------------------------------------------------------------------------
+def test_divisors():
+    assert divisors(1) == [1] and divisors(12) == [1, 2, 3, 4, 6, 12] and divisors(49) == [1, 7, 49]
+
+
+def test_outer_points_become_plans():
+    o = Outer(tp=2, pp=2, dp=2, zero=1, micro_batch=2, grad_accum=4, recompute="full", sequence_parallel=True,
+              interleave=2)
+    assert o.plan("fp32", stage_layers=(3, 1), recompute_layers=(1, 0)) == Plan(
+        dp=2, tp=2, pp=2, zero=1, micro_batch=2, grad_accum=4, recompute="full", sequence_parallel=True,
+        schedule="interleaved", interleave=2, precision="fp32", stage_layers=(3, 1), recompute_layers=(1, 0))
+    assert Shape(tp=2, pp=1, dp=4, recompute="none").outer(2, 8) == Outer(
+        tp=2, pp=1, dp=4, zero=0, micro_batch=2, grad_accum=8, recompute="none", sequence_parallel=False, interleave=1)
+
+
+def test_space_rules_for_zero_interleaving_and_sequence_parallelism():
+    m, c = preset("glm-10b"), parse_cluster("2x8xA100")
+    space = Space(model=m, cluster=c, train=TrainSpec(global_batch=64, seq_len=1000), max_interleave=3)
+    assert space.zero_stages(1) == (0, 1, 2, 3) and space.zero_stages(2) == (0, 1)
+    assert space.micro_batches(4) == [1, 2, 4, 8, 16]
+    assert space.interleaves(1, 16) == [1]
+    assert space.interleaves(4, 4) == [1, 2, 3]           # 16 micro-batches per rank divide by pp 4
+    assert space.interleaves(16, 1) == [1, 2, 3]          # at most 48 / 16 = 3 chunks
+    assert space.interleaves(32, 1) == [1]                 # 64 % 32 == 0 but 48 // 32 = 1 chunk
+    assert space.interleaves(3, 1) == [1]                  # 64 micro-batches do not divide by 3
+    assert space.sequence_parallel(1) == (False,) and space.sequence_parallel(8) == (False, True)
+    assert space.sequence_parallel(16) == (False,)        # 1000 % 16 != 0
+    rows = space.outers(Shape(tp=1, pp=4, dp=4, recompute="none"))
+    assert len(rows) == 2 * 3 and all(o.grad_accum % 4 == 0 for row in rows for o in row if o.interleave > 1)
+    assert space.size() == sum(1 for _ in space.points())
+
+
+def test_no_legal_plan_names_the_rule():
+    m = preset("chatglm3-6b")
+    with pytest.raises(SpecError) as err:
+        Space(model=m, cluster=parse_cluster("8xV100"), train=TrainSpec(global_batch=8, seq_len=128)).require_nonempty()
+    assert err.value.field == "plan space" and "bf16" in err.value.line() and "change the inputs" in err.value.line()
+
+
+# --- heuristic and Optuna ------------------------------------------------------------------
+def test_heuristic_starts_at_the_largest_tp_and_the_smallest_pp_that_fits():
+    space = small_space()
+    ev = Evaluator(space.model, space.cluster, space.train)
+    shape = heuristic(space, ev)
+    tp = max(t for t, _, _ in space.layouts())
+    assert shape.tp == tp and shape.recompute == "selective"           # eager attention: selective pays off
+    tried = [x for x in ev.cache.values() if x.source == "heuristic"]
+    assert tried and all(x.outer.tp == tp and x.outer.micro_batch == 1 for x in tried)
+    assert all(x.outer.zero == (1 if x.outer.dp > 1 else 0) for x in tried)
+    assert tried[-1].feasible and tried[-1].outer.pp == shape.pp
+    assert all(not x.feasible for x in tried[:-1]) and [x.outer.pp for x in tried] == sorted(x.outer.pp for x in tried)
+    flash = dataclasses.replace(space, train=dataclasses.replace(space.train, attention="flash"))
+    assert heuristic(flash, Evaluator(flash.model, flash.cluster, flash.train)).recompute == "none"
+
+
+def test_heuristic_falls_back_to_the_first_shape_when_nothing_fits():
+    m, c = preset("glm-130b"), parse_cluster("8xA100-40GB")
+    space = Space(model=m, cluster=c, train=TrainSpec(global_batch=8, seq_len=2048))
+    shape = heuristic(space, Evaluator(m, c, space.train))
+    smallest_pp = min(p for t, p, _ in space.layouts() if t == 8)
+    assert shape == Shape(tp=8, pp=smallest_pp, dp=8 // (8 * smallest_pp), recompute="none")
+
+
+def test_optuna_labels_its_trials_records_why_and_resumes():
+    space = small_space()
+    ev = Evaluator(space.model, space.cluster, space.train)
+    start = heuristic(space, ev)
+    calls = []
+    storage = optuna.storages.InMemoryStorage()
+    trials, study = optuna_search(space, ev, start, n_trials=6, seed=0, storage=storage,
+                                  progress=lambda i, n: calls.append((i, n)))
+    assert study.study_name == study_name(space) and study.direction == optuna.study.StudyDirection.MAXIMIZE
+    assert {x.source for x in trials} == {"heuristic", "optuna"}
+    assert all((x.source == "heuristic") == (x.outer.shape == start) for x in trials)
+    assert calls and calls[0] == (1, 6) and all(i <= n == 6 for i, n in calls)
+    for ft in study.trials:
+        best = ft.user_attrs["best"]
+        assert set(best) == {"micro_batch", "feasible", "peak_memory_gb", "reason"}
+        excess = ft.system_attrs["constraints:memory_excess_gb"]
+        assert (excess == 0.0) == best["feasible"] and (excess > 0 or best["feasible"])
+        assert ft.value == (0.0 if not best["feasible"] else ft.value) and (ft.value > 0) == best["feasible"]
+    n = len(study.trials)
+    again, study2 = optuna_search(space, Evaluator(space.model, space.cluster, space.train), start, n_trials=6,
+                                  seed=0, storage=storage)
+    assert len(study2.trials) == n and {x.plan for x in rank(again)} == {x.plan for x in rank(trials)}
+
+
+def test_optuna_parameters_round_trip_and_neighbours_are_legal():
+    space = small_space()
+    layouts = space.layouts()
+    for shape in space.shapes():
+        assert shape_from_params(params_of(shape, space), space) == shape
+    shape = Shape(tp=2, pp=2, dp=8, recompute="none")
+    near = neighbours(shape, layouts, space)
+    legal = {(t, p) for t, p, _ in layouts}
+    assert all((n.tp, n.pp) in legal and n.dp * n.tp * n.pp == 32 for n in near)
+    assert {(n.tp, n.pp) for n in near} >= {(2, p) for t, p in legal if t == 2} | (
+        {(1, 2), (4, 2)} & legal)
+    assert {n.recompute for n in near} == set(space.recompute_modes())
+
+
+def test_evaluate_shape_stops_at_the_first_micro_batch_that_cannot_fit():
+    m, c = preset("glm-10b"), parse_cluster("8xA100-40GB")
+    space = Space(model=m, cluster=c, train=TrainSpec(global_batch=256, seq_len=1024), max_interleave=1)
+    ev = Evaluator(m, c, space.train)
+    shape = Shape(tp=1, pp=2, dp=4, recompute="none")
+    got = evaluate_shape(space, ev, shape, "optuna")
+    assert {x.source for x in got} == {"optuna"}
+    for row in space.outers(shape):
+        seen = [x for x in got if x.outer in row]
+        cut = next((i for i, x in enumerate(seen) if x.estimate is None), None)
+        assert cut is None or cut == len(seen) - 1
+        assert len(seen) < len(row) or cut is None
