@@ -101,7 +101,8 @@ def knobs(plan: Plan, layers: int) -> list[tuple[str, str, str]]:
            ("accum", str(plan.grad_accum), "gradient_accumulation_steps"),
            (plan.precision, "", f"{plan.precision}.enabled" if plan.precision != "fp32" else "fp32 (no bf16/fp16 block)")]
     if plan.tp > 1:
-        out.append(("autotp", str(plan.tp), "tensor_parallel.autotp_size"))
+        # not a DeepSpeed key: the executor's own Megatron-style layers (docs/runtime.md)
+        out.append(("tp", str(plan.tp), "tensor parallel degree: Megatron-style layers in planner/executor/parallel"))
     if plan.sequence_parallel:
         out.append(("seq-parallel", "", "Megatron sequence parallelism in the TP group"))
     if plan.pp > 1:
