@@ -19,26 +19,19 @@ from planner.specs.model import ModelSpec
 def executor_block(model: ModelSpec, tp: int) -> tuple[Any, str] | None:
     """One TP rank's share of planner.executor.model.Block, taking and returning [b, s, h].
 
-    The executor's attention infers its local head count from the projection widths (as under
-    DeepSpeed AutoTP), so a TP rank is the same Block with its four linears narrowed to 1/t.
-    None when the executor's model is not installed.
+    The block is built with a TP group of `tp` ranks and no process group: its parallel layers
+    hold one rank's slices (heads/t, KV groups/t, ffn/t) and skip the collectives, so it times
+    exactly one rank's compute. None when the executor's model is not installed.
     """
     try:
         mod = importlib.import_module("planner.executor.model")
-        block_cls = mod.Block
+        groups = importlib.import_module("planner.executor.parallel.groups")
     except Exception:
         return None
     import torch
     from torch import nn
 
-    block = block_cls(model)
-    if tp > 1:
-        attn, mlp = block.self_attention, block.mlp
-        h, q, kv, f = model.hidden, model.q_size, model.kv_size, model.ffn_hidden
-        attn.query_key_value = nn.Linear(h, (q + 2 * kv) // tp, bias=model.qkv_bias)
-        attn.dense = nn.Linear(q // tp, h, bias=model.linear_bias)
-        mlp.dense_h_to_4h = nn.Linear(h, model.ffn_in_matrices * f // tp, bias=model.linear_bias)
-        mlp.dense_4h_to_h = nn.Linear(f // tp, h, bias=model.linear_bias)
+    block = mod.Block(model, 0, tp=groups.TPGroup(rank=0, size=tp))
 
     class OneSequencePerRow(nn.Module):
         """Feeds the block positions 0..s-1 and one document per row (causal mask)."""
@@ -53,7 +46,7 @@ def executor_block(model: ModelSpec, tp: int) -> tuple[Any, str] | None:
             seg = torch.ones(b, s, dtype=torch.long, device=x.device)
             return self.block((x, pos, seg))[0]
 
-    return OneSequencePerRow(), "planner.executor.model.Block" + (f" (linears narrowed to 1/{tp})" if tp > 1 else "")
+    return OneSequencePerRow(), "planner.executor.model.Block" + (f" (one rank of TP {tp})" if tp > 1 else "")
 
 
 def make_block(model: ModelSpec, tp: int = 1, prefer_executor: bool = True) -> tuple[Any, str]:
