@@ -19,8 +19,11 @@ copy of planner/, profiles/, the selected tests and a setup.cfg with the [mutmut
 from __future__ import annotations
 
 import argparse
+import ast
+import difflib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -39,7 +42,7 @@ DESELECT = ("not study_resumes and not cost_model_imports_no_heavy_libraries "
 """Left out of the mutation runs: a resumable Optuna study on SQLite and Optuna on GLM-130B's
 space (2-3 s each; the same code is covered by the GLM-10B Optuna case), and a subprocess
 import check (mutmut's trampolines import mutmut itself)."""
-NO_MUTATE_LINES = [r"^\s*(name|source)=", r"^\s+f?\"[^\"]*\"\)*,?\s*$", r"^ENGINE_SRC = "]
+NO_MUTATE_LINES = [r"^\s*(name|source)=", r"^\s+f?\"[^\"]*\"\)*,?\s*$", r"^(ENGINE_SRC|SRC_\w+) = "]
 """Lines mutmut leaves alone: the engines' names and DeepSpeed citations, and string-only
 continuation lines of messages (changing their text cannot change a number)."""
 NOT_MUTATED = ["planner/search/trials.py", "planner/search/driver.py"]
@@ -115,14 +118,33 @@ def results(work: Path) -> dict[str, str]:
     return out
 
 
-def mutated_line(work: Path, name: str) -> tuple[str, str]:
-    """(original line, mutated line) of one mutant, from `mutmut show`."""
-    env = dict(os.environ, PYTHONPATH=str(work))
-    mutmut = [str(Path(sys.executable).with_name("mutmut"))]
-    diff = subprocess.run(mutmut + ["show", name], cwd=work, env=env, capture_output=True, text=True).stdout
-    minus = [ln[1:].strip() for ln in diff.splitlines() if ln.startswith("-") and not ln.startswith("---")]
-    plus = [ln[1:].strip() for ln in diff.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
-    return " | ".join(minus), " | ".join(plus)
+def mutated_lines(work: Path) -> dict[str, tuple[str, str]]:
+    """Mutant name -> (original line(s), mutated line(s)), read from the mutated sources mutmut
+    writes (each mutant is a copy of its function, `<function>__mutmut_<n>`, beside
+    `<function>__mutmut_orig`)."""
+    out: dict[str, tuple[str, str]] = {}
+    for src in sorted((work / "mutants" / "planner").rglob("*.py")):
+        text = src.read_text()
+        if "__mutmut_orig" not in text:
+            continue
+        rows = text.splitlines()
+        funcs = {node.name: "\n".join(rows[node.lineno - 1:node.end_lineno]) for node in ast.walk(ast.parse(text))
+                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        module = ".".join(src.relative_to(work / "mutants").with_suffix("").parts)
+        for name, body in funcs.items():
+            m = re.fullmatch(r"(.*)__mutmut_(\d+)", name)
+            if not m or m.group(2) == "orig":
+                continue
+            orig = funcs.get(m.group(1) + "__mutmut_orig")
+            if orig is None:
+                continue
+            a = orig.replace(m.group(1) + "__mutmut_orig", "F").splitlines()
+            b = body.replace(name, "F").splitlines()
+            diff = list(difflib.unified_diff(a, b, lineterm="", n=0))
+            minus = [ln[1:].strip() for ln in diff if ln.startswith("-") and not ln.startswith("---")]
+            plus = [ln[1:].strip() for ln in diff if ln.startswith("+") and not ln.startswith("+++")]
+            out[f"{module}.{name}"] = (" | ".join(minus), " | ".join(plus))
+    return out
 
 
 def main() -> int:
@@ -148,8 +170,9 @@ def main() -> int:
         counts[s] = counts.get(s, 0) + 1
     survivors = sorted(n for n, s in status.items() if s in ("survived", "no tests", "timeout", "suspicious"))
     ok, todo, stale = [], [], []
+    lines = mutated_lines(work)
     for name in survivors:
-        before, after = mutated_line(work, name)
+        before, after = lines.get(name, ("?", "?"))
         entry = explained.get(name)
         if entry and entry.get("mutated") == after:
             ok.append((name, status[name], after, entry["why"]))

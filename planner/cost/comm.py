@@ -19,6 +19,7 @@ from planner.specs.plan import Plan
 
 def _groups(dp: int, tp: int, pp: int, axis: str) -> list[list[int]]:
     """The ranks of every group of one axis (dp or tp), stage by stage."""
+    assert axis in ("dp", "tp"), axis
     out = []
     for i in range(pp):
         if axis == "dp":

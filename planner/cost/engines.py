@@ -150,6 +150,8 @@ def _lp(precision: str) -> float:
 
 
 ENGINE_SRC = "deepspeed/runtime/engine.py _do_optimizer_sanity_check, _configure_optimizer"
+SRC_ZERO12 = "runtime/zero/stage_1_and_2.py"
+SRC_ZERO3 = "runtime/zero/stage3.py"
 
 
 def _torch_adam(e: float) -> Engine:
@@ -285,7 +287,7 @@ def _bf16_optimizer(e: float) -> Engine:
 
 
 def _zero12(stage: int, e: float, overlap: bool) -> Engine:
-    s = "runtime/zero/stage_1_and_2.py"
+    s = SRC_ZERO12
     grads = (
         Buffer(
             name="16-bit gradients",
@@ -347,7 +349,7 @@ def _zero12(stage: int, e: float, overlap: bool) -> Engine:
 
 
 def _zero3(e: float, overlap: bool) -> Engine:
-    s = "runtime/zero/stage3.py"
+    s = SRC_ZERO3
     return Engine(
         name="DeepSpeedZeroOptimizer_Stage3",
         optimizer_sharded=True,
@@ -357,6 +359,11 @@ def _zero3(e: float, overlap: bool) -> Engine:
                 name="weight partition",
                 role="params", bytes=e, sharded=True, held_by="module",
                 source="partition_parameters.py: ds_tensor",
+            ),
+            Buffer(
+                name="reduce bucket",
+                role="buckets", bytes=e, basis="reduce_bucket",
+                source=s + " __init__: ipg_buckets[dtype].buffer (reduce_bucket_size elements, kept)",
             ),
             Buffer(
                 name="persistent small weights",
@@ -373,11 +380,6 @@ def _zero3(e: float, overlap: bool) -> Engine:
                 name="gradient partition",
                 role="grads", bytes=e, sharded=True,
                 source=s + " __init__: grad_partitions_flat_buffer",
-            ),
-            Buffer(
-                name="reduce bucket",
-                role="buckets", bytes=e, basis="reduce_bucket",
-                source=s + " __init__: ipg_buckets[dtype].buffer (reduce_bucket_size elements, kept)",
             ),
             Buffer(
                 name="fp32 master partition",
@@ -439,43 +441,51 @@ class Footprint:
     """An engine's buffers for one plan, precompiled into coefficients so that the search can
     evaluate them hundreds of thousands of times: the same numbers as Engine.bytes_by_role.
 
-    Each buffer is a * psi + b * small + c + k * min(psi / div, cap) bytes."""
+    A buffer is either linear, a * psi + b * small + c bytes, or capped, k * min(psi / div, cap)."""
 
-    __slots__ = ("terms", "linear", "mins")
+    __slots__ = ("linear_terms", "capped_terms", "linear", "mins")
 
     def __init__(self, engine: Engine, plan: Plan) -> None:
         d, bucket = plan.dp, float(plan.bucket_elements)
         capped = {"fallback_bucket": (1, float(FALLBACK_BUCKET)), "live_params": (1, bucket), "sub_group": (d, bucket)}
-        terms = []
+        linear_terms, capped_terms = [], []
         for buf in engine.buffers:
             group = 0 if buf.phase in ("always", "grads") else 1 if buf.phase == "backward" else 2
             k = buf.bytes / (d if buf.sharded else 1)
-            div, cap = capped.get(buf.basis, (1, 0.0))
-            terms.append((group, ROLES.index(buf.role), k if buf.basis == "psi" else 0.0,
-                          k if buf.basis == "small" else 0.0, k * bucket if buf.basis == "reduce_bucket" else 0.0,
-                          k if buf.basis in capped else 0.0, div, cap))
-        self.terms = tuple(terms)
+            role = ROLES.index(buf.role)
+            if buf.basis in capped:
+                capped_terms.append((group, role, k, *capped[buf.basis]))
+            else:
+                coef = {"psi": (k, 0.0, 0.0), "small": (0.0, k, 0.0), "reduce_bucket": (0.0, 0.0, k * bucket)}
+                linear_terms.append((group, role, *coef[buf.basis]))
+        self.linear_terms, self.capped_terms = tuple(linear_terms), tuple(capped_terms)
         # totals for the search's fast path (planner.search.checkpoint.StageModel): per quantity
         # (held, held buckets, backward, backward buckets, step) a * psi + b * small + c, plus
-        # the min() terms
+        # the capped terms
         lin = [[0.0, 0.0, 0.0] for _ in range(5)]
-        mins = []
-        for group, role, a, b, c, k, div, cap in terms:
-            slots = (4,) if group == 2 else (2 * group, 2 * group + 1) if role == 3 else (2 * group,)
-            for q in slots:
+        for group, role, a, b, c in linear_terms:
+            for q in _slots(group, role):
                 lin[q] = [lin[q][0] + a, lin[q][1] + b, lin[q][2] + c]
-                if k:
-                    mins.append((q, k, div, cap))
         self.linear = tuple(tuple(x) for x in lin)
-        self.mins = tuple(mins)
+        self.mins = tuple((q, k, div, cap) for group, role, k, div, cap in capped_terms for q in _slots(group, role))
 
     def evaluate(self, psi: float, small: float) -> tuple[list[float], list[float], float]:
         """(bytes per role held from backward through the step, bytes per role during backward
         only, bytes during the step only) for a device with `psi` parameters."""
         out = ([0.0] * 4, [0.0] * 4, [0.0])
-        for group, role, a, b, c, k, div, cap in self.terms:
-            out[group][role if group < 2 else 0] += a * psi + b * small + c + k * min(psi / div, cap)
+        for group, role, a, b, c in self.linear_terms:
+            out[group][role if group < 2 else 0] += a * psi + b * small + c
+        for group, role, k, div, cap in self.capped_terms:
+            out[group][role if group < 2 else 0] += k * min(psi / div, cap)
         return out[0], out[1], out[2][0]
+
+
+def _slots(group: int, role: int) -> tuple[int, ...]:
+    """Which totals a buffer adds to: held (0), held buckets (1), backward (2), backward
+    buckets (3), step (4)."""
+    if group == 2:
+        return (4,)
+    return (2 * group, 2 * group + 1) if role == ROLES.index("buckets") else (2 * group,)
 
 
 @lru_cache(maxsize=4096)

@@ -172,13 +172,11 @@ def hardware_extra_flops(model: ModelSpec, cluster: ClusterSpec, train: TrainSpe
     counts recomputation): full recompute re-runs checkpointed blocks' forward; selective re-runs
     the attention core; flash's backward recomputes QK^T in every block; the padded vocabulary's
     extra output columns (forward and backward)."""
-    s, B = train.seq_len, train.global_batch
-    out = 0.0
-    if plan.recompute == "full":
-        out += sum(ckpt) * compute.block_forward_flops(model, s, 1)
-    elif plan.recompute == "selective":
-        out += model.layers * compute.block_gemms(model, s, 1, 1)[1]
-    if recomputes_scores(_kernel(model, cluster, train)):
-        out += model.layers * compute.flash_recompute_flops(model, s, 1)
-    out += 3.0 * (compute.logits_forward_flops(model, s, 1, plan.tp) * plan.tp - compute.logits_forward_flops(model, s, 1))
-    return out * B
+    s = train.seq_len
+    full = sum(ckpt) * compute.block_forward_flops(model, s, 1) if plan.recompute == "full" else 0.0
+    selective = model.layers * compute.block_gemms(model, s, 1, 1)[1] if plan.recompute == "selective" else 0.0
+    flash = model.layers * compute.flash_recompute_flops(model, s, 1) \
+        if recomputes_scores(_kernel(model, cluster, train)) else 0.0
+    padding = 3.0 * (compute.logits_forward_flops(model, s, 1, plan.tp) * plan.tp
+                     - compute.logits_forward_flops(model, s, 1))
+    return (full + selective + flash + padding) * train.global_batch

@@ -70,11 +70,6 @@ def _block_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
                        tp_bwd=2 * ar, selective=core_f + scores_f)
 
 
-def stage_params(model: ModelSpec, plan: Plan) -> tuple[int, ...]:
-    """Parameters held by one device of each stage (planner.cost.params.stage_params)."""
-    return params.stage_params(model, plan)
-
-
 def layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan) -> LayerCosts:
     f = cluster_factors(cluster)
     return _layer_costs(model, cluster, train, plan, f, _block_times(model, cluster, train, plan, f))

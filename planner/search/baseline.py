@@ -6,8 +6,6 @@ user gets from DeepSpeed without planning, and what `planner verify` runs for re
 """
 from __future__ import annotations
 
-import dataclasses
-
 from planner.cost import estimate
 from planner.search.space import divisors
 from planner.specs.estimate import Estimate
@@ -21,9 +19,7 @@ def conventional_baseline(model: ModelSpec, cluster: ClusterSpec, train: TrainSp
                           precision: str | None = None) -> tuple[Plan, Estimate]:
     """(plan, estimate) of the baseline. When nothing fits, the micro-batch-1 plan and its
     infeasible estimate (its reasons say why; its peak memory says how much it would need)."""
-    precision = precision or train.precision
-    if precision != train.precision:
-        train = dataclasses.replace(train, precision=precision)
+    precision = precision or train.precision  # the cost model reads the plan's precision
     dp = cluster.world_size
     if train.global_batch % dp:
         # not expressible as plain DP over every device: the estimate carries plan_problems' reason

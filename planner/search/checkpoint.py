@@ -9,21 +9,17 @@ the DeepSpeed engine's buffers, planner.cost.engines):
 
 Checkpointing a block trades `act - act_ckpt` bytes per in-flight micro-batch for one extra
 forward (Chen et al. 2016, arXiv 1604.06174; Korthikanti et al. 2022, Table 2: a checkpointed
-block keeps only its 2sbh input). mem never rises with k and falls linearly in it until the
-optimizer step's buffers dominate (after the one-block working set that recomputation
-needs), so the fewest k that fits has a closed form, checked exactly against the memory
-function. Which k blocks does not matter (identical blocks); the plan
+block keeps only its 2sbh input). mem never rises with k (it falls linearly until the
+optimizer step's buffers dominate, after the one-block working set that recomputation
+needs), so the fewest k that fits is found by bisection on the exact memory function. Which k blocks does not matter (identical blocks); the plan
 checkpoints the first k of each stage (planner.specs.plan).
 """
 from __future__ import annotations
-
-import math
 
 from planner.cost import engines
 from planner.cost.factors import all_factors
 from planner.cost.layers import LayerCosts
 from planner.specs.hardware import ClusterSpec
-from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
 
 
@@ -36,7 +32,7 @@ class StageModel:
     __slots__ = ("pp", "lc", "frag", "frag1", "mb_overhead", "capacity", "saving", "selective",
                  "stage_lin", "mins", "psi_of", "acts_of", "fixed")
 
-    def __init__(self, model: ModelSpec, cluster: ClusterSpec, plan: Plan, lc: LayerCosts) -> None:
+    def __init__(self, cluster: ClusterSpec, plan: Plan, lc: LayerCosts) -> None:
         f = all_factors(cluster.device)
         self.pp = p = plan.pp
         self.lc = lc
@@ -101,19 +97,15 @@ class StageModel:
         """Fewest checkpointed blocks (0..n) for stage i with n blocks to fit; None when even
         checkpointing all n does not fit (or `allow` is False and none checkpointed does not)."""
         cap = self.capacity
-        need = self.bytes(i, n, 0) - cap
-        if need <= 0:
+        if self.bytes(i, n, 0) <= cap:
             return 0
-        if not allow or n == 0:
+        if not allow or self.bytes(i, n, n) > cap:
             return None
-        saving = self.saving[i]
-        if saving <= 0:
-            return None
-        if self.bytes(i, n, n) > cap:
-            return None
-        k = min(n, max(1, math.ceil((self.bytes(i, n, 1) - cap) / saving) + 1))
-        while k > 1 and self.bytes(i, n, k - 1) <= cap:
-            k -= 1
-        while self.bytes(i, n, k) > cap:
-            k += 1
-        return k
+        lo, hi = 1, n  # bytes(lo - 1) > cap >= bytes(hi); memory never rises with k: bisect
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.bytes(i, n, mid) <= cap:
+                hi = mid
+            else:
+                lo = mid + 1
+        return hi

@@ -57,7 +57,7 @@ class Evaluator:
         self.capacity = cluster.memory_bytes
         self.cache: dict[Outer, Trial] = {}
 
-    def __call__(self, outer: Outer, source: str = "exhaustive") -> Trial:
+    def __call__(self, outer: Outer, source: str) -> Trial:
         hit = self.cache.get(outer)
         if hit is not None:
             return hit if hit.source == source else dataclasses.replace(hit, source=source)
@@ -70,7 +70,7 @@ class Evaluator:
         base = outer.plan(train.precision)
         lc = layer_costs(model, self.cluster, train, base)
         full = outer.recompute == "full"
-        sol = solve(StageModel(model, self.cluster, base, lc), model.layers, checkpoint=full)
+        sol = solve(StageModel(self.cluster, base, lc), model.layers, checkpoint=full)
         if isinstance(sol, NoFit):
             why = "; ".join(([] if self.megatron_features else runtime_problems(base)) + [sol.reason])
             return Trial(outer=outer, plan=base, estimate=None, feasible=False, reason=why,

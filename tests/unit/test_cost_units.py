@@ -33,8 +33,8 @@ def eff(flops: float) -> float:
 # --- communication ---------------------------------------------------------------------------
 def test_ring_collectives_with_latency_and_efficiency():
     assert comm.allreduce_time(1e6, 4, 1e9, 1e-5, 0.5) == pytest.approx(1e6 * 2 * 3 / 4 / 0.5e9 + 2 * 3 * 1e-5,
-                                                                        rel=1e-12)
-    assert comm.allgather_time(1e6, 4, 1e9, 1e-5, 0.5) == pytest.approx(1e6 * 3 / 4 / 0.5e9 + 3 * 1e-5, rel=1e-12)
+                                                                        rel=1e-12, abs=0)
+    assert comm.allgather_time(1e6, 4, 1e9, 1e-5, 0.5) == pytest.approx(1e6 * 3 / 4 / 0.5e9 + 3 * 1e-5, rel=1e-12, abs=0)
     assert comm.reducescatter_time is comm.allgather_time
     # one rank sends nothing and waits for nobody
     assert comm.allreduce_time(1e6, 1, 1e9, 1e-5, 0.5) == 0 and comm.allgather_time(1e6, 1, 1e9, 1e-5, 0.5) == 0
@@ -43,8 +43,8 @@ def test_ring_collectives_with_latency_and_efficiency():
 def test_point_to_point_inside_and_across_nodes():
     c = ClusterSpec(nodes=2, gpus_per_node=4, device=SLOPED, intra_node=SLOPED.intra_node,
                     inter_node=SLOPED.inter_node)
-    assert comm.p2p_time(1e6, c, True, 0.5) == pytest.approx(1e6 / (10e9 / 4 * 0.5) + 20e-6, rel=1e-12)
-    assert comm.p2p_time(1e6, c, False, 0.5) == pytest.approx(1e6 / (100e9 * 0.5) + 5e-6, rel=1e-12)
+    assert comm.p2p_time(1e6, c, True, 0.5) == pytest.approx(1e6 / (10e9 / 4 * 0.5) + 20e-6, rel=1e-12, abs=0)
+    assert comm.p2p_time(1e6, c, False, 0.5) == pytest.approx(1e6 / (100e9 * 0.5) + 5e-6, rel=1e-12, abs=0)
 
 
 def test_tp_groups_that_straddle_a_node_share_its_network():
@@ -53,7 +53,7 @@ def test_tp_groups_that_straddle_a_node_share_its_network():
     assert comm.group_sharing(4, 2, 2, 2, "tp") == (0, 0)
     c = parse_cluster("2x4xA100")
     links = comm.group_links(c, dataclasses.replace(_plan(), dp=1, tp=3, pp=2), "tp")
-    assert [x for link in links for x in link] == pytest.approx([230e9, 8e-6, 180e9, 20e-6], rel=1e-12)
+    assert [x for link in links for x in link] == pytest.approx([230e9, 8e-6, 180e9, 20e-6], rel=1e-12, abs=0)
 
 
 def _plan():
@@ -79,14 +79,14 @@ def test_output_layer_and_flash_recompute_flops():
 
 
 def test_gemm_and_attention_core_times_use_the_efficiency_of_one_gemm():
-    assert compute.gemm_time(SLOPED, 1e6, "bf16", 2.0) == pytest.approx(1e6 / (10e12 * eff(1e6)) * 2.0, rel=1e-12)
+    assert compute.gemm_time(SLOPED, 1e6, "bf16", 2.0) == pytest.approx(1e6 / (10e12 * eff(1e6)) * 2.0, rel=1e-12, abs=0)
     one = 2 * 64 * 64 * 4                                   # one head's s x d by d x s GEMM: 2 s^2 d
     assert compute.core_time(TINY, SLOPED, 1e6, 64, "fp32", 3.0) == pytest.approx(
-        1e6 / (5e12 * eff(one)) * 3.0, rel=1e-12)
+        1e6 / (5e12 * eff(one)) * 3.0, rel=1e-12, abs=0)
     gemm, core = compute.block_compute_times(TINY, SLOPED, 64, 2, 2, "bf16", compute_scale=2.0, attention_scale=3.0)
     g, c = compute.block_gemms(TINY, 64, 2, 2)
-    assert gemm == pytest.approx(sum(x / (10e12 * eff(x)) * 2.0 for x in g), rel=1e-12)
-    assert core == pytest.approx(c / (10e12 * eff(one)) * 3.0, rel=1e-12)
+    assert gemm == pytest.approx(sum(x / (10e12 * eff(x)) * 2.0 for x in g), rel=1e-12, abs=0)
+    assert core == pytest.approx(c / (10e12 * eff(one)) * 3.0, rel=1e-12, abs=0)
 
 
 def test_elementwise_traffic_by_kernel_dropout_and_sequence_parallelism():
@@ -139,7 +139,7 @@ def test_pipeline_schedule():
     assert pipeline.bubble_fraction(1, 8, 1) == 0
     assert pipeline.in_flight(4, 2, 1) == (2, 2, 2, 1)
     scale = 1 + 3 / (4 * 8)                                  # interleaved: (1 + (p-1)/(p m))
-    assert pipeline.in_flight(4, 8, 2) == pytest.approx((4 * scale, 3 * scale, 2 * scale, 1 * scale), rel=1e-15)
+    assert pipeline.in_flight(4, 8, 2) == pytest.approx((4 * scale, 3 * scale, 2 * scale, 1 * scale), rel=1e-15, abs=0)
     assert pipeline.pipeline_time((1.0, 3.0, 2.0), 5, 2) == (15.0, 1.5)
 
 
@@ -151,3 +151,32 @@ def test_cpu_processes_beyond_the_profile_stretch_compute_and_memory_bound_work(
     assert f["compute_scale"] == 4.5 and f["elementwise_scale"] == 3 and f["optimizer_scale"] == 3
     assert f["comm_efficiency"] == 0.8                      # the network is not shared that way
     assert factors.oversubscription(parse_cluster("8xA100")) == 1
+
+
+def test_tp_groups_of_several_data_parallel_ranks():
+    # nodes of 4, TP 3 x DP 2: ranks 0-2 stay on node 0, ranks 3-5 straddle nodes 0 and 1
+    assert comm.group_sharing(4, 2, 3, 1, "tp") == (1,)
+    with pytest.raises(AssertionError):
+        comm.group_sharing(4, 2, 3, 1, "pp")
+
+
+def test_attention_core_uses_its_precision_curve():
+    dev = dataclasses.replace(SLOPED, gemm_efficiency_by_precision={"fp32": ((1e3, 0.2), (1e9, 0.2))})
+    assert compute.core_time(TINY, dev, 1e6, 64, "fp32", 1.0) == pytest.approx(1e6 / (5e12 * 0.2), rel=1e-12, abs=0)
+
+
+def test_engine_descriptions_refuse_unknown_fields():
+    from planner.cost.engines import Buffer, Collective, Engine
+    ok = dict(name="x", role="params", bytes=2, basis="psi", phase="always", held_by="module", sharded=False)
+    Buffer(**ok)
+    for bad in (dict(role="weights"), dict(phase="later"), dict(basis="all"), dict(held_by="nobody"),
+                dict(sharded=None)):
+        with pytest.raises(AssertionError):
+            Buffer(**{**ok, **bad})
+    good = dict(kind="all_reduce", bytes=2, per="step", overlap=False)
+    Collective(**good)
+    for bad in (dict(kind="broadcast"), dict(per="layer"), dict(overlap=None)):
+        with pytest.raises(AssertionError):
+            Collective(**{**good, **bad})
+    with pytest.raises(AssertionError):
+        Engine(name="x", buffers=(), collectives=(), optimizer_sharded=None, source="")

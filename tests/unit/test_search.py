@@ -63,7 +63,7 @@ def test_no_legal_plan_is_one_line():
 
 def _model_for(o: Outer, m, c, t):
     plan = o.plan(t.precision)
-    return StageModel(m, c, plan, layer_costs(m, c, t, plan)), plan
+    return StageModel(c, plan, layer_costs(m, c, t, plan)), plan
 
 
 @pytest.mark.parametrize("pp,recompute,mb", [(2, "none", 1), (3, "full", 2), (4, "full", 4), (3, "selective", 1)])
@@ -116,7 +116,7 @@ def test_solver_and_estimate_agree(args):
     ev = Evaluator(m, c, t)
     checked = 0
     for o in itertools.islice(Space(model=m, cluster=c, train=t).points(), 0, None, 7):
-        trial = ev(o)
+        trial = ev(o, "exhaustive")
         if trial.estimate is None:
             continue
         plan = trial.plan
@@ -228,4 +228,6 @@ def test_heuristic_start_is_runnable_under_deepspeed():
     shape = heuristic(space, ev)
     started = [tr for tr in ev.cache.values() if tr.source == "heuristic"]
     assert started and not any(tr.plan.sequence_parallel for tr in started)
+    assert len(started) > 1 and [tr.outer.pp for tr in started] == sorted(tr.outer.pp for tr in started)
+    assert all(tr.outer.tp == 8 and tr.outer.zero == 1 and tr.outer.micro_batch == 1 for tr in started)
     assert any(tr.feasible and tr.outer.pp == shape.pp and tr.outer.tp == shape.tp for tr in started)
