@@ -173,7 +173,7 @@ def hardware_extra_flops(model: ModelSpec, cluster: ClusterSpec, train: TrainSpe
     the attention core; flash's backward recomputes QK^T in every block; the padded vocabulary's
     extra output columns (forward and backward)."""
     s = train.seq_len
-    full = sum(ckpt) * compute.block_forward_flops(model, s, 1) if plan.recompute == "full" else 0.0
+    full = sum(ckpt) * compute.block_forward_flops(model, s, 1)  # ckpt is all zeros unless recompute is full
     selective = model.layers * compute.block_gemms(model, s, 1, 1)[1] if plan.recompute == "selective" else 0.0
     flash = model.layers * compute.flash_recompute_flops(model, s, 1) \
         if recomputes_scores(_kernel(model, cluster, train)) else 0.0

@@ -93,7 +93,7 @@ class StageModel:
             t += lc.last_stage_time
         return t
 
-    def fewest_checkpointed(self, i: int, n: int, allow: bool = True) -> int | None:
+    def fewest_checkpointed(self, i: int, n: int, allow: bool) -> int | None:
         """Fewest checkpointed blocks (0..n) for stage i with n blocks to fit; None when even
         checkpointing all n does not fit (or `allow` is False and none checkpointed does not)."""
         cap = self.capacity

@@ -64,7 +64,7 @@ def params_of(shape: Shape, space: Space) -> dict[str, Any]:
     values = {"recompute": shape.recompute}
 
     def pick(name: str, choices: Any) -> Any:
-        out[name] = values[name.split("|")[0]]
+        out[name] = values[name]
         return out[name]
 
     _complete(space, shape.tp, shape.pp, pick)
@@ -89,7 +89,7 @@ def evaluate_shape(space: Space, evaluate: Evaluator, shape: Shape, source: str)
     return out
 
 
-def optuna_search(space: Space, evaluate: Evaluator, start: Shape, *, n_trials: int = 100, seed: int = 0,
+def optuna_search(space: Space, evaluate: Evaluator, start: Shape, *, n_trials: int, seed: int,
                   storage: str | optuna.storages.BaseStorage | None = None, study_name_: str | None = None,
                   progress: Callable[[int, int], None] | None = None) -> tuple[list[Trial], optuna.Study]:
     """Run (or resume) the study until it holds `n_trials` trials or every shape was tried.
@@ -125,7 +125,7 @@ def optuna_search(space: Space, evaluate: Evaluator, start: Shape, *, n_trials: 
             study.stop()
 
     if remaining and len(seen) < total:
-        study.optimize(objective, n_trials=remaining, callbacks=[callback], gc_after_trial=False)
+        study.optimize(objective, n_trials=remaining, callbacks=[callback])
     # Polish: TPE lands near the optimum on flat landscapes but not always on it. Enqueue the
     # untried neighbours of the best shape as further trials until none is left (hill climbing).
     while len(seen) < total:
@@ -137,7 +137,7 @@ def optuna_search(space: Space, evaluate: Evaluator, start: Shape, *, n_trials: 
             break
         for n in todo:
             study.enqueue_trial(params_of(n, space), skip_if_exists=True)
-        study.optimize(objective, n_trials=len(todo), gc_after_trial=False)
+        study.optimize(objective, n_trials=len(todo))
     trials: list[Trial] = []
     for t in study.get_trials(deepcopy=False):
         if t.state == optuna.trial.TrialState.COMPLETE:

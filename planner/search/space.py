@@ -101,9 +101,7 @@ class Space:
     def _layouts(self, train: TrainSpec) -> list[tuple[int, int, int]]:
         world, batch = self.cluster.world_size, train.global_batch
         out = []
-        for tp in divisors(self.cluster.gpus_per_node):
-            if world % tp:
-                continue
+        for tp in divisors(self.cluster.gpus_per_node):  # tp divides the node, so the world too
             for pp in divisors(world // tp):
                 dp = world // (tp * pp)
                 if pp > self.model.layers or batch % dp:
@@ -124,9 +122,6 @@ class Space:
 
     def zero_stages(self, pp: int) -> tuple[int, ...]:
         return (0, 1, 2, 3) if pp == 1 else (0, 1)
-
-    def micro_batches(self, dp: int) -> list[int]:
-        return divisors(self.train.global_batch // dp)
 
     def interleaves(self, pp: int, dp: int) -> list[int]:
         """Chunks per stage: 1 (1F1B), or 2..max_interleave when some accumulation is divisible

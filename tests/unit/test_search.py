@@ -98,7 +98,7 @@ def test_checkpoint_count_is_the_fewest():
     sm, _ = _model_for(o, m, c, t)
     seen_partial = False
     for n in range(1, m.layers):
-        k = sm.fewest_checkpointed(0, n)
+        k = sm.fewest_checkpointed(0, n, True)
         if k is None:
             assert sm.bytes(0, n, n) > sm.capacity
             continue

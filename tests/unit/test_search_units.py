@@ -129,11 +129,11 @@ def test_checkpointing_what_fits_and_what_does_not():
     t = TrainSpec(global_batch=64, seq_len=1024, attention="eager")
     sm = _stage_model(m, c, t, Outer(tp=1, pp=2, dp=4, zero=1, micro_batch=2, grad_accum=8, recompute="full",
                                      sequence_parallel=False, interleave=1))
-    assert sm.fewest_checkpointed(0, 1) == 0                       # one block fits as it is
+    assert sm.fewest_checkpointed(0, 1, True) == 0                 # one block fits as it is
     assert sm.fewest_checkpointed(0, 12, allow=False) is None       # too big without checkpointing
-    k = sm.fewest_checkpointed(0, 12)
+    k = sm.fewest_checkpointed(0, 12, True)
     assert 0 < k < 12 and sm.bytes(0, 12, k) <= sm.capacity < sm.bytes(0, 12, k - 1)
-    assert sm.fewest_checkpointed(0, 24) is None                    # not even with every block checkpointed
+    assert sm.fewest_checkpointed(0, 24, True) is None                    # not even with every block checkpointed
     assert sm.bytes(0, 12, k) - sm.bytes(0, 12, k + 1) == pytest.approx(sm.saving[0], rel=1e-12, abs=0)
 
 
@@ -189,7 +189,7 @@ def test_partition_stage_memory_and_checkpoints_come_with_the_split():
                                      sequence_parallel=False, interleave=1))
     got = solve(sm, 48, True)
     assert isinstance(got, Partition) and sum(got.stage_layers) == 48
-    assert got.checkpointed == tuple(sm.fewest_checkpointed(i, n) for i, n in enumerate(got.stage_layers))
+    assert got.checkpointed == tuple(sm.fewest_checkpointed(i, n, True) for i, n in enumerate(got.stage_layers))
     assert got.stage_bytes == tuple(sm.bytes(i, n, k) for i, (n, k) in enumerate(zip(got.stage_layers,
                                                                                        got.checkpointed)))
     assert got.stage_times == tuple(sm.time(i, n, k) for i, (n, k) in enumerate(zip(got.stage_layers,
@@ -215,7 +215,6 @@ def test_space_rules_for_zero_interleaving_and_sequence_parallelism():
     m, c = preset("glm-10b"), parse_cluster("2x8xA100")
     space = Space(model=m, cluster=c, train=TrainSpec(global_batch=64, seq_len=1000), max_interleave=3)
     assert space.zero_stages(1) == (0, 1, 2, 3) and space.zero_stages(2) == (0, 1)
-    assert space.micro_batches(4) == [1, 2, 4, 8, 16]
     assert space.interleaves(1, 16) == [1]
     assert space.interleaves(4, 4) == [1, 2, 3]           # 16 micro-batches per rank divide by pp 4
     assert space.interleaves(16, 1) == [1, 2, 3]          # at most 48 / 16 = 3 chunks
@@ -355,7 +354,7 @@ def test_one_block_that_needs_checkpointing():
     sm = _stage_model(m, c, t, Outer(tp=1, pp=8, dp=1, zero=1, micro_batch=16, grad_accum=16, recompute="full",
                                      sequence_parallel=False, interleave=1))
     assert sm.bytes(0, 1, 0) > sm.capacity >= sm.bytes(0, 1, 1)
-    assert sm.fewest_checkpointed(0, 1) == 1 and sm.fewest_checkpointed(0, 1, allow=False) is None
+    assert sm.fewest_checkpointed(0, 1, True) == 1 and sm.fewest_checkpointed(0, 1, allow=False) is None
 
 
 def test_trial_reasons_and_capacity():
@@ -418,3 +417,143 @@ def test_infeasible_trials_tell_optuna_by_how_much():
         excess = ft.system_attrs["constraints:memory_excess_gb"]
         assert excess == pytest.approx(max(1e-3, ft.user_attrs["best"]["peak_memory_gb"] - 40.0), rel=1e-9, abs=0)
         assert ft.value == 0
+
+
+class LinearStages(StageModel):
+    """A stage model with memory and time written out by hand: stage i with n blocks, k of
+    them checkpointed, needs base[i] + n * per_block[i] - k * saving bytes and
+    n * t_block + k * t_recompute + extra[i] seconds."""
+
+    def __init__(self, cap, base, per_block, saving=0.0, t_block=1.0, t_recompute=0.5, extra=None):
+        self.pp, self.capacity = len(base), cap
+        self.base, self.per_block, self.save = base, per_block, saving
+        self.t_block, self.t_recompute, self.extra = t_block, t_recompute, extra or [0.0] * len(base)
+
+    def bytes(self, i, n, k):
+        return self.base[i] + n * self.per_block[i] - k * self.save
+
+    def time(self, i, n, k):
+        return n * self.t_block + k * self.t_recompute + self.extra[i]
+
+
+def _splits(layers, pp):
+    if pp == 1:
+        yield (layers,)
+        return
+    for first in range(1, layers - pp + 2):
+        for rest in _splits(layers - first, pp - 1):
+            yield (first,) + rest
+
+
+def test_bisection_returns_the_exact_fewest_checkpoint_count():
+    sm = LinearStages(cap=100, base=[12], per_block=[10], saving=3)
+    for n in range(1, 14):
+        k = sm.fewest_checkpointed(0, n, True)
+        if 12 + 10 * n - 3 * n > 100:
+            assert k is None
+        else:
+            want = max(0, -(-(12 + 10 * n - 100) // 3))
+            assert k == want and isinstance(k, int), (n, k, want)
+    assert sm.fewest_checkpointed(0, 10, True) == 4 and sm.fewest_checkpointed(0, 9, True) == 1
+
+
+def test_least_memory_split_by_brute_force():
+    sm = LinearStages(cap=10, base=[50, 20, 35], per_block=[7, 11, 5], saving=2)
+    for ckpt in (False, True):
+        k = (lambda n: n) if ckpt else (lambda n: 0)
+        best = min(max(sm.bytes(i, n, k(n)) for i, n in enumerate(sp)) for sp in _splits(9, 3))
+        got = least_bytes(sm, 9, ckpt)
+        assert got.needs_bytes == best and got.capacity_bytes == 10
+        assert solve(sm, 9, ckpt) == got
+    one = LinearStages(cap=10, base=[50], per_block=[7], saving=2)
+    assert least_bytes(one, 9, True).needs_bytes == 50 + 9 * 5 and least_bytes(one, 9, False).needs_bytes == 50 + 63
+
+
+def test_solver_checkpoints_a_single_stage_and_every_path_that_cannot_fit():
+    one = LinearStages(cap=100, base=[20], per_block=[10], saving=4)
+    assert solve(one, 10, True) == Partition(stage_layers=(10,), checkpointed=(5,), stage_times=(10 + 2.5,),
+                                             stage_bytes=(100,))
+    assert isinstance(solve(one, 10, False), NoFit)
+    # a stage that cannot hold even one block (unless checkpointed), and one that fills up later
+    tight = LinearStages(cap=100, base=[97, 10], per_block=[10, 10], saving=6)
+    assert solve(tight, 6, True) == least_bytes(tight, 6, True) != least_bytes(tight, 6, False)
+    later = LinearStages(cap=99, base=[40, 40], per_block=[20, 20], saving=5)
+    assert solve(later, 8, True) == least_bytes(later, 8, True) != least_bytes(later, 8, False)
+
+
+def test_solver_balances_unequal_stages_optimally():
+    sm = LinearStages(cap=1e9, base=[0, 0, 0], per_block=[1, 1, 1], t_block=1.0, extra=[0.5, 0.0, 2.5])
+    best = min(max(sm.time(i, n, 0) for i, n in enumerate(sp)) for sp in _splits(10, 3))
+    got = solve(sm, 10, False)
+    assert got.slowest == best and got.stage_layers == (4, 4, 2)
+
+
+def test_baseline_micro_batch_and_accumulation_when_the_batch_does_not_split():
+    m, c = preset("chatglm3-6b"), parse_cluster("8xA100")
+    plan, _ = conventional_baseline(m, c, TrainSpec(global_batch=12, seq_len=128))
+    assert (plan.micro_batch, plan.grad_accum) == (1, 1)
+
+
+def test_two_runtime_problems_are_joined_into_one_reason():
+    from planner.specs.validate import runtime_problems
+    m, c = preset("glm-10b"), parse_cluster("2x8xA100")
+    t = TrainSpec(global_batch=64, seq_len=1024)
+    outer = Outer(tp=2, pp=2, dp=4, zero=1, micro_batch=1, grad_accum=16, recompute="full", sequence_parallel=True,
+                  interleave=2)
+    trial = Evaluator(m, c, t)(outer, "exhaustive")
+    assert trial.estimate is not None and len(runtime_problems(trial.plan)) == 2
+    assert trial.reason == "; ".join(runtime_problems(trial.plan))
+
+
+def test_heuristic_with_two_data_parallel_ranks_uses_zero_1():
+    m, c = scale(preset("glm-10b"), "small"), parse_cluster("2x8xA100")
+    t = TrainSpec(global_batch=8, seq_len=1024)
+    ev = Evaluator(m, c, t)
+    heuristic(Space(model=m, cluster=c, train=t, max_interleave=1), ev)
+    (first,) = ev.cache.values()
+    assert (first.outer.tp, first.outer.dp, first.outer.zero) == (8, 2, 1)
+
+
+def test_optuna_when_nothing_fits_returns_the_infeasible_trials():
+    m, c = preset("glm-130b"), parse_cluster("8xA100-40GB")
+    space = Space(model=m, cluster=c, train=TrainSpec(global_batch=8, seq_len=2048), max_interleave=1)
+    ev = Evaluator(m, c, space.train)
+    found, study = optuna_search(space, ev, heuristic(space, ev), n_trials=2, seed=0)
+    assert found and not any(x.feasible for x in found) and len(study.trials) == 2
+
+
+def test_optuna_keeps_its_study_in_the_storage_it_is_given():
+    space = small_space()
+    storage = optuna.storages.InMemoryStorage()
+    ev = Evaluator(space.model, space.cluster, space.train)
+    optuna_search(space, ev, heuristic(space, ev), n_trials=3, seed=0, storage=storage)
+    (summary,) = optuna.get_all_study_summaries(storage)
+    assert summary.study_name == study_name(space) and summary.n_trials >= 3
+
+
+def test_space_rows_cover_every_zero_stage_and_interleaving():
+    m, c = preset("glm-10b"), parse_cluster("2x8xA100")
+    space = Space(model=m, cluster=c, train=TrainSpec(global_batch=64, seq_len=1024), max_interleave=3)
+    assert len(space.outers(Shape(tp=2, pp=1, dp=8, recompute="none"))) == 4 * 2     # ZeRO 0-3 x SP
+    rows = space.outers(Shape(tp=1, pp=4, dp=4, recompute="none"))
+    inter = [o for row in rows for o in row if o.interleave > 1]
+    assert inter and all(o.grad_accum % 4 == 0 for o in inter)
+    assert {o.micro_batch for o in inter} == {1, 2, 4}                # 16 per rank: accumulation 16, 8, 4
+
+
+def test_fp16_on_v100_and_selective_on_the_cpu_math_path():
+    m = scale(preset("glm-10b"), "small")
+    v100 = Space(model=m, cluster=parse_cluster("8xV100"), train=TrainSpec(global_batch=8, seq_len=1024,
+                                                                          precision="fp16"))
+    assert v100.layouts()
+    cpu = Space(model=scale(preset("glm-10b"), "tiny"), cluster=parse_cluster("2xcpu"),
+                train=TrainSpec(global_batch=8, seq_len=128))
+    assert cpu.recompute_modes() == ("none", "selective", "full")   # attention dropout: SDPA's math path
+
+
+def test_no_legal_plan_message():
+    with pytest.raises(SpecError) as err:
+        Space(model=preset("chatglm3-6b"), cluster=parse_cluster("8xV100"),
+              train=TrainSpec(global_batch=8, seq_len=128)).require_nonempty()
+    assert err.value.line() == ("plan space: no legal plan: V100 does not support bf16: use fp16 or fp32 "
+                                "(fix: change the inputs named above)")
