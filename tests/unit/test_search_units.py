@@ -421,19 +421,22 @@ def test_infeasible_trials_tell_optuna_by_how_much():
 
 class LinearStages(StageModel):
     """A stage model with memory and time written out by hand: stage i with n blocks, k of
-    them checkpointed, needs base[i] + n * per_block[i] - k * saving bytes and
-    n * t_block + k * t_recompute + extra[i] seconds."""
+    them checkpointed, needs base[i] + n * per_block[i] - k * saving[i] bytes and
+    n * t_block[i] + k * t_recompute + extra[i] seconds (numbers: the same for every stage)."""
 
     def __init__(self, cap, base, per_block, saving=0.0, t_block=1.0, t_recompute=0.5, extra=None):
-        self.pp, self.capacity = len(base), cap
-        self.base, self.per_block, self.save = base, per_block, saving
-        self.t_block, self.t_recompute, self.extra = t_block, t_recompute, extra or [0.0] * len(base)
+        p = len(base)
+        self.pp, self.capacity = p, cap
+        self.base, self.per_block = base, per_block
+        self.save = saving if isinstance(saving, list) else [saving] * p
+        self.t_block = t_block if isinstance(t_block, list) else [t_block] * p
+        self.t_recompute, self.extra = t_recompute, extra or [0.0] * p
 
     def bytes(self, i, n, k):
-        return self.base[i] + n * self.per_block[i] - k * self.save
+        return self.base[i] + n * self.per_block[i] - k * self.save[i]
 
     def time(self, i, n, k):
-        return n * self.t_block + k * self.t_recompute + self.extra[i]
+        return n * self.t_block[i] + k * self.t_recompute + self.extra[i]
 
 
 def _splits(layers, pp):
@@ -557,3 +560,56 @@ def test_no_legal_plan_message():
               train=TrainSpec(global_batch=8, seq_len=128)).require_nonempty()
     assert err.value.line() == ("plan space: no legal plan: V100 does not support bf16: use fp16 or fp32 "
                                 "(fix: change the inputs named above)")
+
+
+def test_the_sampler_seed_makes_a_study_reproducible():
+    space = small_space()
+
+    def shapes(seed):
+        ev = Evaluator(space.model, space.cluster, space.train)
+        _, study = optuna_search(space, ev, heuristic(space, ev), n_trials=12, seed=seed)
+        return [tuple(sorted(t.params.items())) for t in study.trials[:12]]
+
+    assert shapes(3) == shapes(3)
+    assert shapes(3) != shapes(4)
+
+
+def test_the_solvers_match_brute_force_on_random_stage_models():
+    import random
+    rng = random.Random(7)
+    checked = {"fit": 0, "nofit": 0}
+    for _ in range(120):
+        pp = rng.choice((1, 2, 3))
+        layers = rng.randint(pp, 7)
+        per = [rng.randint(2, 15) for _ in range(pp)]
+        sm = LinearStages(cap=rng.randint(30, 110), base=[rng.randint(0, 40) for _ in range(pp)], per_block=per,
+                          saving=[rng.randint(0, x) for x in per], t_block=[rng.uniform(0.5, 2.0) for _ in range(pp)],
+                          t_recompute=rng.uniform(0.1, 1.0), extra=[rng.uniform(0, 3) for _ in range(pp)])
+        for ckpt in (False, True):
+            k = (lambda n: n) if ckpt else (lambda n: 0)
+            splits = list(_splits(layers, pp))
+            best = None
+            for sp in splits:
+                ks = [sm.fewest_checkpointed(i, n, ckpt) for i, n in enumerate(sp)]
+                if None not in ks:
+                    t = max(sm.time(i, n, kk) for i, (n, kk) in enumerate(zip(sp, ks)))
+                    best = t if best is None else min(best, t)
+            got = solve(sm, layers, ckpt)
+            least = min(max(sm.bytes(i, n, k(n)) for i, n in enumerate(sp)) for sp in splits)
+            assert least_bytes(sm, layers, ckpt).needs_bytes == least
+            if best is None:
+                assert isinstance(got, NoFit) and got == least_bytes(sm, layers, ckpt)
+                checked["nofit"] += 1
+            else:
+                assert isinstance(got, Partition) and got.slowest == pytest.approx(best, rel=1e-12, abs=0)
+                checked["fit"] += 1
+    assert checked["fit"] > 100 and checked["nofit"] > 20
+
+
+def test_a_first_block_that_fits_only_checkpointed():
+    sm = LinearStages(cap=100, base=[95, 10], per_block=[10, 10], saving=6)
+    got = solve(sm, 6, True)
+    assert isinstance(got, Partition) and got.checkpointed[0] >= 1
+    assert isinstance(solve(sm, 6, False), NoFit)
+    one = LinearStages(cap=100, base=[50], per_block=[10], saving=2)
+    assert solve(one, 30, True) == least_bytes(one, 30, True) != least_bytes(one, 30, False)
