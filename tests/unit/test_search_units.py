@@ -613,3 +613,22 @@ def test_a_first_block_that_fits_only_checkpointed():
     assert isinstance(solve(sm, 6, False), NoFit)
     one = LinearStages(cap=100, base=[50], per_block=[10], saving=2)
     assert solve(one, 30, True) == least_bytes(one, 30, True) != least_bytes(one, 30, False)
+
+
+def test_no_legal_plan_in_fp16_names_the_batch_not_the_precision():
+    m, c = scale(preset("chatglm3-6b"), "tiny"), parse_cluster("4x8xV100")     # DP is at least 4 here
+    with pytest.raises(SpecError) as err:
+        Space(model=m, cluster=c, train=TrainSpec(global_batch=6, seq_len=128, precision="fp16")).require_nonempty()
+    assert err.value.field == "--global-batch" and "multiple of 4" in err.value.line()
+
+
+def test_study_names_are_stable_and_differ_with_every_input():
+    space = small_space()
+    name = study_name(space)
+    assert name == study_name(small_space()) and name.startswith(f"{space.model.name}-32-")
+    others = [dataclasses.replace(space, train=dataclasses.replace(space.train, global_batch=64)),
+              dataclasses.replace(space, train=dataclasses.replace(space.train, attention="flash")),
+              dataclasses.replace(space, max_interleave=2), dataclasses.replace(space, megatron_features=True),
+              dataclasses.replace(space, model=dataclasses.replace(space.model, vocab=8193)),
+              dataclasses.replace(space, cluster=parse_cluster("4x8xA100-40GB"))]
+    assert len({name} | {study_name(o) for o in others}) == 1 + len(others)
