@@ -1,7 +1,17 @@
-"""Memory formulas: activations (Korthikanti et al.) and logits. Model states and buckets are
-per DeepSpeed engine: planner/cost/engines.py.
+"""Activation memory: exactly the tensors the executor keeps for backward, and DeepSpeed's
+pipeline buffers. Model states and buckets are per DeepSpeed engine: planner/cost/engines.py.
 
-All results are bytes per device.
+Every term below is one line of docs/runtime.md "What each layer keeps for backward"
+(measured with saved-tensor hooks, pinned by tests/unit/test_executor_parts.py) or one
+buffer of DeepSpeed 0.19.8's PipelineEngine (deepspeed/runtime/pipe/engine.py). Per micro-
+batch and TP rank, in bytes; `e` is the activation element size (2 in bf16/fp16, 4 in fp32).
+Symbols: b micro-batch, s sequence, h hidden, a heads, g KV groups, d head dim, f FFN size
+per matrix, T TP degree, s' = s/T with sequence parallelism (else s), V_p the padded
+vocabulary, r the rotary dims.
+
+For GPT (T = 1, a = g, GELU f = 4h, LayerNorm, bf16, dropout 0.1, eager attention) one block
+is Korthikanti et al. 2022 (arXiv 2205.05198) Table 2 exactly, 34 s b h + 5 a s^2 b, plus
+the norm statistics; flash attention without dropout keeps 32 s b h + 4 b s a (no s^2 term).
 """
 from __future__ import annotations
 
@@ -9,14 +19,17 @@ from planner.cost.attention import KERNELS
 from planner.specs.model import ModelSpec
 from planner.specs.plan import RECOMPUTE
 
+INT64, FP32, BOOL = 8, 4, 1
+
 
 def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, sequence_parallel: bool = False,
                            recompute: str = "none") -> float:
-    """Korthikanti et al. 2022 (arXiv 2205.05198), Table 2, bytes per transformer layer.
+    """Korthikanti et al. 2022 (arXiv 2205.05198), Table 2, bytes per transformer layer: the
+    paper's closed form, kept to check block_activation_bytes against (GPT, eager, dropout).
 
     no parallelism: s b h (34 + 5 a s / h); TP: s b h (10 + 24/t + 5 a s / (h t));
     TP + SP: s b h (34/t + 5 a s / (h t)); selective recompute drops the 5 a s/h term;
-    full recompute keeps s b h (2). (GPT with a 4h GELU MLP and multi-head attention.)
+    full recompute keeps s b h (2).
     """
     assert recompute in RECOMPUTE, recompute
     if recompute == "full":
@@ -27,42 +40,177 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, sequen
     return s * b * h * (10.0 + 24.0 / t + attn)
 
 
-def block_activation_bytes(model: ModelSpec, s: int, b: int, t: int, *, sequence_parallel: bool,
-                           recompute: str, act_bytes: float = 2.0, kernel: str = "eager") -> float:
-    """Saved activations of one block from its real tensor shapes (generalises Table 2).
+def rotary_dims(model: ModelSpec) -> int:
+    """Dims of each head the rotary embedding turns: ChatGLM's 2D-RoPE rotates the first half
+    of each head, rounded down to even (planner/executor/model.py rotary_dims); 0 without rotary."""
+    if model.position != "rotary":
+        return 0
+    r = model.dim_per_head // 2
+    return r - r % 2
 
-    Table 2's breakdown (section 4.1): attention 11 sbh + 5 a s^2 b; MLP 19 sbh; norms 4 sbh.
-    Here each stored tensor is sized from the actual widths: query q, key/value kv (grouped
-    attention), FFN width f with k input matrices (GLU: k = 2). With q = kv = h, f = 4h, k = 1
-    this is exactly Table 2. `act_bytes` is the activation element size (2 for bf16/fp16, 4 for
-    fp32); masks stay 1 byte. `kernel` is the attention kernel that runs
-    (planner.cost.attention.attention_kernel): only eager and math store the scores; the
-    dropouts are the model's (model.hidden_dropout, model.attention_dropout).
+
+def norm_stats_bytes(model: ModelSpec, tokens: float, e: float) -> float:
+    """Statistics one norm keeps for `tokens` rows: RMSNorm its fp32 rstd (the executor's
+    _RMSNormFn); LayerNorm torch's mean and rstd in the activation dtype."""
+    return FP32 * tokens if model.norm == "rmsnorm" else 2.0 * e * tokens
+
+
+def _core_bytes(model: ModelSpec, s: int, b: int, t: int, e: float, kernel: str) -> float:
+    """The attention core without recompute (docs/runtime.md: q, k, v, their logsumexp or
+    scores, the attention output)."""
+    n, g, d = model.heads / t, model.kv_heads / t, model.dim_per_head
+    out = e * b * s * n * d                                    # attention output (SDPA / P V and the dense linear)
+    if kernel == "flash":
+        # q, k, v (rotary outputs and a copy of v) and the fp32 logsumexp b x heads x s
+        return e * b * s * (n + 2 * g) * d + FP32 * b * n * s + out
+    # eager (or the CPU math fallback, which the executor runs eagerly): q / sqrt(d), K^T and V
+    # (contiguous copies), the softmax b x heads x s x s; with attention dropout its bool mask
+    # and its output
+    scores = e * b * n * s * s
+    if model.attention_dropout > 0:
+        scores += (BOOL + e) * b * n * s * s
+    return e * b * s * d * (n + 2 * g) + scores + out
+
+
+def block_activation_bytes(model: ModelSpec, s: int, b: int, t: int, *, sequence_parallel: bool,
+                           recompute: str, act_bytes: float, kernel: str) -> float:
+    """What one transformer block keeps for backward (docs/runtime.md "One transformer block"):
+
+        block = 4 e b s' h + 2 stats + core + e b s (f/T) (4 GLU | 2 GELU) + (2 b s' h if p_h > 0)
+
+    4 e b s' h: the block input and the residual sum (norm inputs), the QKV and FFN-in inputs
+    (sequence shards under SP); the FFN keeps its input-matrix output (GLU: gate and up), the
+    activation output and, for a GLU, the product; two 1-byte hidden-dropout masks where
+    hidden dropout runs. Post-LN / DeepNorm keeps the same count.
+
+    recompute "selective": the core is replaced by the QKV output the checkpoint holds
+    (e b s (a + 2g) d/T, one storage) and the attention output; "full": the block keeps only
+    its input, e b s' h, held by the checkpoint. `kernel` is the one that runs
+    (planner.cost.attention.attention_kernel): "math" is the CPU's fallback with attention
+    dropout, kept like eager.
     """
     assert recompute in RECOMPUTE and kernel in KERNELS, (recompute, kernel)
-    h, q, kv, f, k = model.hidden, model.q_size, model.kv_size, model.ffn_hidden, model.ffn_in_matrices
-    a = model.heads
-    e = act_bytes
-    sb = s * b
+    e, h = act_bytes, model.hidden
+    sr = s / t if sequence_parallel else s
     if recompute == "full":
-        # only the block's input is kept (Table 2: 2 sbh); with SP it is sharded by sequence
-        return e * sb * h / (t if sequence_parallel else 1)
-    # replicated in the TP region: two norm inputs, the QKV input and the MLP input (e sbh
-    # each) and two dropout masks (1 byte each): 10 sbh at e = 2
-    replicated = sb * (4 * e * h + 2 * h)
-    # sharded by TP: Q and K (for QK^T), V (for AV), the output-projection input, the MLP
-    # activation input (k f wide) and the down-projection input (f wide): 24 sbh at e = 2
-    sharded = sb * e * (q + kv + kv + q + k * f + f)
-    # attention core: softmax output (e), its dropout mask (1 byte), dropout output (e),
-    # per head and score: 5 a s^2 b at e = 2
-    attn_core = 0.0 if recompute == "selective" or kernel == "flash" else a * s * s * b * (2 * e + 1)
-    if sequence_parallel:
-        return (replicated + sharded + attn_core) / t
-    return replicated + (sharded + attn_core) / t
+        return e * b * sr * h
+    base = 4 * e * b * sr * h + 2 * norm_stats_bytes(model, b * sr, e)
+    if recompute == "selective":
+        n, g, d = model.heads / t, model.kv_heads / t, model.dim_per_head
+        core = e * b * s * (n + 2 * g) * d + e * b * s * n * d
+    else:
+        core = _core_bytes(model, s, b, t, e, kernel)
+    ffn = e * b * s * model.ffn_hidden / t * (4 if model.glu else 2)
+    masks = 2 * BOOL * b * sr * h if model.hidden_dropout > 0 else 0.0
+    return base + core + ffn + masks
 
 
-def logits_bytes(s: int, b: int, vocab: int, t: int, act_bytes: float) -> float:
-    """Output layer and loss on the last stage: the logits (activation precision), their fp32
-    upcast kept for the cross-entropy backward, and the fp32 gradient of the logits; vocab-
-    parallel over TP (Megatron's VocabParallelEmbedding / parallel cross-entropy)."""
-    return s * b * vocab / t * (act_bytes + 4.0 + 4.0)
+def mask_bytes(model: ModelSpec, s: int, b: int, t: int, e: float) -> float:
+    """The additive attention mask, causal and within-document: b 1 s s in the activation
+    dtype (ALiBi: b (a/T) s s, the per-head biases folded in)."""
+    heads = model.heads / t if model.position == "alibi" else 1
+    return e * b * heads * s * s
+
+
+def rotary_bytes(model: ModelSpec, s: int, b: int) -> float:
+    """Rotary cos and sin, b s 1 (r/2) fp32 each."""
+    return 2 * FP32 * b * s * (rotary_dims(model) // 2)
+
+
+def ids_bytes(s: int, b: int) -> float:
+    """The micro-batch's position and segment ids, int64 b s each."""
+    return 2 * INT64 * b * s
+
+
+def shared_bytes(model: ModelSpec, s: int, b: int, t: int, *, act_bytes: float, kernel: str, plain: bool,
+                 recomputed: bool) -> float:
+    """What a stage's blocks keep once per micro-batch (docs/runtime.md "Shared by a stage's
+    blocks"): the mask, kept by SDPA in flash blocks that are not recomputed, and the rotary
+    cos/sin, kept by blocks that are not recomputed (`plain`: the stage has such a block);
+    the position and segment ids the checkpoints hold (`recomputed`: it has a recomputed one)."""
+    assert kernel in KERNELS, kernel
+    out = 0.0
+    if plain:
+        out += rotary_bytes(model, s, b) + (mask_bytes(model, s, b, t, act_bytes) if kernel == "flash" else 0.0)
+    if recomputed:
+        out += ids_bytes(s, b)
+    return out
+
+
+def cache_bytes(model: ModelSpec, s: int, b: int, t: int, act_bytes: float) -> float:
+    """The stage cache's own set (the latest micro-batch's mask and cos/sin), one per stage
+    whatever the kernel or recompute (planner/executor/model.py StageCache)."""
+    return mask_bytes(model, s, b, t, act_bytes) + rotary_bytes(model, s, b)
+
+
+def embedding_bytes(model: ModelSpec, s: int, b: int, t: int) -> float:
+    """First stage: the token ids (int64; under TP the shard-local ids), the out-of-shard
+    flags (bool, T > 1) and, for learned positions, the position ids (int64). The embedding's
+    output is the first block's input, counted there."""
+    out = INT64 * b * s
+    if t > 1:
+        out += BOOL * b * s
+    if model.position == "learned":
+        out += INT64 * b * s
+    return out
+
+
+def head_bytes(model: ModelSpec, s: int, b: int, t: int, *, sequence_parallel: bool, act_bytes: float) -> float:
+    """Last stage: the final-norm input and statistics, the output-layer input (sequence
+    shards under SP), the vocab-parallel cross-entropy's fp32 softmax b s V_p/T (Megatron's
+    _VocabParallelCrossEntropy; the logits are never gathered), its out-of-shard target flags
+    (bool) and shard-local targets (int64), the loss's fp32 real-token weights and their count."""
+    e = act_bytes
+    sr = s / t if sequence_parallel else s
+    norm = e * b * sr * model.hidden + norm_stats_bytes(model, b * sr, e)
+    loss = FP32 * b * s * model.padded_vocab(t) / t + (BOOL + INT64 + FP32) * b * s + FP32
+    return norm + e * b * sr * model.hidden + loss
+
+
+def logits_bytes(model: ModelSpec, s: int, b: int, t: int, act_bytes: float) -> float:
+    """The logits, b s V_p/T in the activation dtype: never kept for backward, but alive during
+    the last stage's forward next to their fp32 copy (which becomes the kept softmax) and again
+    as the gradient entering the output layer."""
+    return act_bytes * b * s * model.padded_vocab(t) / t
+
+
+def pipe_buffers(p: int, stage: int, m: int) -> int:
+    """DeepSpeed's TrainSchedule.num_pipe_buffers: max(2, min(p - stage, m))
+    (deepspeed/runtime/pipe/schedule.py)."""
+    return max(2, min(p - stage, m))
+
+
+def pipeline_bytes(model: ModelSpec, s: int, b: int, t: int, *, sequence_parallel: bool, act_bytes: float,
+                   stage: int, p: int, m: int) -> tuple[float, float]:
+    """(per in-flight micro-batch, fixed) bytes of DeepSpeed's PipelineEngine buffers on one
+    stage (deepspeed/runtime/pipe/engine.py; 0 without a pipeline). The stage's activation
+    message is (hidden b s' h in the activation dtype, position ids, segment ids).
+
+    Per in-flight micro-batch: a later stage keeps the received message (_exec_recv_activations
+    clones it into pipe_buffers["inputs"]; _exec_send_grads frees it; the forward runs on
+    another clone, which the first block keeps); an earlier stage keeps its output message
+    (pipe_buffers["outputs"], freed after its backward).
+    Fixed: a later stage's receive buffer (pipe_recv_buf) and an earlier stage's gradient
+    buffer (_grad_layer_buf, floating tensors only); the first stage's loaded (ids, positions,
+    segments) in each pipe buffer and the last stage's labels, never freed; and the last
+    stage's previous logits, which pipe_buffers["outputs"] keeps (its backward returns before
+    freeing them) while the next micro-batch's cross-entropy runs (m >= 2).
+    """
+    if p == 1:
+        return 0.0, 0.0
+    e = act_bytes
+    hidden = e * b * (s / t if sequence_parallel else s) * model.hidden
+    message = hidden + ids_bytes(s, b)
+    per_mb = fixed = 0.0
+    if stage > 0:
+        per_mb += message
+        fixed += message
+    if stage < p - 1:
+        per_mb += message
+        fixed += hidden
+    nbuf = pipe_buffers(p, stage, m)
+    if stage == 0:
+        fixed += nbuf * 3 * INT64 * b * s
+    if stage == p - 1:
+        fixed += nbuf * INT64 * b * s + (logits_bytes(model, s, b, t, e) if m >= 2 else 0.0)
+    return per_mb, fixed

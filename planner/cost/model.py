@@ -61,13 +61,65 @@ def _block_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
     # flash's backward recomputes QK^T (one of the core's two GEMMs)
     rec_f = compute.core_time(model, dev, compute.flash_recompute_flops(model, s, b, t), s, prec,
                               f["attention_scale"]) if recomputes_scores(kernel) else 0.0
-    bw, lat = _tp_link(cluster, plan)
-    # Megatron TP: two all-reduces of b s h per block forward and two backward (with sequence
-    # parallelism, all-gather + reduce-scatter pairs of the same volume).
-    ar = comm.allreduce_time(s * b * model.hidden * e, t, bw, lat, f["comm_efficiency"])
+    tp_fwd, tp_bwd = tp_block_comm(model, s, b, t, e, plan.sequence_parallel, _tp_link(cluster, plan),
+                                   f["comm_efficiency"])
     fwd = gemm_f + core_f + elem_f
-    return _BlockTimes(forward=fwd, backward=2.0 * (gemm_f + core_f) + rec_f + 2.0 * elem_f, tp_fwd=2 * ar,
-                       tp_bwd=2 * ar, selective=core_f + scores_f)
+    return _BlockTimes(forward=fwd, backward=2.0 * (gemm_f + core_f) + rec_f + 2.0 * elem_f, tp_fwd=tp_fwd,
+                       tp_bwd=tp_bwd, selective=core_f + scores_f)
+
+
+def replicated_grad_allreduces(model: ModelSpec) -> int:
+    """Under sequence parallelism, the replicated parameters of one block used on sequence
+    shards (norm weights and biases, row-parallel biases) each get an all-reduce of their h
+    elements over TP in backward, once per micro-batch (docs/runtime.md "With sequence
+    parallelism"; planner/executor/parallel/tensor.py `replicated`): 2 (RMSNorm) or 4
+    (LayerNorm) + 2 (attention-output and FFN-output biases, if any)."""
+    per_norm = 2 if model.norm == "layernorm" else 1
+    return 2 * per_norm + (2 if model.linear_bias else 0)
+
+
+def tp_block_comm(model: ModelSpec, s: int, b: int, t: int, e: float, sp: bool, link: tuple[float, float],
+                  eff: float) -> tuple[float, float]:
+    """(forward, backward) seconds of one block's TP collectives, all exposed (docs/runtime.md,
+    Megatron-LM: Shoeybi et al. 2019 sec. 3; SP: Korthikanti et al. 2022 sec. 4.2.2).
+
+    Without SP: 2 all-reduces of b s h forward (attention and FFN outputs) and 2 backward
+    (gradients of the QKV and FFN inputs). With SP: forward 2 all-gathers (QKV and FFN-in
+    inputs) and 2 reduce-scatters (attention and FFN outputs); backward per column-parallel
+    linear 1 all-gather (its saved sequence shard gathered again) and 1 reduce-scatter (input
+    gradient), per row-parallel linear 1 all-gather: 4 all-gathers and 2 reduce-scatters of
+    b s h, plus the replicated parameters' gradient all-reduces of h elements."""
+    bw, lat = link
+    sbh = s * b * model.hidden * e
+    if not sp:
+        ar = comm.allreduce_time(sbh, t, bw, lat, eff)
+        return 2 * ar, 2 * ar
+    ag = comm.allgather_time(sbh, t, bw, lat, eff)
+    rs = comm.reducescatter_time(sbh, t, bw, lat, eff)
+    params = replicated_grad_allreduces(model) * comm.allreduce_time(model.hidden * e, t, bw, lat, eff)
+    return 2 * ag + 2 * rs, 4 * ag + 2 * rs + params
+
+
+def tp_stage_comm(model: ModelSpec, s: int, b: int, t: int, e: float, sp: bool, link: tuple[float, float],
+                  eff: float) -> tuple[float, float]:
+    """(first stage, last stage) seconds of the TP collectives outside the blocks, per micro-batch
+    (docs/runtime.md): the word embedding's forward all-reduce of b s h (SP: a reduce-scatter
+    for rotary / ALiBi models; learned positions keep the all-reduce and split the sum
+    afterwards), under SP with a backward all-gather; the output layer's backward all-reduce
+    of b s h (SP: a forward all-gather of its input, a backward all-gather and reduce-scatter,
+    and the final norm's 1 (RMSNorm) or 2 (LayerNorm) parameter all-reduces of h); the
+    vocab-parallel cross-entropy's three small fp32 all-reduces of b s."""
+    bw, lat = link
+    sbh = s * b * model.hidden * e
+    ar = comm.allreduce_time(sbh, t, bw, lat, eff)
+    ce = CE_ALLREDUCES * comm.allreduce_time(s * b * 4.0, t, bw, lat, eff)
+    if not sp:
+        return ar, ar + ce
+    ag = comm.allgather_time(sbh, t, bw, lat, eff)
+    rs = comm.reducescatter_time(sbh, t, bw, lat, eff)
+    first = (ar if model.position == "learned" else rs) + ag
+    norm = (2 if model.norm == "layernorm" else 1) * comm.allreduce_time(model.hidden * e, t, bw, lat, eff)
+    return first, 2 * ag + rs + norm + ce
 
 
 def layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan) -> LayerCosts:
@@ -87,13 +139,8 @@ def _layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
     base = bt.forward + bt.backward + bt.tp_fwd + bt.tp_bwd
     block_time = base + (bt.selective if plan.recompute == "selective" else 0.0)
     block_full = base + bt.forward + bt.tp_fwd
-    # TP outside the blocks: embedding forward all-reduce of b s h; output-layer backward
-    # all-reduce of b s h and the cross-entropy's small fp32 all-reduces of b s
-    bw, lat = _tp_link(cluster, plan)
-    eff = f["comm_efficiency"]
-    first_tp = comm.allreduce_time(sbh * e, t, bw, lat, eff)
-    last_tp = comm.allreduce_time(sbh * e, t, bw, lat, eff) + CE_ALLREDUCES * comm.allreduce_time(
-        s * b * 4.0, t, bw, lat, eff)
+    first_tp, last_tp = tp_stage_comm(model, s, b, t, e, plan.sequence_parallel, _tp_link(cluster, plan),
+                                      f["comm_efficiency"])
     # first stage: embedding lookup and its gradient (memory-bound)
     first = 3.0 * 2.0 * sbh * e / hbm * f["elementwise_scale"]
     # last stage: final norm, output GEMM (2 b s h V_pad / t, backward 2x), cross-entropy in fp32
@@ -105,7 +152,10 @@ def _layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
     act = memory.block_activation_bytes(model, s, b, t, recompute=act_mode, **kw) * f["activation_scale"]
     act_none = memory.block_activation_bytes(model, s, b, t, recompute="none", **kw) * f["activation_scale"]
     act_full = memory.block_activation_bytes(model, s, b, t, recompute="full", **kw)
-    work = act_none  # counted only where a block is recomputed (stage_bytes)
+    in_flight = pipeline.in_flight(plan.pp, plan.grad_accum, plan.interleave)
+    first_act, last_act, work = stage_extras(model, s, b, t, plan, e, kernel, in_flight[0])
+    # the recomputed block (or attention core) rebuilds what it dropped, next to what it kept
+    work += act_none - (act if plan.recompute == "selective" else act_full)
     thr = params.persistence_threshold(model)
     blk, fst, lst = (params.block_tensors(model, t), params.first_stage_tensors(model, t),
                      params.last_stage_tensors(model, t, plan.pp))
@@ -113,13 +163,54 @@ def _layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
         block_time=block_time, block_time_full_recompute=block_full, first_stage_time=first + first_tp,
         last_stage_time=last + last_tp, first_stage_tp=first_tp, last_stage_tp=last_tp,
         block_act_bytes=act, block_act_bytes_full_recompute=act_full,
-        block_work_bytes=work, first_stage_act_bytes=sbh * (e + 1),
-        last_stage_act_bytes=memory.logits_bytes(s, b, model.padded_vocab(t), t, e) + sbh * e,
+        block_work_bytes=work, first_stage_act_bytes=first_act, last_stage_act_bytes=last_act,
         block_psi=blk.total, first_stage_psi=fst.total, last_stage_psi=lst.total,
         block_small=blk.small(thr), first_stage_small=fst.small(thr), last_stage_small=lst.small(thr),
         fixed_bytes=f["memory_overhead_gb"] * GB,
-        in_flight=pipeline.in_flight(plan.pp, plan.grad_accum, plan.interleave),
+        in_flight=in_flight,
     )
+
+
+def stage_extras(model: ModelSpec, s: int, b: int, t: int, plan: Plan, e: float, kernel: str,
+                 flight0: float) -> tuple[float, float, float]:
+    """(first stage per in-flight micro-batch, last stage, recompute working set) of the
+    activation bytes outside the blocks (planner/cost/memory.py, docs/runtime.md):
+
+    - first stage, per micro-batch in flight: the embedding's ids and flags; with a pipeline
+      also the stage's shared tensors (mask, cos/sin), its output message, and its fixed
+      buffers (the stage cache's own set beyond what the blocks keep, the pipeline's
+      buffers) spread over its `flight0` micro-batches so that the total is exact;
+    - last stage (one micro-batch in flight under 1F1B): the head and loss, the transient
+      logits, the shared tensors, the stage cache's own set, the pipeline's buffers (received
+      message, labels, previous logits). Without a pipeline the one stage is first and last:
+      its shared tensors are counted here;
+    - where blocks are recomputed: the shared tensors a recompute rebuilds, and the position
+      and segment ids the checkpoints hold.
+
+    Which blocks of a stage are recomputed is the search's choice, after these costs (a
+    "full" plan that checkpoints nothing is the "none" plan, with the same costs), so the
+    shared tensors count as for a stage with plain blocks: exact for a stage with both plain
+    and checkpointed blocks; a stage whose blocks are all checkpointed is charged its mask and
+    cos/sin per micro-batch instead of once; the checkpoints' ids count once per stage, not per
+    micro-batch in flight (16 b s each). Inner pipeline stages (0 < i < p - 1) are not charged
+    their shared tensors and pipeline buffers: LayerCosts has no per-stage term the search's
+    solvers read (planner/search/checkpoint.py StageModel).
+    """
+    sp, p, m = plan.sequence_parallel, plan.pp, plan.grad_accum
+    plain = plan.recompute != "selective"
+    kept = memory.shared_bytes(model, s, b, t, act_bytes=e, kernel=kernel, plain=plain, recomputed=False)
+    cache = memory.cache_bytes(model, s, b, t, e) - kept  # the cache's set beyond the latest micro-batch's
+    first = memory.embedding_bytes(model, s, b, t)
+    last = memory.head_bytes(model, s, b, t, sequence_parallel=sp, act_bytes=e) + memory.logits_bytes(model, s, b, t, e)
+    last += kept + cache
+    if p > 1:
+        per0, fixed0 = memory.pipeline_bytes(model, s, b, t, sequence_parallel=sp, act_bytes=e, stage=0, p=p, m=m)
+        first += kept + per0 + (cache + fixed0) / flight0
+        per1, fixed1 = memory.pipeline_bytes(model, s, b, t, sequence_parallel=sp, act_bytes=e, stage=p - 1, p=p,
+                                             m=m)
+        last += per1 + fixed1
+    work = memory.shared_bytes(model, s, b, t, act_bytes=e, kernel=kernel, plain=True, recomputed=True)
+    return first, last, work
 
 
 def stage_bytes(fp: engines.Footprint, plan: Plan, lc: LayerCosts, stage: int, blocks: int, checkpointed: int,

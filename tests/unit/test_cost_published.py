@@ -74,21 +74,27 @@ def test_korthikanti_table2_exact(s, b, h, a, t):
     assert layer_activation_bytes(s, b, h, a, t, recompute="full") == 2 * sbh
 
 
-def gpt(h: int, a: int, L: int, V: int = 51200, s: int = 2048) -> ModelSpec:
+def gpt(h: int, a: int, L: int, V: int = 51200, s: int = 2048, dropout: float = 0.0) -> ModelSpec:
     return ModelSpec(name="gpt", hidden=h, heads=a, layers=L, ffn_hidden=4 * h, activation="gelu", vocab=V,
-                     max_seq=s, position="learned", tied_embeddings=True)
+                     max_seq=s, position="learned", tied_embeddings=True, hidden_dropout=dropout,
+                     attention_dropout=dropout)
 
 
 @pytest.mark.parametrize("t", [1, 2, 8])
 @pytest.mark.parametrize("sp", [False, True])
 @pytest.mark.parametrize("rc", ["none", "selective", "full"])
 def test_shape_based_activations_reduce_to_table2_for_gpt(t, sp, rc):
-    m = gpt(4096, 32, 4)
-    got = block_activation_bytes(m, 2048, 2, t, sequence_parallel=sp, recompute=rc)
+    """Table 2's runtime: eager attention, dropout 0.1, bf16. The executor also keeps the two
+    LayerNorms' mean and rstd (bf16, b s' each), which Table 2 leaves out."""
+    m = gpt(4096, 32, 4, dropout=0.1)
+    got = block_activation_bytes(m, 2048, 2, t, sequence_parallel=sp, recompute=rc, act_bytes=2.0, kernel="eager")
     want = layer_activation_bytes(2048, 2, 4096, 32, t, sequence_parallel=sp, recompute=rc)
-    if rc == "full" and sp:
-        want /= t  # the checkpointed input is sharded by sequence under SP
-    assert got == pytest.approx(want, rel=1e-12)
+    rows = 2048 * 2 / (t if sp else 1)
+    if rc == "full":
+        want /= t if sp else 1  # the checkpointed input is sharded by sequence under SP
+    else:
+        want += 2 * (2 * 2 * rows)  # two LayerNorms x (mean + rstd) x 2 bytes
+    assert got == pytest.approx(want, rel=1e-12, abs=0)
 
 
 def test_glu_and_grouped_kv_change_activations_from_shapes():
@@ -96,11 +102,17 @@ def test_glu_and_grouped_kv_change_activations_from_shapes():
     gqa = ModelSpec(name="g", hidden=4096, heads=32, kv_groups=2, layers=4, ffn_hidden=13696,
                     activation="swiglu", vocab=65024, max_seq=8192)
     sb = 2048
-    # K and V are 2/32 as wide; the FFN stores 2 x 13696 (gate, up) + 13696 (down input)
-    expected = sb * (4 * 2 * 4096 + 2 * 4096) + sb * 2 * (4096 + 256 + 256 + 4096 + 2 * 13696 + 13696) \
-        + 32 * 2048 * 2048 * 5
-    assert block_activation_bytes(gqa, 2048, 1, 1, sequence_parallel=False, recompute="none") == expected
-    assert expected != block_activation_bytes(mha, 2048, 1, 1, sequence_parallel=False, recompute="none")
+    # eager, bf16, no dropout: norm inputs and the QKV / FFN inputs (4 x 2 sbh), LayerNorm mean
+    # and rstd (2 x 2 x 2 sb); q / sqrt(d), K^T, V with K and V 2/32 as wide (128 x (32 + 4));
+    # the softmax (2 a s^2 b); the attention output; SwiGLU keeps gate + up, the activation
+    # output and the product (4 x 13696)
+    expected = sb * (4 * 2 * 4096 + 2 * 2 * 2) + 2 * sb * 128 * (32 + 4) + 2 * 32 * 2048 * 2048 \
+        + 2 * sb * 4096 + 2 * sb * 13696 * 4
+    got = block_activation_bytes(gqa, 2048, 1, 1, sequence_parallel=False, recompute="none", act_bytes=2.0,
+                                 kernel="eager")
+    assert got == expected
+    assert expected != block_activation_bytes(mha, 2048, 1, 1, sequence_parallel=False, recompute="none",
+                                              act_bytes=2.0, kernel="eager")
 
 
 # Megatron-LM (Narayanan et al. 2021) Table 1 models: eq. 2 parameter counts

@@ -212,8 +212,21 @@ def test_step_time_adds_every_term_and_hfu_counts_flash_recompute():
 
 
 # --- memory terms --------------------------------------------------------------------------
+# outside the blocks (docs/runtime.md; b 1, s 128, h 64, bf16): the embedding keeps its int64
+# ids (+ 1-byte out-of-shard flags at TP 2); the blocks share the SDPA mask (b 1 s s, bf16) and
+# rotary cos/sin (fp32 b s 4 each: d 16, 8 rotary dims); the last stage keeps the final
+# LayerNorm's input and mean/rstd, the output layer's input, the fp32 softmax over V_pad/t, the
+# loss's flags (bool), targets (int64), weights (fp32) and count, and briefly the bf16 logits
+EMB_T1, EMB_T2_ACTS = 128 * 8, 128 * (8 + 1)
+SHARED = 2 * 128 * 128 + 2 * 4 * 128 * 4                                  # mask + cos/sin
+
+
+def head(v_local: int, e: int = 2) -> int:
+    return e * 128 * 64 * 2 + 2 * e * 128 + 4 * 128 * v_local + (1 + 8 + 4) * 128 + 4 + e * 128 * v_local
+
+
 def _acts_per_block(plan: Plan, kernel: str = "flash") -> float:
-    """Per-block activation bytes (their formula is pinned in test_cost_published.py)."""
+    """Per-block activation bytes (their formula is pinned by hand in test_cost_activations.py)."""
     return block_activation_bytes(MODEL, 128, 1, plan.tp, sequence_parallel=plan.sequence_parallel,
                                   recompute="none", act_bytes=2.0, kernel=kernel)
 
@@ -222,9 +235,9 @@ def test_fp16_optimizer_memory_terms():
     plan = tp2dp2()
     mem = run(plan).stage_memory[0]
     assert (mem.params, mem.grads, mem.optimizer) == (2 * PSI_TP2, 2 * PSI_TP2, 12 * PSI_TP2)
-    acts = 1 * (4 * _acts_per_block(plan) + 128 * 64 * (2 + 1))           # one micro-batch in flight + embedding
+    acts = 1 * (4 * _acts_per_block(plan) + EMB_T2_ACTS)                   # one micro-batch in flight + embedding
     assert mem.activations == pytest.approx(acts, rel=1e-12, abs=0)
-    logits = 128 * 1000 / 2 * (2 + 4 + 4) + 128 * 64 * 2                   # V_pad / t columns, bf16 + 2 x fp32
+    logits = head(500) + SHARED                                            # V_pad / t columns; the stage's shared set
     assert mem.logits == pytest.approx(logits, rel=1e-12, abs=0)
     assert mem.buckets == 2 * PSI_TP2                                      # ZeRO-0's flat all-reduce copy
     assert mem.overhead == pytest.approx(FIXED + FRAG * (acts + logits + 2 * PSI_TP2), rel=1e-12, abs=0)
@@ -263,13 +276,20 @@ def test_bf16_optimizer_memory_shards_masters_over_dp():
     last = run(plan).stage_memory[1]
     psi = 2 * BLOCK_T1 + HEAD_T1
     assert (last.params, last.grads, last.optimizer) == (2 * psi, 2 * psi + 2 * psi, 12 * psi / 2)
-    assert last.logits == pytest.approx(128 * 999 * (2 + 4 + 4) + 128 * 64 * 2, rel=1e-12, abs=0)
+    # DeepSpeed's pipeline buffers: the message (bf16 b s h, int64 positions and segments) received
+    # per micro-batch in flight and in the receive buffer; labels in 2 pipe buffers; the previous
+    # micro-batch's logits, kept in pipe_buffers["outputs"]
+    message = 128 * 64 * 2 + 2 * 8 * 128
+    assert last.logits == pytest.approx(head(999) + SHARED + 2 * message + 2 * 8 * 128 + 2 * 128 * 999,
+                                        rel=1e-12, abs=0)
     first = run(plan).stage_memory[0]
     assert first.logits == 0
-    # 1F1B: stage 0 holds p = 2 micro-batches in flight, stage 1 one
+    # 1F1B: stage 0 holds p = 2 micro-batches in flight, stage 1 one; stage 0 also keeps each one's
+    # output message, its gradient buffer and the loaded ids/positions/segments of 2 pipe buffers
     act1 = block_activation_bytes(MODEL, 128, 1, 1, sequence_parallel=False, recompute="none", act_bytes=2.0,
                                   kernel="flash")
-    assert first.activations == pytest.approx(2 * (2 * act1 + 128 * 64 * 3), rel=1e-12, abs=0)
+    want = 2 * (2 * act1 + EMB_T1 + SHARED + message) + 128 * 64 * 2 + 2 * 3 * 8 * 128
+    assert first.activations == pytest.approx(want, rel=1e-12, abs=0)
     assert last.activations == pytest.approx(1 * 2 * act1, rel=1e-12, abs=0)
 
 
@@ -277,7 +297,10 @@ def test_full_recompute_keeps_block_inputs_and_one_working_block():
     plan = tp2dp2(recompute="full")
     mem = run(plan).stage_memory[0]
     kept = 128 * 64 * 2                                       # each checkpointed block keeps its input
-    assert mem.activations == pytest.approx(4 * kept + 128 * 64 * 3 + _acts_per_block(plan), rel=1e-12, abs=0)
+    # one block recomputed at a time: its tensors besides its input, the mask and cos/sin it
+    # rebuilds, and the position/segment ids the checkpoints hold
+    work = _acts_per_block(plan) - kept + SHARED + 2 * 8 * 128
+    assert mem.activations == pytest.approx(4 * kept + EMB_T2_ACTS + work, rel=1e-12, abs=0)
 
 
 def test_layer_costs_carry_the_exact_parameter_split():
@@ -303,7 +326,7 @@ def test_every_runtime_factor_scales_its_own_term():
     assert t.tp_comm == pytest.approx(2 * (18 * AR_T2 + CE_AR_T2) / 0.5, rel=1e-12, abs=0)
     assert t.dp_sync == pytest.approx(PSI_TP2 * 2 * 2 * (1 / 2) / (INTER / 2) / 0.5, rel=1e-12, abs=0)
     assert t.optimizer == pytest.approx(PSI_TP2 * 30 / HBM * 5, rel=1e-12, abs=0)
-    acts = 4 * _acts_per_block(tp2dp2()) * 1.5 + 128 * 64 * 3
+    acts = 4 * _acts_per_block(tp2dp2()) * 1.5 + EMB_T2_ACTS
     assert est.stage_memory[0].activations == pytest.approx(acts, rel=1e-12, abs=0)
 
 
@@ -316,7 +339,7 @@ def test_fp32_doubles_every_activation_and_message_byte():
     assert t.dp_sync == pytest.approx(PSI_TP2 * 4 * 2 * (1 / 2) / (INTER / 2), rel=1e-12, abs=0)   # bare AdamW: after backward
     mem = est.stage_memory[0]
     assert (mem.params, mem.grads, mem.optimizer, mem.buckets) == (4 * PSI_TP2, 4 * PSI_TP2, 8 * PSI_TP2, 4 * PSI_TP2)
-    assert mem.logits == pytest.approx(128 * 500 * (4 + 4 + 4) + 128 * 64 * 4, rel=1e-12, abs=0)
+    assert mem.logits == pytest.approx(head(500, e=4) + 4 * 128 * 128 + 2 * 4 * 128 * 4, rel=1e-12, abs=0)
 
 
 def test_a_bigger_micro_batch_scales_tokens_and_messages():
@@ -418,8 +441,15 @@ def test_pipeline_messages_in_fp32_and_with_bigger_micro_batches():
 
 
 def test_tp_comm_of_a_last_stage_leaves_the_embedding_out():
+    # SP: an all-gather or reduce-scatter of b s h over TP 2 moves half of an all-reduce. Per
+    # block forward 2 all-gathers + 2 reduce-scatters, backward 4 all-gathers + 2 reduce-scatters
+    # and the replicated parameters' gradients (2 LayerNorms x weight and bias, 2 row-parallel
+    # biases: 6 all-reduces of h bf16); the last stage: the output layer's forward all-gather,
+    # backward all-gather + reduce-scatter, the final LayerNorm's 2 and the cross-entropy's 3
     t = run(Plan(tp=2, pp=2, micro_batch=1, grad_accum=4, sequence_parallel=True)).time
-    assert t.tp_comm == pytest.approx(4 * (2 * 4 * AR_T2 + AR_T2 + CE_AR_T2), rel=1e-12, abs=0)
+    param = 64 * 2 * 2 * (1 / 2) / INTRA
+    block = 10 * AR_T2 / 2 + 6 * param
+    assert t.tp_comm == pytest.approx(4 * (2 * block + 3 * AR_T2 / 2 + 2 * param + CE_AR_T2), rel=1e-12, abs=0)
 
 
 def test_cpu_with_attention_dropout_runs_the_math_path():
@@ -445,10 +475,10 @@ def test_fp32_activations_and_the_scaled_working_block():
     fp32 = run(tp2dp2(precision="fp32")).stage_memory[0]
     act = block_activation_bytes(MODEL, 128, 1, 2, sequence_parallel=False, recompute="none", act_bytes=4.0,
                                  kernel="flash")
-    assert fp32.activations == pytest.approx(4 * act + 128 * 64 * (4 + 1), rel=1e-12, abs=0)
+    assert fp32.activations == pytest.approx(4 * act + EMB_T2_ACTS, rel=1e-12, abs=0)
     full = run(tp2dp2(recompute="full"), c=cluster(device=SCALED)).stage_memory[0]
-    assert full.activations == pytest.approx(4 * 128 * 64 * 2 + 128 * 64 * 3 + 1.5 * _acts_per_block(tp2dp2()),
-                                             rel=1e-12, abs=0)
+    work = 1.5 * _acts_per_block(tp2dp2()) - 128 * 64 * 2 + SHARED + 2 * 8 * 128   # scaled: the block's
+    assert full.activations == pytest.approx(4 * 128 * 64 * 2 + EMB_T2_ACTS + work, rel=1e-12, abs=0)
 
 
 def test_zero3_updates_a_shard():

@@ -105,15 +105,20 @@ def test_elementwise_traffic_by_kernel_dropout_and_sequence_parallelism():
 
 
 # --- memory ----------------------------------------------------------------------------------
-def test_logits_and_their_loss_buffers():
-    assert memory.logits_bytes(4, 2, 12, 2, 2.0) == 4 * 2 * 6 * (2 + 4 + 4)
+def test_logits_are_vocab_parallel_in_the_activation_dtype():
+    # TINY's vocabulary 11 pads to 12 at TP 2: 6 columns per rank; s 4, b 2, bf16
+    assert memory.logits_bytes(TINY, 4, 2, 2, 2.0) == 2 * 2 * 4 * 6
 
 
 def test_activation_formulas_refuse_unknown_modes():
     with pytest.raises(AssertionError):
         memory.layer_activation_bytes(4, 1, 8, 2, recompute="some")
     with pytest.raises(AssertionError):
-        memory.block_activation_bytes(TINY, 4, 1, 1, sequence_parallel=False, recompute="none", kernel="sdpa")
+        memory.block_activation_bytes(TINY, 4, 1, 1, sequence_parallel=False, recompute="none", act_bytes=2.0,
+                                      kernel="sdpa")
+    with pytest.raises(AssertionError):
+        memory.block_activation_bytes(TINY, 4, 1, 1, sequence_parallel=False, recompute="some", act_bytes=2.0,
+                                      kernel="flash")
 
 
 # --- parameters and layer costs --------------------------------------------------------------

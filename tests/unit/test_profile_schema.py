@@ -67,10 +67,12 @@ def test_measured_profile_has_the_builtin_schema_and_round_trips(tmp_path):
     # a fully checkpointed block keeps its input, e s b h = 2 x 128 x 4 x 128 bytes
     assert "korthikanti_bytes" not in row and "error" not in row["cost_model"]
     assert row["cost_model"]["block_act_bytes_full_recompute"] == 2 * 128 * 4 * 128
-    # without recompute, flash attention (TrainSpec's default; no s x s per head), chatglm3-6b tiny:
-    # h 128, q 128, kv 64, f 432 x 2 (SwiGLU), sb = 512, e = 2: norms/inputs and two 1-byte masks
-    # sb (4 e h + 2 h) = 655360, TP-sharded tensors sb e (2q + 2kv + 2f + f) = 1720320
-    assert row["cost_model"]["block_act_bytes"] == 655360 + 1720320
+    # without recompute, flash attention (TrainSpec's default; no s x s per head), chatglm3-6b tiny
+    # (docs/runtime.md): h 128, 4 heads, 2 KV groups, d 32, f 432 (SwiGLU), RMSNorm, no dropout,
+    # sb = 512, e = 2: norm inputs and QKV/FFN inputs 4 e sb h = 524288, two fp32 rstd 2 x 4 sb = 4096,
+    # q, k, v e sb (4 + 2 + 2) d = 262144, fp32 logsumexp 4 sb 4 = 8192, attention output
+    # e sb 4 d = 131072, gate + up, activation, product e sb 4 f = 1769472
+    assert row["cost_model"]["block_act_bytes"] == 524288 + 4096 + 262144 + 8192 + 131072 + 1769472
     path = tmp_path / "p.json"
     write.write(path, data)
     prof = load_profile(path)
