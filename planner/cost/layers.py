@@ -28,17 +28,22 @@ class LayerCosts:
     """Of last_stage_time, the TP communication (output-layer backward all-reduce and the
     vocab-parallel cross-entropy's small all-reduces)."""
     block_act_bytes: float
-    """Activations one block saves for backward (plan's recompute mode, none or selective)."""
+    """What one block keeps for backward (plan's recompute mode, none or selective):
+    planner.cost.memory.block_activation_bytes, docs/runtime.md."""
     block_act_bytes_full_recompute: float
     """What a fully checkpointed block keeps: its input (Korthikanti Table 2: 2sbh)."""
     block_work_bytes: float
-    """Transient working set while one block runs its backward (recomputed activations of a
-    checkpointed block, attention scores); counted once per stage that recomputes, not per
-    micro-batch."""
+    """Working set of recomputation, counted once per stage that recomputes: a checkpointed
+    block's (or attention core's) tensors besides what it kept, the mask and cos/sin its
+    recompute rebuilds, and the position/segment ids the checkpoints hold."""
     first_stage_act_bytes: float
-    """Extra saved activations on the first stage (embedding output)."""
+    """Extra bytes on the first stage per micro-batch in flight: the embedding's ids and flags;
+    with a pipeline also the stage's shared tensors, its output message and its fixed buffers
+    spread over its in-flight micro-batches (planner.cost.model.stage_extras)."""
     last_stage_act_bytes: float
-    """Logits and loss buffers on the last stage (b s V_pad/t, fp32 for the loss)."""
+    """Extra bytes on the last stage (one micro-batch in flight): final norm, output-layer
+    input, fp32 softmax and loss buffers, the transient logits (b s V_pad/t), the stage's
+    shared tensors and cache, DeepSpeed's pipeline buffers (planner.cost.model.stage_extras)."""
     block_psi: int
     """Parameters of one block on one device (planner.cost.params)."""
     first_stage_psi: int
