@@ -151,6 +151,10 @@ def _layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
     kw = dict(sequence_parallel=plan.sequence_parallel, act_bytes=e, kernel=kernel)
     act = memory.block_activation_bytes(model, s, b, t, recompute=act_mode, **kw) * f["activation_scale"]
     act_none = memory.block_activation_bytes(model, s, b, t, recompute="none", **kw) * f["activation_scale"]
+    if rebuilds_shared_per_block(plan):
+        own = memory.shared_bytes(model, s, b, t, act_bytes=e, kernel=kernel, plain=True, recomputed=False)
+        act += own if plan.recompute != "selective" else 0.0
+        act_none += own
     act_full = memory.block_activation_bytes(model, s, b, t, recompute="full", **kw)
     in_flight = pipeline.in_flight(plan.pp, plan.grad_accum, plan.interleave)
     first_act, last_act, work = stage_extras(model, s, b, t, plan, e, kernel, in_flight[0])
@@ -169,6 +173,16 @@ def _layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
         fixed_bytes=f["memory_overhead_gb"] * GB,
         in_flight=in_flight,
     )
+
+
+def rebuilds_shared_per_block(plan: Plan) -> bool:
+    """Under ZeRO-3 every block builds its own mask and cos/sin: DeepSpeed wraps each module's
+    output tensors in an autograd function (deepspeed/runtime/zero/parameter_offload.py
+    _post_forward_module_hook -> zero/utils.py apply_to_tensors_only), so the position and
+    segment ids reach the next block as new tensor objects and the executor's stage cache,
+    keyed by their identity (planner/executor/model.py StageCache), misses. Measured with
+    the executor's ActivationRecorder (docs/runtime.md)."""
+    return plan.zero == 3
 
 
 def stage_extras(model: ModelSpec, s: int, b: int, t: int, plan: Plan, e: float, kernel: str,
@@ -200,6 +214,8 @@ def stage_extras(model: ModelSpec, s: int, b: int, t: int, plan: Plan, e: float,
     plain = plan.recompute != "selective"
     kept = memory.shared_bytes(model, s, b, t, act_bytes=e, kernel=kernel, plain=plain, recomputed=False)
     cache = memory.cache_bytes(model, s, b, t, e) - kept  # the cache's set beyond the latest micro-batch's
+    if rebuilds_shared_per_block(plan):
+        kept = 0.0  # each plain block keeps its own set (block_act_bytes)
     first = memory.embedding_bytes(model, s, b, t)
     last = memory.head_bytes(model, s, b, t, sequence_parallel=sp, act_bytes=e) + memory.logits_bytes(model, s, b, t, e)
     last += kept + cache

@@ -9,9 +9,13 @@ GPU: torch.cuda.max_memory_allocated after torch.cuda.reset_peak_memory_stats.
 Model states (both): the bytes of parameters, gradients and optimizer state (fp32 masters,
 moments, ZeRO partitions and buckets) this rank holds, counted tensor by tensor with
 shared storage counted once -- exact and repeatable.
+Activations (worker --measure-activations): the bytes each layer keeps for backward during one
+micro-batch of a real training step, ActivationRecorder below.
 """
 from __future__ import annotations
 
+import contextlib
+import weakref
 from pathlib import Path
 
 import torch
@@ -95,3 +99,116 @@ def model_state_bytes(module: torch.nn.Module, optimizer) -> dict[str, int]:
     _collect(optimizer, set(), rest, depth=6)
     opt = {k: v for k, v in rest.items() if k not in params and k not in grads}
     return {"params": sum(params.values()), "grads": sum(grads.values()), "optimizer": sum(opt.values())}
+
+
+class ActivationRecorder:
+    """What each layer of this rank keeps for backward during one micro-batch's forward (and
+    its loss): saved-tensor hooks, plus the inputs DeepSpeed's activation checkpointing holds
+    as ctx attributes, which the hooks do not see (recorded where the executor's model calls
+    the checkpoint, as planner.executor.model.saved_for_backward does). Storages count once;
+    parameters are left out (also ZeRO-3's gathered weights and the Parameter objects its
+    linear saves).
+
+    Each storage is attributed to the layer running when it was kept: "embedding" (word and
+    position embedding), "block<i>" (global block index), "head" (final norm, output layer,
+    loss). What more than one layer keeps, what the stage cache hands out (mask, cos/sin) and
+    the micro-batch's position/segment ids are the stage's "shared" part (docs/runtime.md).
+    `result` after a window: {"blocks": {i: bytes}, "shared", "embedding", "head"}."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        from planner.executor import model as M
+        self._model = M
+        self.params = list(module.parameters())
+        self.result: dict | None = None
+        self.active = False
+        self._kept: dict[int, list] = {}
+        self._shared: dict[int, weakref.ref] = {}
+        self._label = "embedding"
+        self._caches: dict[int, object] = {}
+        for m in module.modules():
+            label = None
+            if isinstance(m, (M.WordEmbedding, M.PositionEmbedding)):
+                label = "embedding"
+            elif isinstance(m, M.Block):
+                label = f"block{m.layer}"
+                self._caches[id(m.self_attention.cache)] = m.self_attention.cache
+            elif isinstance(m, (M.FinalNorm, M.OutputLayer)):
+                label = "head"
+            if label is not None:
+                m.register_forward_pre_hook(self._enter(label))
+
+    def _enter(self, label: str):
+        def hook(module, args):
+            if self.active:
+                self._label = label
+                if label.startswith("block"):
+                    self._share(t for t in args[0][1:] if torch.is_tensor(t))  # positions, segments
+        return hook
+
+    def _share(self, tensors) -> None:
+        for t in tensors:
+            self._shared[_ptr(t)] = weakref.ref(t)
+
+    def _keep(self, t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, torch.nn.Parameter) or t.device.type == "meta":
+            return t
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr == 0 or ptr in {_ptr(p) for p in self.params}:  # ZeRO-3 swaps p.data: look each time
+            return t
+        entry = self._kept.setdefault(ptr, [0, set()])
+        entry[0] = max(entry[0], st.nbytes())
+        entry[1].add(self._label)
+        return t
+
+    @contextlib.contextmanager
+    def window(self):
+        """Record the forward (and loss) run inside: one micro-batch of this rank's stage."""
+        M = self._model
+        self._kept, self._shared, self._label, self.active = {}, {}, "embedding", True
+        run_checkpoint = M._checkpoint
+        gets = {}
+
+        def checkpoint_keeping_inputs(fn, *args):
+            for a in args:
+                if torch.is_tensor(a):
+                    self._keep(a)
+            return run_checkpoint(fn, *args)
+
+        for key, cache in self._caches.items():
+            gets[key] = cache.get
+
+            def recording_get(*a, _get=cache.get, **kw):
+                out = _get(*a, **kw)
+                self._share(out.values())
+                return out
+            cache.get = recording_get
+        M._checkpoint = checkpoint_keeping_inputs
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._keep, lambda t: t):
+                yield
+        finally:
+            M._checkpoint = run_checkpoint
+            for key, cache in self._caches.items():
+                del cache.get  # the class's method again
+            self.active = False
+        out: dict = {"blocks": {}, "shared": 0, "embedding": 0, "head": 0}
+        # a shared tensor freed during the window (a checkpointed block's mask) may have left its
+        # address to a tensor kept later: only the live ones count
+        shared = {ptr for ptr, ref in self._shared.items() if ref() is not None}
+        for ptr, (nbytes, labels) in self._kept.items():
+            if ptr in shared or len(labels) > 1:
+                out["shared"] += nbytes
+            else:
+                (label,) = labels
+                if label.startswith("block"):
+                    i = label[len("block"):]  # the global block index (a JSON key)
+                    out["blocks"][i] = out["blocks"].get(i, 0) + nbytes
+                else:
+                    out[label] += nbytes
+        self.result = out
+        self._kept = {}
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()

@@ -72,6 +72,15 @@ def build_metrics(result: dict, plan, model, warmup: int, steps: int, estimate_d
         "relative_error": {k: relative_error(measured[k], predicted[k]) for k in measured},
         "events": result["events"],
     })
+    if any(r.get("activations") is not None for r in ranks):
+        # worker --measure-activations: per rank, the bytes each block ("activation_bytes_per_block",
+        # keyed by global block index) and the stage's shared tensors, embedding and head keep for
+        # backward in one micro-batch (planner.executor.measure.ActivationRecorder)
+        m["activations_per_rank"] = [
+            None if r.get("activations") is None else
+            {"activation_bytes_per_block": r["activations"]["blocks"],
+             **{f"{k}_bytes": r["activations"][k] for k in ("shared", "embedding", "head")}}
+            for r in ranks]
     return m
 
 

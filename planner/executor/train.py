@@ -1,6 +1,7 @@
 """The training loop of one rank: steps, measurement, stability monitor, checkpoints, rollback."""
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -10,7 +11,8 @@ import torch
 
 from planner.executor.build import build_engine, check_topology, loader, rank_coords, set_poison
 from planner.executor.data import DataSpec, Layout, Rows
-from planner.executor.measure import CPU_METHOD, GPU_METHOD, model_state_bytes, peak_bytes, reset_peak, rss_bytes
+from planner.executor.measure import (CPU_METHOD, GPU_METHOD, ActivationRecorder, model_state_bytes, peak_bytes,
+                                      reset_peak, rss_bytes)
 from planner.executor.model import Block
 from planner.executor.monitor import StabilityMonitor
 from planner.executor.files import CKPT_DIR, RANKS_DIR, progress
@@ -55,6 +57,12 @@ def train(args, run_dir: Path, rank: int, status) -> None:
         _dump_first_grads(engine, Path(args.dump_grads), rank, (pp_i, dp_i, tp_i))
     pipe = plan.pp > 1
     last_stage = pp_i == plan.pp - 1
+    # --measure-activations: what each layer keeps for backward in the first micro-batch of the
+    # second step (the first is warm-up), or of the only step
+    recorder = ActivationRecorder(engine.module) if args.measure_activations else None
+    measure_step = min(1, args.steps - 1)
+    if recorder is not None and pipe:
+        _record_first_forward(engine, recorder)
 
     data = DataSpec(seq_len=trainspec.seq_len, vocab=spec.vocab, seed=args.seed, token_file=args.data)
     rows = Rows(data, args.batching)
@@ -99,6 +107,9 @@ def train(args, run_dir: Path, rank: int, status) -> None:
         if poison:
             poisoned_batches.add(b)
         set_poison(engine, poison)
+        record = recorder is not None and step == measure_step and recorder.result is None
+        if record and pipe:
+            recorder.armed = True
         t0 = time.perf_counter()
         if pipe:
             it = iter(((ids.to(device), pos.to(device), seg.to(device)), lab.to(device)) for ids, pos, seg, lab in micro)
@@ -106,8 +117,10 @@ def train(args, run_dir: Path, rank: int, status) -> None:
         else:
             losses = []
             for k, (ids, pos, seg, lab) in enumerate(micro):
-                logits = engine(ids.to(device), pos.to(device), seg.to(device))
-                l = engine.module.loss_fn(logits, lab.to(device))
+                with recorder.window() if record and k == 0 else contextlib.nullcontext():
+                    logits = engine(ids.to(device), pos.to(device), seg.to(device))
+                    l = engine.module.loss_fn(logits, lab.to(device))
+                del logits  # not kept for backward: only the loss's fp32 softmax is (docs/runtime.md)
                 engine.backward(l)
                 if step >= 1 and k == len(micro) - 1 and states is None:
                     # gradients reduced and optimizer state allocated: count model states here
@@ -169,6 +182,8 @@ def train(args, run_dir: Path, rank: int, status) -> None:
             "local_params": sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters()),
             "param_shapes": {p.canonical: list(getattr(p, "ds_shape", p.shape)) for p in engine.module.parameters()},
             "step_times_s": [times.get(s) for s in range(args.steps)]}
+    if recorder is not None:
+        mine["activations"] = recorder.result
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if rank == 0:
@@ -180,6 +195,24 @@ def train(args, run_dir: Path, rank: int, status) -> None:
             "step_tokens": state.get("step_tokens", []),
             "ranks": gathered})
     dist.barrier()
+
+
+def _record_first_forward(engine, recorder: ActivationRecorder) -> None:
+    """Under a pipeline, DeepSpeed's PipelineEngine runs each micro-batch's forward (and, on the
+    last stage, its loss) in _exec_forward_pass, dispatched through _INSTRUCTION_MAP: record the
+    first one after `recorder.armed` is set."""
+    from deepspeed.runtime.pipe.schedule import ForwardPass
+    forward = type(engine)._INSTRUCTION_MAP[ForwardPass]
+    recorder.armed = False
+
+    def recorded(self, buffer_id):
+        if not recorder.armed:
+            return forward(self, buffer_id)
+        recorder.armed = False
+        with recorder.window():
+            return forward(self, buffer_id)
+
+    engine._INSTRUCTION_MAP = {**type(engine)._INSTRUCTION_MAP, ForwardPass: recorded}
 
 
 def _dump_first_grads(engine, out: Path, rank: int, coords: tuple[int, int, int]) -> None:

@@ -31,6 +31,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--data", default="")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--data-workers", type=int, default=1)
+    ap.add_argument("--measure-activations", action="store_true",
+                    default=os.environ.get("PLANNER_MEASURE_ACTIVATIONS", "") not in ("", "0"),
+                    help="record the bytes each layer keeps for backward (one micro-batch; costs hooks)")
     # test hook (tests/integration/test_parity.py): gradients before the first optimizer step
     ap.add_argument("--dump-grads", default=os.environ.get("PLANNER_DUMP_GRADS", ""), help=argparse.SUPPRESS)
     ap.add_argument("--local_rank", type=int, default=None)  # passed by the deepspeed launcher

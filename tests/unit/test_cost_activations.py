@@ -272,3 +272,17 @@ def test_the_cost_model_charges_what_the_executor_keeps(name: str, attention: st
                                                 act_bytes=2.0, kernel=kernel)
     assert shared == memory.shared_bytes(spec, s, b, 1, act_bytes=2.0, kernel=kernel,
                                          plain=recompute == "none", recomputed=recompute != "none")
+
+
+def test_zero3_blocks_each_keep_their_own_mask_and_rotary():
+    """DeepSpeed's ZeRO-3 hooks hand each block new id tensors, so the stage cache rebuilds the
+    mask and cos/sin per block (measured: planner.executor.measure.ActivationRecorder)."""
+    mask, rot = 2 * B * S * S, 2 * 4 * SB * 4
+    z0, z3 = lc(Plan(dp=4, micro_batch=B)), lc(Plan(dp=4, zero=3, micro_batch=B))
+    assert z3.block_act_bytes - z0.block_act_bytes == mask + rot
+    assert z0.last_stage_act_bytes - z3.last_stage_act_bytes == mask + rot       # no longer once per stage
+    assert z3.block_act_bytes_full_recompute == z0.block_act_bytes_full_recompute
+    sel = dataclasses.replace(TOY, attention_dropout=0.1)                      # selective: the core rebuilds them
+    s0 = lc(Plan(dp=4, micro_batch=B, recompute="selective"), sel)
+    s3 = lc(Plan(dp=4, zero=3, micro_batch=B, recompute="selective"), sel)
+    assert s3.block_act_bytes == s0.block_act_bytes
