@@ -15,16 +15,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from planner.calibrate import apply, calibrate
-from planner.calibrate.runs import MeasuredRun
-from planner.cost import estimate
-from planner.errors import PlannerError
-from planner.rundir import atomic_write_json, plan_document
+from planner.calibrate.bench import (
+    Setup,
+    measured_run,
+    profile_machine,
+    round_robin,
+    timed_steps,
+)
+from planner.rundir import atomic_write_json
 from planner.specs import Plan, TrainSpec, load_profile, parse_cluster, preset, scale
 
 MODEL = scale(preset("chatglm3-6b"), "tiny")
@@ -52,54 +55,29 @@ def main() -> int:
     ap.add_argument("--out-dir", default="reports/bench-calibration")
     ap.add_argument("--rounds", type=int, default=2, help="runs of every plan, round-robin; the median is used")
     args = ap.parse_args()
-    out = Path(args.out_dir)
+    out = Path(args.out_dir).resolve()  # run directories name the profile by its path
     out.mkdir(parents=True, exist_ok=True)
-    profile_path = args.profile
-    if profile_path is None:
-        profile_path = str(out / "cpu-measured.json")
-        t0 = time.perf_counter()
-        subprocess.run([str(Path(sys.executable).with_name("planner")), "profile", "--quick", "--out", profile_path],
-                       check=True)
-        print(f"profiled this machine (--quick) in {time.perf_counter() - t0:.1f} s -> {profile_path}")
+    profile_path = str(Path(args.profile).resolve()) if args.profile else profile_machine(out / "cpu-measured.json")
     device = load_profile(profile_path)
-    from planner.executor.launch import run_plan
     setups = []
     for i, plan in enumerate(PLANS):
-        cluster = parse_cluster(f"{plan.world_size}xcpu", device)
-        train = TrainSpec(global_batch=GLOBAL_BATCH, seq_len=SEQ, precision=plan.precision)
-        d = out / f"plan-{i:02d}"
-        est = estimate(MODEL, cluster, train, plan)
-        atomic_write_json(d / "plan.json", plan_document(plan, MODEL, cluster, train, scale="tiny",
-                                                         model_arg="chatglm3-6b", command="calibration_fidelity"))
-        atomic_write_json(d / "estimate.json", {"plan": plan.to_dict(), "estimate": est.to_json()})
-        setups.append((i, plan, cluster, train, d))
-    steps: dict[int, list[float]] = {i: [] for i, *_ in setups}
-    mems: dict[int, list[float]] = {i: [] for i, *_ in setups}
-    for rnd in range(args.rounds):  # round-robin, so slow drift of the machine's load hits every plan alike
-        for i, plan, cluster, train, d in setups:
-            t0 = time.perf_counter()
-            try:
-                m = run_plan(d, steps=args.steps, warmup=args.warmup)
-            except PlannerError as exc:
-                print(f"round {rnd} plan {i}: {plan.describe()}: FAILED {exc.line()}")
-                continue
-            timed = m["step_times_s"][m["warmup"]:]
-            steps[i].append(statistics.median(timed))
-            mems[i].append(m["peak_memory_gb"])
-            (d / f"metrics-round{rnd}.json").write_text(json.dumps(m))
-            print(f"round {rnd} plan {i}: {plan.describe()}: median {steps[i][-1]:.3f} s/step "
-                  f"(min {min(timed):.3f}, max {max(timed):.3f}), {m['peak_memory_gb']:.3f} GB "
-                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    runs: list[MeasuredRun] = []
-    for i, plan, cluster, train, d in setups:
-        if not steps[i]:
+        s = Setup(name=f"plan {i}", model=MODEL, cluster=parse_cluster(f"{plan.world_size}xcpu", device),
+                  train=TrainSpec(global_batch=GLOBAL_BATCH, seq_len=SEQ, precision=plan.precision), plan=plan,
+                  run_dir=out / f"plan-{i:02d}", scale="tiny", model_arg="chatglm3-6b")
+        s.write("calibration_fidelity")
+        setups.append(s)
+    measured = round_robin(setups, rounds=args.rounds, steps=args.steps, warmup=args.warmup,
+                           echo=lambda line: print(line, flush=True))
+    runs = []
+    for s in setups:
+        rounds = measured[s.name]
+        if not rounds:
             continue
-        if len(steps[i]) > 1:
-            print(f"plan {i}: step time over {len(steps[i])} rounds: "
-                  + ", ".join(f"{x:.3f}" for x in steps[i])
-                  + f" (max/min {max(steps[i]) / min(steps[i]):.2f})")
-        runs.append(MeasuredRun(path=str(d), model=MODEL, cluster=cluster, train=train, plan=plan,
-                                step_time_s=statistics.median(steps[i]), peak_memory_gb=statistics.median(mems[i])))
+        if len(rounds) > 1:
+            per = [statistics.median(timed_steps(m)) for m in rounds]
+            print(f"{s.name}: step time over {len(per)} rounds: " + ", ".join(f"{x:.3f}" for x in per)
+                  + f" (max/min {max(per) / min(per):.2f})")
+        runs.append(measured_run(s, rounds))
     t0 = time.perf_counter()
     cal = calibrate(device, runs)
     fit_s = time.perf_counter() - t0

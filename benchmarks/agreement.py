@@ -1,0 +1,367 @@
+"""Measured agreement, layout by layout (issue 8, point 5): the cost model against the runtime it
+describes, per rank, on CPU processes of this machine (DeepSpeed, gloo).
+
+    flock /tmp/planner-cpu.lock .venv/bin/python benchmarks/agreement.py
+    .venv/bin/python benchmarks/agreement.py --lock /tmp/planner-cpu.lock     # the lock per run only
+    .venv/bin/python benchmarks/agreement.py --reuse                          # re-analyse saved rounds
+
+Every layout of the parity test (tests/integration/test_parity.py) and more with recompute,
+accumulation and fp32, on chatglm3-6b tiny and small (GQA, SwiGLU, RMSNorm, rotary) and a few on
+glm-10b tiny (LayerNorm, GELU, learned positions, tied embeddings, dropout 0.1), runs for real
+(planner.executor.launch.run_plan, worker --measure-activations), --rounds times round-robin
+(planner.calibrate.bench). Per layout, worst over its ranks:
+- states: parameter, gradient and optimizer-state bytes the executor counts tensor by tensor
+  (metrics.json model_state_breakdown_gb_per_rank) against planner/cost/engines.py's buffers
+  where the executor finds them (module / optimizer; after backward, or after the step under
+  a pipeline), worst role; target 1%;
+- activations: the bytes each block keeps for backward in a real step (ActivationRecorder:
+  saved-tensor hooks + the checkpoints' inputs) against planner.cost.memory, worst block;
+  target 5%. "extras" (not a target): the stage's shared tensors, embedding and head;
+- peak memory and step time held out: `planner calibrate` (planner.calibrate.calibrate) on
+  this machine's `planner profile --quick` profile and every run here, each run predicted by
+  a fit that did not see it (leave-one-out); targets 10% and 15%.
+Then the search's regret: `planner search` (exhaustive) with the calibrated profile on 4xcpu
+for the tiny model at the benchmark's global batch and sequence; its pick is run if it was
+not, and its measured step time is divided by the fastest measured plan of that cluster,
+batch, precision and attention kernel.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from planner.calibrate import apply, calibrate
+from planner.calibrate.bench import (
+    Setup,
+    measured_run,
+    profile_machine,
+    round_robin,
+    step_time,
+)
+from planner.cost import engines, layer_costs, memory
+from planner.cost.attention import attention_kernel
+from planner.cost.model import rebuilds_shared_per_block
+from planner.rundir import atomic_write_json
+from planner.search.driver import search
+from planner.specs import Plan, TrainSpec, load_profile, parse_cluster, preset, scale
+
+GLOBAL_BATCH, SEQ = 8, 128
+TARGETS = {"states": 1.0, "activations": 5.0, "memory": 10.0, "time": 15.0}
+REGRET_WORLD = 4
+
+CHATGLM = [  # (layout, plan, attention)
+    ("DP2", Plan(dp=2, micro_batch=2, grad_accum=2), "flash"),
+    ("TP2", Plan(tp=2, micro_batch=4, grad_accum=2), "flash"),
+    ("PP2", Plan(pp=2, micro_batch=2, grad_accum=4), "flash"),
+    ("DP2 ZeRO-2", Plan(dp=2, zero=2, micro_batch=2, grad_accum=2), "flash"),
+    ("DP2 ZeRO-3", Plan(dp=2, zero=3, micro_batch=4, grad_accum=1), "flash"),
+    ("DP2xPP2 ZeRO-1", Plan(dp=2, pp=2, zero=1, micro_batch=2, grad_accum=2), "flash"),
+    ("TP2xPP2", Plan(tp=2, pp=2, micro_batch=2, grad_accum=4), "flash"),
+    ("TP2xDP2 ZeRO-1", Plan(tp=2, dp=2, zero=1, micro_batch=2, grad_accum=2), "flash"),
+    ("TP2xDP2 ZeRO-3", Plan(tp=2, dp=2, zero=3, micro_batch=4, grad_accum=1), "flash"),
+    ("TP2xPP2xDP2 ZeRO-1", Plan(tp=2, pp=2, dp=2, zero=1, micro_batch=2, grad_accum=2), "flash"),
+    ("DP4 full recompute", Plan(dp=4, zero=1, micro_batch=2, grad_accum=1, recompute="full"), "flash"),
+    ("DP2xPP2 partial full", Plan(dp=2, pp=2, zero=1, micro_batch=2, grad_accum=2, recompute="full",
+                                  recompute_layers=(1, 1)), "flash"),
+    ("TP2xDP2 selective eager", Plan(tp=2, dp=2, zero=1, micro_batch=2, grad_accum=2, recompute="selective"),
+     "eager"),
+    ("DP4 ZeRO-1 accumulation", Plan(dp=4, zero=1, micro_batch=1, grad_accum=2), "flash"),
+    ("DP2 fp32", Plan(dp=2, micro_batch=2, grad_accum=2, precision="fp32"), "flash"),
+    ("TP2xPP2 fp32", Plan(tp=2, pp=2, micro_batch=2, grad_accum=4, precision="fp32"), "flash"),
+]
+GLM10B = [  # LayerNorm, GELU, learned positions, tied embeddings, dropout 0.1 (CPU: the math path)
+    ("TP2xPP2 tied", Plan(tp=2, pp=2, micro_batch=2, grad_accum=4), "flash"),
+    ("DP2 ZeRO-3 tied", Plan(dp=2, zero=3, micro_batch=4, grad_accum=1), "flash"),
+    ("TP2 selective", Plan(tp=2, zero=1, micro_batch=2, grad_accum=4, recompute="selective"), "flash"),
+]
+
+
+def setups(out: Path, device, scales: list[str], only: str) -> list[Setup]:
+    cases = [("chatglm3-6b", sc, *c) for sc in scales for c in CHATGLM]
+    if "tiny" in scales:
+        cases += [("glm-10b", "tiny", *c) for c in GLM10B]
+    out_list = []
+    for model_arg, sc, layout, plan, attention in cases:
+        name = f"{model_arg} {sc} {layout}"
+        if only and only.lower() not in name.lower():
+            continue
+        slug = name.replace(" ", "_").replace("/", "-")
+        out_list.append(Setup(
+            name=name, model=scale(preset(model_arg), sc), cluster=parse_cluster(f"{plan.world_size}xcpu", device),
+            train=TrainSpec(global_batch=GLOBAL_BATCH, seq_len=SEQ, precision=plan.precision, attention=attention),
+            plan=plan, run_dir=out / slug, scale=sc, model_arg=model_arg,
+            tags={"layout": layout, "scale": sc, "model": model_arg}))
+    return out_list
+
+
+# --- predictions per rank ----------------------------------------------------------------------
+def coords(rank: int, plan: Plan) -> tuple[int, int, int]:
+    return rank // (plan.dp * plan.tp), (rank // plan.tp) % plan.dp, rank % plan.tp
+
+
+def predicted_states(s: Setup, stage: int) -> dict[str, float]:
+    """The engine's buffers where the executor's count finds them: module parameters and
+    gradients, and everything the optimizer holds (after backward; under a pipeline after the
+    step, when DeepSpeed has freed the gradients)."""
+    plan, model = s.plan, s.model
+    lc = layer_costs(model, s.cluster, s.train, plan)
+    psi, small = lc.stage_psi(stage, plan.pp, plan.layers_per_stage(model.layers)[stage])
+    eng, sz = engines.engine_for(plan), engines.sizes(plan, psi, small)
+    phases = ("always",) if plan.pp > 1 else ("always", "grads")
+    mod = eng.bytes_by_role(sz, phases, held_by="module")
+    opt = eng.bytes_by_role(sz, phases, held_by="optimizer")
+    return {"params": mod["params"], "grads": mod["grads"], "optimizer": sum(opt.values())}
+
+
+def stage_blocks(s: Setup, stage: int) -> list[tuple[int, bool]]:
+    """(global block index, fully checkpointed) of the blocks of `stage` (the first k of it)."""
+    per = s.plan.layers_per_stage(s.model.layers)
+    ck = s.plan.checkpointed_per_stage(s.model.layers)[stage]
+    first = sum(per[:stage])
+    return [(first + j, j < ck) for j in range(per[stage])]
+
+
+def predicted_activations(s: Setup, stage: int) -> tuple[dict[int, float], float]:
+    """Per block, what it keeps (planner.cost.memory.block_activation_bytes), and the stage's
+    extras: its shared tensors (once per stage; under ZeRO-3 each plain block's own mask and
+    cos/sin), the embedding's and the head's tensors."""
+    model, plan, t = s.model, s.plan, s.plan.tp
+    b, seq, e = plan.micro_batch, s.train.seq_len, 4.0 if plan.precision == "fp32" else 2.0
+    kernel = attention_kernel(model, s.train, "cpu")
+    sp = plan.sequence_parallel
+    blocks, plain, recomputed = {}, 0, False
+    for i, ckpt in stage_blocks(s, stage):
+        mode = "full" if ckpt else plan.recompute if plan.recompute == "selective" else "none"
+        blocks[i] = memory.block_activation_bytes(model, seq, b, t, sequence_parallel=sp, recompute=mode,
+                                                  act_bytes=e, kernel=kernel)
+        plain += mode == "none"
+        recomputed |= mode != "none"
+    per_set = memory.shared_bytes(model, seq, b, t, act_bytes=e, kernel=kernel, plain=True, recomputed=False)
+    extras = (plain if rebuilds_shared_per_block(plan) else min(plain, 1)) * per_set
+    extras += memory.ids_bytes(seq, b) if recomputed else 0.0
+    if stage == 0:
+        extras += memory.embedding_bytes(model, seq, b, t)
+        if model.position == "learned" and recomputed:
+            extras -= memory.INT64 * b * seq  # the position ids the embedding keeps are the checkpoints'
+    if stage == plan.pp - 1:
+        extras += memory.head_bytes(model, seq, b, t, sequence_parallel=sp, act_bytes=e)
+    return blocks, extras
+
+
+def rel(pred: float, meas: float) -> float:
+    """|predicted - measured| / measured in percent (0 when both are 0)."""
+    if meas == 0:
+        return 0.0 if pred == 0 else math.inf
+    return 100.0 * abs(pred - meas) / meas
+
+
+def check(s: Setup, m: dict[str, Any]) -> dict[str, Any]:
+    """Worst per-rank errors of one run's states and activations."""
+    states_err = acts_err = extras_err = 0.0
+    worst_states = worst_block = ""
+    for r, (meas_states, acts) in enumerate(zip(m["model_state_breakdown_gb_per_rank"], m["activations_per_rank"])):
+        stage = coords(r, s.plan)[0]
+        pred = predicted_states(s, stage)
+        for role, v in pred.items():
+            err = rel(v, meas_states[role] * 1e9)
+            if err > states_err:
+                states_err, worst_states = err, f"rank {r} {role}: {meas_states[role] * 1e9:.0f} B measured, {v:.0f} predicted"
+        blocks, extras = predicted_activations(s, stage)
+        got = {int(k): v for k, v in acts["activation_bytes_per_block"].items()}
+        if set(got) != set(blocks):
+            raise RuntimeError(f"{s.name} rank {r}: blocks {sorted(got)} measured, {sorted(blocks)} expected")
+        for i, v in blocks.items():
+            err = rel(v, got[i])
+            if err > acts_err:
+                acts_err, worst_block = err, f"rank {r} block {i}: {got[i]} B measured, {v:.0f} predicted"
+        meas_extras = acts["shared_bytes"] + acts["embedding_bytes"] + acts["head_bytes"]
+        extras_err = max(extras_err, rel(extras, meas_extras))
+    return {"states_err_pct": states_err, "states_worst": worst_states, "activations_err_pct": acts_err,
+            "activations_worst": worst_block, "extras_err_pct": extras_err}
+
+
+# --- running -----------------------------------------------------------------------------------
+def locked_runner(lock: str | None):
+    def run(run_dir: Path, steps: int, warmup: int) -> dict[str, Any]:
+        from planner.executor.launch import run_plan
+        with open(lock, "w") if lock else contextlib.nullcontext() as fh:
+            if fh is not None:
+                fcntl.flock(fh, fcntl.LOCK_EX)
+            return run_plan(run_dir, steps=steps, warmup=warmup)
+    return run
+
+
+def load_rounds(s: Setup, rounds: int) -> list[dict[str, Any]] | None:
+    found = [s.run_dir / f"metrics-round{r}.json" for r in range(rounds)]
+    if not all(p.exists() for p in found):
+        return None
+    return [json.loads(p.read_text()) for p in found]
+
+
+def plan_key(plan: Plan, layers: int) -> tuple:
+    d = plan.to_dict()
+    d["stage_layers"] = plan.layers_per_stage(layers)
+    d["recompute_layers"] = plan.checkpointed_per_stage(layers)
+    return tuple(sorted((k, str(v)) for k, v in d.items()))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", default=None, help="a measured profile (default: planner profile --quick first)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--scales", default="tiny,small")
+    ap.add_argument("--only", default="", help="run only layouts whose name contains this")
+    ap.add_argument("--out-dir", default="reports/bench-agreement")
+    ap.add_argument("--lock", default=None, help="take this lock around each run (instead of around the whole)")
+    ap.add_argument("--reuse", action="store_true", help="reuse the saved rounds of a previous invocation")
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    out = Path(args.out_dir).resolve()  # run directories name the profile by its path
+    out.mkdir(parents=True, exist_ok=True)
+    profile_path = str(Path(args.profile).resolve()) if args.profile else None
+    if profile_path is None:
+        saved = out / "cpu-measured.json"
+        profile_path = str(saved) if args.reuse and saved.exists() else profile_machine(saved)
+    device = load_profile(profile_path)
+    os.environ["PLANNER_MEASURE_ACTIVATIONS"] = "1"
+    runner = locked_runner(args.lock)
+    cases = setups(out, device, [x for x in args.scales.split(",") if x], args.only)
+    measured: dict[str, list[dict[str, Any]]] = {}
+    todo = []
+    for s in cases:
+        old = load_rounds(s, args.rounds) if args.reuse else None
+        if old is None:
+            s.write("benchmarks/agreement.py")
+            todo.append(s)
+        else:
+            measured[s.name] = old
+    measured.update(round_robin(todo, rounds=args.rounds, steps=args.steps, warmup=args.warmup, runner=runner,
+                                echo=lambda line: print(line, flush=True)))
+    ok = [s for s in cases if measured.get(s.name)]
+    checks = {s.name: check(s, measured[s.name][0]) for s in ok}
+
+    # --- calibration, held out ---
+    runs = [measured_run(s, measured[s.name]) for s in ok]
+    t0 = time.perf_counter()
+    cal = calibrate(device, runs)
+    fit_s = time.perf_counter() - t0
+    atomic_write_json(out / "cpu-calibrated.json", apply(json.loads(Path(profile_path).read_text()), cal))
+    held = {}
+    for s, row in zip(ok, cal.rows):
+        t, mem = row["step_time_s"], row["peak_memory_gb"]
+        held[s.name] = {"time_err_pct": 100.0 * (t["held_out"] - t["measured"]) / t["measured"],
+                        "memory_err_pct": 100.0 * (mem["held_out"] - mem["measured"]) / mem["measured"],
+                        "step_s": t["measured"], "peak_gb": mem["measured"]}
+
+    # --- the search's regret ---
+    regret = search_regret(cases, measured, cal.device, args, runner, out)
+
+    # --- the table ---
+    def mark(v: float, target: float) -> str:
+        return f"{v:6.2f}% {'pass' if abs(v) <= target else 'FAIL'}"
+
+    head = (f"{'layout':<27} {'scale':<5} {'procs':>5} | {'states':>12} | {'activations':>12} | {'extras':>7} | "
+            f"{'peak mem held-out':>17} | {'step time held-out':>18}")
+    print()
+    print(head)
+    print("-" * len(head))
+    for s in ok:
+        c, h = checks[s.name], held[s.name]
+        label = s.tags["layout"] + (" (glm-10b)" if s.tags["model"] == "glm-10b" else "")
+        print(f"{label:<27} {s.tags['scale']:<5} {s.plan.world_size:>5} | {mark(c['states_err_pct'], 1.0):>12} | "
+              f"{mark(c['activations_err_pct'], 5.0):>12} | {c['extras_err_pct']:6.2f}% | "
+              f"{mark(h['memory_err_pct'], 10.0):>17} | {mark(h['time_err_pct'], 15.0):>18}")
+    for s in cases:
+        if s not in ok:
+            print(f"{s.tags['layout']:<27} {s.tags['scale']:<5} {s.plan.world_size:>5} | FAILED to run")
+    print()
+    n = len(ok)
+    cols = [("states within 1%", lambda x: checks[x]["states_err_pct"] <= 1.0),
+            ("activations within 5%", lambda x: checks[x]["activations_err_pct"] <= 5.0),
+            ("peak memory held out within 10%", lambda x: abs(held[x]["memory_err_pct"]) <= 10.0),
+            ("step time held out within 15%", lambda x: abs(held[x]["time_err_pct"]) <= 15.0)]
+    print("; ".join(f"{label}: {sum(f(s.name) for s in ok)}/{n}" for label, f in cols))
+    print(f"worst: states {max(checks[s.name]['states_err_pct'] for s in ok):.3f}% "
+          f"({max(ok, key=lambda s: checks[s.name]['states_err_pct']).name}: "
+          f"{checks[max(ok, key=lambda s: checks[s.name]['states_err_pct']).name]['states_worst']}); "
+          f"activations {max(checks[s.name]['activations_err_pct'] for s in ok):.3f}%; "
+          f"extras {max(checks[s.name]['extras_err_pct'] for s in ok):.3f}%")
+    sm = cal.summary
+    print(f"held-out MAPE: peak memory {sm['memory_mape_pct']['held_out']:.1f}% (before calibration "
+          f"{sm['memory_mape_pct']['before']:.1f}%), step time {sm['step_time_mape_pct']['held_out']:.1f}% "
+          f"(before {sm['step_time_mape_pct']['before']:.1f}%); worst held out: memory "
+          f"{max(abs(h['memory_err_pct']) for h in held.values()):.1f}%, time "
+          f"{max(abs(h['time_err_pct']) for h in held.values()):.1f}%")
+    print("fitted factors: " + ", ".join(f"{k}={v:.4g}" for k, v in cal.factors.items())
+          + f" (ridge {sm['lambda']}; fit + leave-one-out {fit_s:.0f} s; {n} runs x {args.rounds} rounds)")
+    if regret:
+        print(f"search regret on this machine ({regret['cluster']}, {regret['model']}, global batch {GLOBAL_BATCH}, "
+              f"seq {SEQ}): the pick ({regret['pick']}{', run for this' if regret['pick_was_run'] else ''}) "
+              f"measures {regret['pick_s']:.3f} s/step; the fastest of the {regret['pool']} measured plans "
+              f"({regret['fastest']}) {regret['fastest_s']:.3f} s/step: regret {regret['regret']:.3f}")
+    print(f"total {time.perf_counter() - t_start:.0f} s; profile {profile_path}; runs in {out}")
+    atomic_write_json(out / "agreement.json", {
+        "targets_pct": TARGETS, "global_batch": GLOBAL_BATCH, "seq_len": SEQ, "rounds": args.rounds,
+        "steps": args.steps, "warmup": args.warmup, "profile": profile_path, "factors": cal.factors,
+        "summary": cal.summary,
+        "layouts": [{"name": s.name, **s.tags, "processes": s.plan.world_size, "plan": s.plan.describe(),
+                     **checks[s.name], **held[s.name]} for s in ok],
+        "failed": [s.name for s in cases if s not in ok], "regret": regret})
+    return 0
+
+
+def search_regret(cases: list[Setup], measured: dict, device, args, runner, out: Path) -> dict[str, Any] | None:
+    """Search 4xcpu with the calibrated profile; run its pick if no layout here is that plan;
+    its measured step time over the fastest measured plan of the same inputs."""
+    pool = [s for s in cases if measured.get(s.name) and s.tags["model"] == "chatglm3-6b"
+            and s.tags["scale"] == "tiny" and s.plan.world_size == REGRET_WORLD
+            and s.train.precision == "bf16" and s.train.attention == "flash"]
+    if not pool:
+        return None
+    model, train = pool[0].model, TrainSpec(global_batch=GLOBAL_BATCH, seq_len=SEQ)
+    cluster = parse_cluster(f"{REGRET_WORLD}xcpu", device)
+    result = search(model, cluster, train, exhaustive=True)
+    pick = result.best.plan
+    key = plan_key(pick, model.layers)
+    mine = [s for s in pool if plan_key(s.plan, model.layers) == key]
+    if mine:
+        pick_setup, was_run = mine[0], False
+    else:
+        pick_setup = Setup(name="chatglm3-6b tiny search pick", model=model, cluster=cluster, train=train, plan=pick,
+                           run_dir=out / "search_pick", scale="tiny", model_arg="chatglm3-6b",
+                           tags={"layout": "search pick", "scale": "tiny", "model": "chatglm3-6b"})
+        rounds = load_rounds(pick_setup, args.rounds) if args.reuse else None
+        if rounds is None:
+            pick_setup.write("benchmarks/agreement.py (search pick)")
+            rounds = round_robin([pick_setup], rounds=args.rounds, steps=args.steps, warmup=args.warmup,
+                                 runner=runner, echo=lambda line: print(line, flush=True))[pick_setup.name]
+        if not rounds:
+            return {"pick": pick.describe(), "error": "the pick failed to run"}
+        measured[pick_setup.name] = rounds
+        pool.append(pick_setup)
+        was_run = True
+    times = {s.name: step_time(measured[s.name]) for s in pool}
+    fastest = min(pool, key=lambda s: times[s.name])
+    print()
+    print(f"search pick on {REGRET_WORLD}xcpu (calibrated profile, exhaustive, {result.space_size} plans): "
+          f"{pick.describe()}")
+    for s in sorted(pool, key=lambda s: times[s.name]):
+        print(f"  {times[s.name]:7.3f} s/step measured  {s.plan.describe()}{'  <- pick' if s is pick_setup else ''}")
+    return {"cluster": f"{REGRET_WORLD}xcpu", "model": model.name, "pick": pick.describe(), "pick_was_run": was_run,
+            "pick_s": times[pick_setup.name], "fastest": fastest.plan.describe(), "fastest_s": times[fastest.name],
+            "pool": len(pool), "regret": times[pick_setup.name] / times[fastest.name],
+            "times": {s.plan.describe(): times[s.name] for s in pool}}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
