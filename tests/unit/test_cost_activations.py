@@ -117,7 +117,7 @@ def test_korthikanti_table2_exactly_for_eager_gpt_and_the_flash_case():
 def test_shared_tensors_of_a_stage():
     mask, rot = 2 * B * 1 * S * S, 2 * 4 * SB * 4                      # b 1 s s bf16; cos, sin b s 4 fp32
     assert memory.rotary_dims(TOY) == 8 and memory.rotary_dims(scale(preset("chatglm3-6b"), "tiny")) == 16
-    kw = dict(act_bytes=E, plain=True, recomputed=False)
+    kw = {"act_bytes": E, "plain": True, "recomputed": False}
     assert memory.shared_bytes(TOY, S, B, 1, kernel="flash", **kw) == mask + rot
     assert memory.shared_bytes(TOY, S, B, 1, kernel="eager", **kw) == rot      # eager adds the mask, keeps none
     assert memory.shared_bytes(TOY, S, B, 1, kernel="flash", act_bytes=E, plain=False, recomputed=True) == 2 * 8 * SB
@@ -148,7 +148,7 @@ def test_head_keeps_norm_output_input_fp32_softmax_and_loss_buffers():
 # --- DeepSpeed's pipeline -----------------------------------------------------------------------
 def test_pipeline_buffers_per_stage():
     msg, hidden = 2 * SB * 64 + 2 * 8 * SB, 2 * SB * 64
-    kw = dict(sequence_parallel=False, act_bytes=E, p=3, m=4)
+    kw = {"sequence_parallel": False, "act_bytes": E, "p": 3, "m": 4}
     # first stage: its output message per micro-batch in flight; the gradient buffer and the
     # loaded ids / positions / segments in its 3 pipe buffers (min(p, m) = 3)
     assert memory.pipeline_bytes(TOY, S, B, 1, stage=0, **kw) == (msg, hidden + 3 * 3 * 8 * SB)
@@ -156,7 +156,7 @@ def test_pipeline_buffers_per_stage():
     assert memory.pipeline_bytes(TOY, S, B, 1, stage=1, **kw) == (2 * msg, msg + hidden)
     # last stage: the received message; the receive buffer, labels in 2 buffers, the previous logits
     assert memory.pipeline_bytes(TOY, S, B, 1, stage=2, **kw) == (msg, msg + 2 * 8 * SB + 2 * SB * 1001)
-    one = dict(kw, m=1)                                                    # one micro-batch: no previous logits
+    one = {**kw, "m": 1}                                                  # one micro-batch: no previous logits
     assert memory.pipeline_bytes(TOY, S, B, 1, stage=2, **one) == (msg, msg + 2 * 8 * SB)
     assert memory.pipeline_bytes(TOY, S, B, 1, stage=0, sequence_parallel=False, act_bytes=E, p=1, m=4) == (0, 0)
     assert [memory.pipe_buffers(4, i, 8) for i in range(4)] == [4, 3, 2, 2]
@@ -219,8 +219,8 @@ def test_pipeline_first_stage_spreads_its_fixed_buffers_over_its_micro_batches()
 def test_sequence_parallel_collectives_per_block_and_stage():
     bw, lat = 1e9, 1e-4
     sbh = S * B * 64 * E
-    ar = lambda n: n * 2 * (1 / 2) / bw + 2 * lat                       # noqa: E731 - TP 2 ring
-    ag = lambda n: n * (1 / 2) / bw + lat                               # noqa: E731
+    ar = lambda n: n * 2 * (1 / 2) / bw + 2 * lat                       # TP 2 ring
+    ag = lambda n: n * (1 / 2) / bw + lat                             
     assert tp_block_comm(TOY, S, B, 2, E, False, (bw, lat), 1.0) == (2 * ar(sbh), 2 * ar(sbh))
     fwd, bwd = tp_block_comm(TOY, S, B, 2, E, True, (bw, lat), 1.0)
     assert replicated_grad_allreduces(TOY) == 2                          # two RMSNorm weights, no biases
