@@ -38,7 +38,7 @@ TESTS = ["tests/unit/test_cost_terms.py", "tests/unit/test_cost_runtime.py", "te
          "tests/unit/test_cost_published.py", "tests/unit/test_cost_behaviour.py", "tests/unit/test_search.py",
          "tests/unit/test_search_units.py"]
 DESELECT = ("not study_resumes and not cost_model_imports_no_heavy_libraries "
-            "and not (fewer_than_half_the_shapes and glm130b)")
+            "and not (a_fraction_of_the_shapes and glm130b)")
 """Left out of the mutation runs: a resumable Optuna study on SQLite and Optuna on GLM-130B's
 space (2-3 s each; the same code is covered by the GLM-10B Optuna case), and a subprocess
 import check (mutmut's trampolines import mutmut itself)."""

@@ -188,8 +188,8 @@ def _print_search(console: Console, result, cluster, run_dir: Path, written: lis
 @click.option("--refine-steps", type=click.IntRange(2, 1000), default=5, show_default=True,
               help="Optimizer steps per plan for --refine (the first is warm-up).")
 @click.option("--megatron-features", is_flag=True,
-              help="Also choose interleaved 1F1B and sequence parallelism, which plain DeepSpeed cannot run "
-                   "(for Megatron-LM runtimes; without it they are evaluated and marked infeasible).")
+              help="Also choose the interleaved 1F1B schedule, which DeepSpeed's PipelineEngine cannot run "
+                   "(for Megatron-LM runtimes; without it such plans are evaluated and marked infeasible).")
 @click.pass_context
 def search(ctx: click.Context, **kw: Any) -> None:
     """Find the fastest plan that fits and write reports/<name>/."""

@@ -4,8 +4,8 @@ Megatron-LM's rule of thumb (Narayanan et al. 2021, arXiv 2104.04473, sec. 3.3 "
 and #2"): tensor parallelism up to the devices of a node, pipeline parallelism only as far as
 needed to fit the model, data parallelism for the rest; small micro-batches; here with ZeRO-1
 (optimizer states sharded over DP at no extra traffic), selective recompute (where the
-attention kernel stores its scores; with flash, no recompute first) and, where the
-runtime has it (--megatron-features), sequence parallelism (Korthikanti et al. 2022). The
+attention kernel stores its scores; with flash, no recompute first) and sequence
+parallelism wherever TP > 1 (Korthikanti et al. 2022; the executor's TP layers run it). The
 smallest PP whose solved plan fits wins.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ def heuristic(space: Space, evaluate: Evaluator) -> Shape:
         for t, pp, dp in sorted((x for x in layouts if x[0] == tp), key=lambda x: x[1]):
             shape = Shape(tp=t, pp=pp, dp=dp, recompute=recompute)
             fallback = fallback or shape
-            sp = space.megatron_features and max(space.sequence_parallel(t))
+            sp = max(space.sequence_parallel(t))
             outer = shape.outer(1, space.train.global_batch // dp, sp, zero=1 if dp > 1 else 0)
             if evaluate(outer, "heuristic").feasible:
                 return shape

@@ -91,8 +91,8 @@ class Space:
     train: TrainSpec
     max_interleave: int = MAX_INTERLEAVE
     megatron_features: bool = False
-    """Let interleaved 1F1B and sequence parallelism be chosen (Megatron-LM runtimes). Off, they
-    are still evaluated but marked infeasible for DeepSpeed (search.evaluate.runtime_problems)."""
+    """Let interleaved 1F1B be chosen (Megatron-LM runtimes). Off, it is still evaluated but
+    marked infeasible for DeepSpeed (planner.specs.validate.runtime_problems)."""
 
     def layouts(self) -> list[tuple[int, int, int]]:
         """Legal (tp, pp, dp) triples, checked with planner.specs.validate.plan_problems."""

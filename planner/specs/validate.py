@@ -58,14 +58,12 @@ def plan_problems(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan
 
 
 def runtime_problems(plan: Plan) -> list[str]:
-    """What DeepSpeed 0.19.8 itself cannot run: its PipelineEngine has only the plain 1F1B
-    schedule, and AutoTP has no Megatron sequence parallelism. Such plans stay in the space
-    (evaluated, shown with this reason) but are only chosen with --megatron-features."""
+    """What the executor under DeepSpeed 0.19.8 cannot run: DeepSpeed's PipelineEngine has
+    only the plain 1F1B schedule. Such plans stay in the space (evaluated, shown with this
+    reason) but are only chosen with --megatron-features. Megatron sequence parallelism is
+    not here: the executor's own TP layers run it (tests/integration/test_parity.py)."""
     out = []
     if plan.schedule == "interleaved":
         out.append("DeepSpeed's PipelineEngine has no interleaved schedule (Megatron-LM only; "
-                   "--megatron-features allows it)")
-    if plan.sequence_parallel:
-        out.append("DeepSpeed AutoTP has no Megatron sequence parallelism (Megatron-LM only; "
                    "--megatron-features allows it)")
     return out

