@@ -45,8 +45,9 @@ import check (mutmut's trampolines import mutmut itself)."""
 NO_MUTATE_LINES = [r"^\s*(name|source)=", r"^\s+f?\"[^\"]*\"\)*,?\s*$", r"^(ENGINE_SRC|SRC_\w+) = "]
 """Lines mutmut leaves alone: the engines' names and DeepSpeed citations, and string-only
 continuation lines of messages (changing their text cannot change a number)."""
-NOT_MUTATED = ["planner/search/trials.py", "planner/search/driver.py"]
-"""CSV writing and the search driver's plumbing are exercised by the CLI tests (not run per mutant)."""
+NOT_MUTATED = ["planner/search/trials.py", "planner/search/driver.py", "planner/search/outputs.py"]
+"""CSV and run-directory writing and the search driver's plumbing are exercised by the CLI tests (not run
+per mutant)."""
 
 CONFTEST = '''
 

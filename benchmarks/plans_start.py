@@ -4,7 +4,7 @@ under DeepSpeed as written.
 For each tiny model (`--scale tiny`) and each world size (`--gpus Nxcpu`) this runs the real
 search over its whole space (planner.search.driver.search, exhaustive: the same Space,
 Evaluator and exact inner solvers as `planner search`), writes each distinct feasible plan's
-run directory with `planner search`'s own writer (planner.cli.search._write_outputs:
+run directory with `planner search`'s own writer (planner.search.outputs.write_outputs:
 plan.json, estimate.json, ds_config.json, launch.sh, trials.csv) and starts it for ONE
 optimizer step exactly as `planner run` does (planner.executor.launch.run_plan, default
 batching and data workers). A plan "started" when the run ends with status ok and a finite
@@ -188,14 +188,14 @@ def partial_recompute(model_arg: str, gpus: str, workdir: Path, attention: str =
 
 def write_run(case: Case, run_dir: Path) -> Path:
     """The run directory `planner search` would write had it chosen this plan."""
-    from planner.cli.search import _write_outputs
+    from planner.search.outputs import write_outputs
     s = case.searched
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     if case.trial is not None:
         chosen = dataclasses.replace(s.result, ranked=(case.trial,))
-        _write_outputs(run_dir, chosen, s.model, s.cluster, s.train, scale="tiny", model_arg=s.model_arg,
+        write_outputs(run_dir, chosen, s.model, s.cluster, s.train, scale="tiny", model_arg=s.model_arg,
                        command=s.command, top=1)
     else:  # a derived plan: the files `planner search --refine` writes per plan
         est = estimate(s.model, s.cluster, s.train, case.plan)

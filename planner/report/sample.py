@@ -3,7 +3,7 @@
 Not part of rendering (build.py never imports it). It runs the real search
 (planner.search.driver.search: the same Space, Evaluator, exact solvers and Optuna study as
 `planner search`) and writes the run directory with the same writer as `planner search`
-(planner.cli.search._write_outputs: plan.json, estimate.json, ds_config.json from
+(planner.search.outputs.write_outputs: plan.json, estimate.json, ds_config.json from
 planner.dsconfig, launch.sh, hostfile, trials.csv) plus the Optuna study.db. So the page is
 exercised on exactly what the product writes; tests/unit/test_report_search.py fails if the
 two ever differ. Optionally metrics.json and verify.json in the executor's format; their
@@ -79,7 +79,7 @@ def write_sample_run(run_dir: str | Path, *, model: str | ModelSpec = "glm-10b",
     """Write a complete run directory; returns its path. `study_trials` is `planner search
     --trials` (the study stops early once every shape was tried, and its polish may add a few;
     planner/search/optuna_search.py); 0 runs `planner search --exhaustive` (no study.db)."""
-    from planner.cli.search import _write_outputs
+    from planner.search.outputs import write_outputs
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
@@ -94,7 +94,7 @@ def write_sample_run(run_dir: str | Path, *, model: str | ModelSpec = "glm-10b",
         f"planner search --model {shlex.quote(spec.name)} --gpus {gpus} --global-batch {global_batch} "
         f"--seq-len {seq_len}" + (f" --trials {study_trials}" if study_trials else " --exhaustive")
         + f" --seed {seed} --out-dir {shlex.quote(str(run.parent))} --name {shlex.quote(run.name)}")
-    _write_outputs(run, result, spec, cluster, train, scale=None, model_arg=spec.name, command=cmd, top=5)
+    write_outputs(run, result, spec, cluster, train, scale=None, model_arg=spec.name, command=cmd, top=5)
     chosen, chosen_est = result.best.plan, result.best.estimate
     base_plan, base_est = result.baseline_plan, result.baseline
     if metrics or verify:
