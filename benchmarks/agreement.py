@@ -46,7 +46,7 @@ from planner.calibrate.bench import (
     round_robin,
     step_time,
 )
-from planner.cost import engines, layer_costs, memory
+from planner.cost import engines, layer_costs, memory, params
 from planner.cost.attention import attention_kernel
 from planner.cost.model import rebuilds_shared_per_block
 from planner.rundir import atomic_write_json
@@ -107,14 +107,17 @@ def coords(rank: int, plan: Plan) -> tuple[int, int, int]:
     return rank // (plan.dp * plan.tp), (rank // plan.tp) % plan.dp, rank % plan.tp
 
 
-def predicted_states(s: Setup, stage: int) -> dict[str, float]:
+def predicted_states(s: Setup, stage: int, dp_rank: int) -> dict[str, float]:
     """The engine's buffers where the executor's count finds them: module parameters and
     gradients, and everything the optimizer holds (after backward; under a pipeline after the
-    step, when DeepSpeed has freed the gradients)."""
+    step, when DeepSpeed has freed the gradients). ZeRO-1's owned gradients are this DP rank's
+    (planner.cost.params.zero1_owned); the cost model charges the largest of them."""
     plan, model = s.plan, s.model
     lc = layer_costs(model, s.cluster, s.train, plan)
-    psi, small = lc.stage_psi(stage, plan.pp, plan.layers_per_stage(model.layers)[stage])
-    eng, sz = engines.engine_for(plan), engines.sizes(plan, psi, small)
+    blocks = plan.layers_per_stage(model.layers)[stage]
+    psi, small = lc.stage_psi(stage, plan.pp, blocks)
+    owned = params.zero1_owned(params.stage_tensors(model, plan.tp, plan.pp, stage, blocks).numels, plan.dp)[dp_rank]
+    eng, sz = engines.engine_for(plan), engines.sizes(plan, psi, small, owned)
     phases = ("always",) if plan.pp > 1 else ("always", "grads")
     mod = eng.bytes_by_role(sz, phases, held_by="module")
     opt = eng.bytes_by_role(sz, phases, held_by="optimizer")
@@ -168,8 +171,8 @@ def check(s: Setup, m: dict[str, Any]) -> dict[str, Any]:
     states_err = acts_err = extras_err = 0.0
     worst_states = worst_block = ""
     for r, (meas_states, acts) in enumerate(zip(m["model_state_breakdown_gb_per_rank"], m["activations_per_rank"])):
-        stage = coords(r, s.plan)[0]
-        pred = predicted_states(s, stage)
+        stage, dp_rank, _ = coords(r, s.plan)
+        pred = predicted_states(s, stage, dp_rank)
         for role, v in pred.items():
             err = rel(v, meas_states[role] * 1e9)
             if err > states_err:

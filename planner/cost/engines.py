@@ -44,7 +44,7 @@ allreduce_no_retain, which flattens up to this many elements into one temporary 
 
 PHASES = ("always", "grads", "backward", "step")
 ROLES = ("params", "grads", "optimizer", "buckets")
-BASES = ("psi", "small", "reduce_bucket", "fallback_bucket", "live_params", "sub_group")
+BASES = ("psi", "small", "reduce_bucket", "fallback_bucket", "live_params", "sub_group", "owned")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,7 +59,9 @@ class Buffer:
     basis: str = "psi"
     """psi: the device's parameters; small: ZeRO-3's persistent (small) parameters;
     reduce_bucket: plan.bucket_elements; fallback_bucket: min(psi, FALLBACK_BUCKET);
-    live_params: min(psi, plan.bucket_elements); sub_group: min(psi / dp, plan.bucket_elements)."""
+    live_params: min(psi, plan.bucket_elements); sub_group: min(psi / dp, plan.bucket_elements);
+    owned: the elements of the whole gradients ZeRO-1 keeps for this rank's partition
+    (planner.cost.params.zero1_owned; psi / dp when the tensors are not known)."""
     sharded: bool = False
     """Partitioned over the data-parallel group (divided by dp)."""
     phase: str = "always"
@@ -127,8 +129,13 @@ class Sizes:
     """Of those, elements in tensors ZeRO-3 keeps whole (planner.cost.params.persistence_threshold)."""
     dp: int = 1
     bucket_elements: float = 0.0
+    owned: float | None = None
+    """Elements ZeRO-1 keeps for this rank's gradient partition (planner.cost.params.zero1_owned);
+    None: psi / dp."""
 
     def of(self, b: Buffer) -> float:
+        if b.basis == "owned":
+            return self.psi / self.dp if self.owned is None else self.owned
         if b.basis == "psi":
             n = self.psi
         elif b.basis == "small":
@@ -309,9 +316,11 @@ def _zero12(stage: int, e: float, overlap: bool) -> Engine:
             ),
             Buffer(
                 name="owned gradient partition",
-                role="grads", bytes=e, sharded=True, phase="grads",
+                role="grads", bytes=e, sharded=stage == 2, phase="grads", basis="owned" if stage == 1 else "psi",
                 source=s +
-                    ": averaged_gradients (get_flat_partition; stage 2: grads_in_partition), freed after the step",
+                    ": stage 1: averaged_gradients = views of the whole p.grad of every parameter overlapping the "
+                    "partition (all_grad_tensors, planner.cost.params.zero1_owned); stage 2: grads_in_partition; "
+                    "freed after the step",
             ),
             Buffer(
                 name="fp32 master partition",
@@ -433,32 +442,37 @@ def engine_for(plan: Plan) -> Engine:
     return _engine(plan.zero, plan.precision, plan.pp > 1, plan.overlap_comm)
 
 
-def sizes(plan: Plan, psi: float, small: float) -> Sizes:
-    return Sizes(psi=psi, small=small, dp=plan.dp, bucket_elements=float(plan.bucket_elements))
+def sizes(plan: Plan, psi: float, small: float, owned: float | None = None) -> Sizes:
+    return Sizes(psi=psi, small=small, dp=plan.dp, bucket_elements=float(plan.bucket_elements), owned=owned)
 
 
 class Footprint:
     """An engine's buffers for one plan, precompiled into coefficients so that the search can
     evaluate them hundreds of thousands of times: the same numbers as Engine.bytes_by_role.
 
-    A buffer is either linear, a * psi + b * small + c bytes, or capped, k * min(psi / div, cap)."""
+    A buffer is either linear, a * psi + b * small + c bytes, capped, k * min(psi / div, cap),
+    or k * owned (ZeRO-1's owned gradients, planner.cost.params.zero1_owned)."""
 
-    __slots__ = ("linear_terms", "capped_terms", "linear", "mins")
+    __slots__ = ("linear_terms", "capped_terms", "owned_terms", "linear", "mins", "owned", "dp")
 
     def __init__(self, engine: Engine, plan: Plan) -> None:
         d, bucket = plan.dp, float(plan.bucket_elements)
         capped = {"fallback_bucket": (1, float(FALLBACK_BUCKET)), "live_params": (1, bucket), "sub_group": (d, bucket)}
-        linear_terms, capped_terms = [], []
+        linear_terms, capped_terms, owned_terms = [], [], []
+        self.dp = d
         for buf in engine.buffers:
             group = 0 if buf.phase in ("always", "grads") else 1 if buf.phase == "backward" else 2
             k = buf.bytes / (d if buf.sharded else 1)
             role = ROLES.index(buf.role)
-            if buf.basis in capped:
+            if buf.basis == "owned":
+                owned_terms.append((group, role, k))
+            elif buf.basis in capped:
                 capped_terms.append((group, role, k, *capped[buf.basis]))
             else:
                 coef = {"psi": (k, 0.0, 0.0), "small": (0.0, k, 0.0), "reduce_bucket": (0.0, 0.0, k * bucket)}
                 linear_terms.append((group, role, *coef[buf.basis]))
         self.linear_terms, self.capped_terms = tuple(linear_terms), tuple(capped_terms)
+        self.owned_terms = tuple(owned_terms)
         # totals for the search's fast path (planner.search.checkpoint.StageModel): per quantity
         # (held, held buckets, backward, backward buckets, step) a * psi + b * small + c, plus
         # the capped terms
@@ -468,15 +482,19 @@ class Footprint:
                 lin[q] = [lin[q][0] + a, lin[q][1] + b, lin[q][2] + c]
         self.linear = tuple(tuple(x) for x in lin)
         self.mins = tuple((q, k, div, cap) for group, role, k, div, cap in capped_terms for q in _slots(group, role))
+        self.owned = tuple((q, k) for group, role, k in owned_terms for q in _slots(group, role))
 
-    def evaluate(self, psi: float, small: float) -> tuple[list[float], list[float], float]:
+    def evaluate(self, psi: float, small: float, owned: float | None = None) -> tuple[list[float], list[float], float]:
         """(bytes per role held from backward through the step, bytes per role during backward
-        only, bytes during the step only) for a device with `psi` parameters."""
+        only, bytes during the step only) for a device with `psi` parameters (`owned`: see
+        Sizes.owned)."""
         out = ([0.0] * 4, [0.0] * 4, [0.0])
         for group, role, a, b, c in self.linear_terms:
             out[group][role if group < 2 else 0] += a * psi + b * small + c
         for group, role, k, div, cap in self.capped_terms:
             out[group][role if group < 2 else 0] += k * min(psi / div, cap)
+        for group, role, k in self.owned_terms:
+            out[group][role if group < 2 else 0] += k * (psi / self.dp if owned is None else owned)
         return out[0], out[1], out[2][0]
 
 

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+
+from planner.cost.params import zero1_owned
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -60,6 +63,12 @@ class LayerCosts:
     in_flight: tuple[float, ...]
     """Micro-batches whose activations a stage holds at its peak (1F1B: p - i on stage i,
     capped at the accumulation steps; interleaving scales it)."""
+    block_numels: tuple[int, ...] = ()
+    """Element counts of one block's parameter tensors on one device, in module order
+    (planner.cost.params.block_tensors); with the two below, what ZeRO-1's owned gradients
+    depend on (stage_owned)."""
+    first_stage_numels: tuple[int, ...] = ()
+    last_stage_numels: tuple[int, ...] = ()
 
     def stage_psi(self, stage: int, pp: int, blocks: int) -> tuple[int, int]:
         """(parameters, small parameters) of one device of `stage` holding `blocks` blocks."""
@@ -69,3 +78,14 @@ class LayerCosts:
         if stage == pp - 1:
             psi, small = psi + self.last_stage_psi, small + self.last_stage_small
         return psi, small
+
+    def stage_owned(self, stage: int, pp: int, blocks: int, dp: int) -> int:
+        """ZeRO-1's owned gradient elements on the worst DP rank of `stage`
+        (planner.cost.params.zero1_owned)."""
+        return _stage_owned(self.block_numels, self.first_stage_numels if stage == 0 else (),
+                            self.last_stage_numels if stage == pp - 1 else (), blocks, dp)
+
+
+@lru_cache(maxsize=65536)
+def _stage_owned(block: tuple[int, ...], first: tuple[int, ...], last: tuple[int, ...], blocks: int, dp: int) -> int:
+    return max(zero1_owned(first + block * blocks + last, dp))

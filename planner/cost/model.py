@@ -172,6 +172,7 @@ def _layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
         block_small=blk.small(thr), first_stage_small=fst.small(thr), last_stage_small=lst.small(thr),
         fixed_bytes=f["memory_overhead_gb"] * GB,
         in_flight=in_flight,
+        block_numels=blk.numels, first_stage_numels=fst.numels, last_stage_numels=lst.numels,
     )
 
 
@@ -243,7 +244,7 @@ def stage_bytes(fp: engines.Footprint, plan: Plan, lc: LayerCosts, stage: int, b
     """
     p = plan.pp
     psi, small = lc.stage_psi(stage, p, blocks)
-    held, back, step_only = fp.evaluate(psi, small)
+    held, back, step_only = fp.evaluate(psi, small, lc.stage_owned(stage, p, blocks, plan.dp) if fp.owned else None)
     k = lc.in_flight[stage]
     acts = k * ((blocks - checkpointed) * lc.block_act_bytes + checkpointed * lc.block_act_bytes_full_recompute)
     if stage == 0:

@@ -30,7 +30,7 @@ class StageModel:
     constants precomputed so that the solvers can call them thousands of times cheaply."""
 
     __slots__ = ("pp", "lc", "frag", "frag1", "mb_overhead", "capacity", "saving", "selective",
-                 "stage_lin", "mins", "psi_of", "acts_of", "fixed")
+                 "stage_lin", "mins", "psi_of", "acts_of", "fixed", "owned", "dp")
 
     def __init__(self, cluster: ClusterSpec, plan: Plan, lc: LayerCosts) -> None:
         f = all_factors(cluster.device)
@@ -46,6 +46,8 @@ class StageModel:
         self.fixed = lc.fixed_bytes
         fp = engines.footprint(plan)
         self.mins = fp.mins
+        self.owned = fp.owned  # ZeRO-1's owned gradients: not linear in the blocks
+        self.pp, self.dp = p, plan.dp
         # per stage: the engine's linear quantities (held, held buckets, backward, backward
         # buckets, step) as slope x blocks + intercept; psi(n) and the activation constants
         lin: dict[int, tuple] = {}
@@ -72,6 +74,12 @@ class StageModel:
             q_vals = [held, held_b, back, back_b, step]
             for q, c, div, cap in self.mins:
                 q_vals[q] += c * min(psi / div, cap)
+            held, held_b, back, back_b, step = q_vals
+        if self.owned:
+            q_vals = [held, held_b, back, back_b, step]
+            owned = self.lc.stage_owned(i, self.pp, n, self.dp)
+            for q, c in self.owned:
+                q_vals[q] += c * owned
             held, held_b, back, back_b, step = q_vals
         act, act_ckpt, first, logits = self.acts_of[i]
         acts = (n - k) * act + k * act_ckpt + first

@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 
-from planner.cost import estimate, layer_costs
+from planner.cost import estimate, layer_costs, params
 from planner.cost.memory import block_activation_bytes
 from planner.specs import ModelSpec, Plan, TrainSpec
 from planner.specs.hardware import ClusterSpec, DeviceProfile, Link
@@ -252,11 +252,28 @@ def test_the_optimizer_step_phase_sets_the_peak_when_it_is_larger():
     assert mem.buckets > 2 * PSI_TP2
 
 
+RANK0_OWNED = 999 * 64 + 64 + 64 + 64 * 192 + 192 + 64 * 64 + 64 + 64 + 64 + 64 * 256  # 97,216
+"""ZeRO-1 over DP 4: PSI_T1 = 327,936 (a multiple of 2 x 4) splits into partitions of 81,984;
+rank 0's [0, 81,984) holds the embedding (63,936) and block 0 up to its FFN input weight, which
+starts at 80,832 and ends at 97,216: the whole gradient of each of those tensors stays alive."""
+
+
+def test_zero1_keeps_the_whole_gradients_of_the_tensors_overlapping_its_partition():
+    numels = params.stage_tensors(MODEL, 1, 1, 0, 4).numels
+    owned = params.zero1_owned(numels, 4)
+    assert owned[0] == RANK0_OWNED == 97_216
+    # rank 3's [245,952, 327,936): from block 3's FFN input weight (starting at 229,824) to the end
+    assert owned[3] == PSI_T1 - (999 * 64 + 3 * BLOCK_T1 + 64 + 64 + 64 * 192 + 192 + 64 * 64 + 64 + 64 + 64)
+    # 3 elements padded to 4 over DP 2: rank 1's slice [2, 4) overlaps the tensor and the zero pad
+    assert params.zero1_owned((3,), 2) == (3, 4)
+    assert params.zero1_owned((2, 2), 2) == (2, 2) and params.zero1_owned((1, 2, 1), 2) == (3, 3)
+
+
 def test_zero1_memory_terms():
     plan = Plan(dp=4, zero=1, micro_batch=1, grad_accum=2, bucket_elements=1000)
     mem = run(plan).stage_memory[0]
     assert mem.params == 2 * PSI_T1
-    assert mem.grads == 2 * PSI_T1 + 2 * PSI_T1 / 4          # full p.grad in backward + the owned partition
+    assert mem.grads == 2 * PSI_T1 + 2 * RANK0_OWNED          # full p.grad in backward + the owned gradients
     assert mem.optimizer == 12 * PSI_T1 / 4
     assert mem.buckets == 2 * 2 * 1000                       # two reduce buckets (overlap_comm)
 

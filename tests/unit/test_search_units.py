@@ -68,7 +68,7 @@ def test_evaluator_caches_and_relabels():
 
 def test_full_recompute_records_the_checkpointed_blocks_or_drops_to_none():
     m, c = preset("glm-10b"), parse_cluster("8xA100-40GB")
-    t = TrainSpec(global_batch=64, seq_len=1024)
+    t = TrainSpec(global_batch=64, seq_len=768)
     ev = Evaluator(m, c, t)
     needs = ev(Outer(tp=1, pp=2, dp=4, zero=1, micro_batch=1, grad_accum=16, recompute="full",
                      sequence_parallel=False, interleave=1), "exhaustive")
