@@ -29,10 +29,8 @@ Two more cases come from the search, not from the default spaces:
 The feasible plans are started in a seeded random order (`--seed`), so `--limit N` or a time
 budget (`--budget-s S`: no new start after S seconds; the rest are counted as not tried) give
 a uniform sample of all the spaces. `--lock PATH` takes the lock around each start instead
-of the whole sweep, so other jobs on shared cores run between plans. `--sp-marked N` also
-starts N plans the search marks infeasible only for sequence parallelism (with the
-preflight's refusal of SP lifted for them), to show whether that refusal is still needed.
-The exhaustive sweep's feasible plans include every plan the default Optuna search can mark
+of the whole sweep, so other jobs on shared cores run between plans. Sequence-parallel
+plans are ordinary feasible plans (the executor's TP layers run them). The exhaustive sweep's feasible plans include every plan the default Optuna search can mark
 feasible (the same Evaluator). tests/integration/test_plans_start.py starts a seeded sample
 of the same plans with these functions.
 """
@@ -66,7 +64,7 @@ from planner.search.evaluate import Trial
 from planner.specs import Plan, TrainSpec, parse_cluster
 from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
-from planner.specs.validate import plan_problems, runtime_problems
+from planner.specs.validate import plan_problems
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -217,21 +215,13 @@ class Outcome:
 
 def start(case: Case, run_dir: Path, *, steps: int = 1, warmup: int = 0, timeout: float = 300.0) -> Outcome:
     """Write the run directory and run the plan as `planner run DIR --steps 1 --warmup 0` does."""
-    from planner.executor import preflight
     from planner.executor.launch import run_plan
     write_run(case, run_dir)
     t0 = time.perf_counter()
-    refuse = preflight.runtime_problems
-    if case.kind.startswith("SP"):
-        # the search and the preflight still refuse sequence parallelism (planner.specs.validate.
-        # runtime_problems); the executor runs it (docs/runtime.md), so see whether it starts
-        preflight.runtime_problems = lambda plan: [p for p in refuse(plan) if "sequence parallelism" not in p]
     try:
         m = run_plan(run_dir, steps=steps, warmup=warmup, timeout=timeout)
     except PlannerError as exc:
         return Outcome(case=case, started=False, wall_s=time.perf_counter() - t0, cause=exc.line())
-    finally:
-        preflight.runtime_problems = refuse
     wall = time.perf_counter() - t0
     loss = tuple(float(x) for x in m.get("loss") or ())
     if m.get("status") != "ok":
@@ -373,25 +363,6 @@ def run_all(cases: list[Case], root: Path, *, budget_s: float | None = None, ste
     return outcomes, 0
 
 
-def sp_marked(s: Searched) -> list[Case]:
-    """Plans the search estimated to fit but marked infeasible only because they use sequence
-    parallelism (planner.specs.validate.runtime_problems): what the executor could start if
-    the search allowed it."""
-    out = []
-    for t in s.result.trials:
-        if t.feasible or t.estimate is None or not t.plan.sequence_parallel or not t.estimate.feasible:
-            continue
-        if t.reason == "; ".join(runtime_problems(t.plan)) and t.plan.schedule == "1f1b":
-            out.append(Case(searched=s, plan=t.plan, trial=dataclasses.replace(t, feasible=True, reason=""),
-                            kind="SP (marked infeasible by the search)"))
-    seen, uniq = set(), []
-    for c in out:
-        if c.plan not in seen:
-            seen.add(c.plan)
-            uniq.append(c)
-    return uniq
-
-
 def _summary(outcomes: list[Outcome]) -> None:
     by_np: dict[int, list[Outcome]] = {}
     for o in outcomes:
@@ -411,8 +382,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="order (and, with --limit or --budget-s, sample) seed")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="stop starting feasible plans after S seconds (the rest: not tried)")
-    ap.add_argument("--sp-marked", type=int, default=6, metavar="N",
-                    help="also start N plans marked infeasible only for sequence parallelism (0: none)")
     ap.add_argument("--no-extra", action="store_true", help="skip the partial-recompute and GLM-130B cases")
     ap.add_argument("--lock", default=None, metavar="PATH",
                     help="take `flock PATH` around each start instead of for the whole sweep")
@@ -430,8 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     searched = spaces(models, worlds, attentions)
     cases = [c for s in searched for c in feasible(s)]
     for s in searched:
-        print(f"{s.command}: {len(s.result.ranked)} feasible distinct plans of {s.result.distinct} evaluated, "
-              f"{len(sp_marked(s))} more marked infeasible only for sequence parallelism")
+        print(f"{s.command}: {len(s.result.ranked)} feasible distinct plans of {s.result.distinct} evaluated "
+              f"({sum(t.plan.sequence_parallel for t in s.result.ranked)} with sequence parallelism)")
     rng = random.Random(args.seed)
     rng.shuffle(cases)  # a budget-limited sweep is then a uniform sample of all spaces
     n_feasible = len(cases)
@@ -441,17 +410,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_extra:
         for m in models:
             extra += partial_recompute(m, f"{4 if 4 in worlds else worlds[0]}xcpu", root, attentions[0])[:1]
-    sp = [c for s in searched for c in sp_marked(s)]
-    sp = rng.sample(sp, min(args.sp_marked, len(sp)))
     print(f"{n_feasible} feasible plans in {len(searched)} searches ({time.perf_counter() - t0:.1f} s): starting "
-          f"{len(cases)}; + {len(extra)} partial-recompute plans from a tighter profile; + {len(sp)} plans marked "
-          f"infeasible only for sequence parallelism")
+          f"{len(cases)}; + {len(extra)} partial-recompute plans from a tighter profile")
     if args.list:
         return 0
     print(HEADER)
     outcomes, untried = run_all(cases, root, budget_s=args.budget_s, lock=args.lock)
     more, _ = run_all(extra, root / "partial", lock=args.lock)
-    sp_out, _ = run_all(sp, root / "sp", lock=args.lock)
     shrunk_line = ""
     if not args.no_extra and "glm-130b" in models:
         case, pick = shrunk_glm130b(root)
@@ -474,12 +439,10 @@ def main(argv: list[str] | None = None) -> int:
     _summary(outcomes)
     if more:
         print(f"partial recompute and shrunk GLM-130B: {sum(o.started for o in more)}/{len(more)} started")
-    if sp_out:
-        print(f"marked infeasible only for sequence parallelism: {sum(o.started for o in sp_out)}/{len(sp_out)} started")
     if shrunk_line:
         print(shrunk_line)
     print(f"wall {time.perf_counter() - t0:.0f} s")
-    failed = [o for o in outcomes + more + sp_out if not o.started]
+    failed = [o for o in outcomes + more if not o.started]
     if failed:
         print(f"failed runs kept under {root}")
     elif not args.keep:

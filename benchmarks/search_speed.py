@@ -9,6 +9,8 @@ whether it reached the exhaustive optimum. Numbers are printed, never asserted.
 from __future__ import annotations
 
 import argparse
+import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -46,6 +48,27 @@ def main() -> None:
           f"(all: {', '.join(f'{t:.2f}' for t in times)}) -> target < 2 s: {'met' if min(times) < 2 else 'MISSED'}")
     print(f"  optimum: {best.plan.describe()}, {best.tokens_per_s:,.0f} tokens/s, MFU {best.estimate.mfu:.1%}, "
           f"{best.needs_gb:.1f} GB/GPU")
+
+    # one planner.cost.estimate call (the search's picks, as `planner estimate` prices a plan):
+    # cold = the cost model's lru caches emptied before each call, warm = repeated
+    import planner.cost as cost_pkg
+    caches = [v for mod in list(sys.modules.values()) if mod and mod.__name__.startswith("planner.cost")
+              for v in vars(mod).values() if callable(getattr(v, "cache_clear", None))]
+    plans = [t.plan for t in rank(trials)[:50]]
+    cold = []
+    for plan in plans:
+        for c in caches:
+            c.cache_clear()
+        t0 = time.perf_counter()
+        cost_pkg.estimate(model, cluster, train, plan)
+        cold.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for _ in range(4):
+        for plan in plans:
+            cost_pkg.estimate(model, cluster, train, plan)
+    warm = (time.perf_counter() - t0) / (4 * len(plans))
+    print(f"estimate(): {statistics.median(cold) * 1e6:,.0f} us per call cold (median of {len(plans)} plans, caches "
+          f"emptied), {warm * 1e6:,.0f} us warm")
 
     found = 0
     for seed in range(args.seeds):

@@ -64,6 +64,8 @@ class Buffer:
     (planner.cost.params.zero1_owned; psi / dp when the tensors are not known)."""
     sharded: bool = False
     """Partitioned over the data-parallel group (divided by dp)."""
+    count: int = 1
+    """How many such tensors (ZeRO-1/2's double reduce buffer under overlap_comm)."""
     phase: str = "always"
     held_by: str = "optimizer"
     """Where the executor's measurement finds it: module (p.data, p.grad) or optimizer."""
@@ -73,6 +75,7 @@ class Buffer:
     def __post_init__(self) -> None:
         assert self.role in ROLES and self.phase in PHASES and self.basis in BASES, self
         assert self.held_by in ("module", "optimizer") and isinstance(self.sharded, bool), self
+        assert self.count >= 1 and (self.count == 1 or self.basis == "reduce_bucket"), self
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,7 +118,7 @@ class Engine:
         out = dict.fromkeys(ROLES, 0.0)
         for b in self.buffers:
             if b.phase in phases and (held_by is None or b.held_by == held_by):
-                out[b.role] += b.bytes * sizes.of(b)
+                out[b.role] += b.bytes * b.count * sizes.of(b)
         return out
 
 
@@ -132,6 +135,11 @@ class Sizes:
     owned: float | None = None
     """Elements ZeRO-1 keeps for this rank's gradient partition (planner.cost.params.zero1_owned);
     None: psi / dp."""
+    resident: bool = False
+    """Count only the pages a buffer touches, as a CPU's resident set does (a GPU's allocator
+    counts what was allocated): DeepSpeed allocates its reduce buckets with torch.empty and
+    fills them with the rank's gradients, so `count` buckets touch min(psi, count x bucket)
+    elements (planner.cost.model.resident_memory)."""
 
     def of(self, b: Buffer) -> float:
         if b.basis == "owned":
@@ -141,7 +149,7 @@ class Sizes:
         elif b.basis == "small":
             n = self.small
         elif b.basis == "reduce_bucket":
-            n = self.bucket_elements
+            n = min(self.bucket_elements, self.psi / b.count) if self.resident else self.bucket_elements
         elif b.basis == "fallback_bucket":
             n = min(self.psi, FALLBACK_BUCKET)
         elif b.basis == "live_params":
@@ -339,7 +347,7 @@ def _zero12(stage: int, e: float, overlap: bool) -> Engine:
             ),
             Buffer(
                 name="reduce buckets",
-                role="buckets", bytes=e * (2 if overlap else 1), basis="reduce_bucket", phase="backward",
+                role="buckets", bytes=e, count=2 if overlap else 1, basis="reduce_bucket", phase="backward",
                 source=s +
                     "setup_buckets (x2 with overlap_comm) / reduce_gradients (pipeline: overlap_comm forced off, one "
                     "bucket); reduce_bucket_size elements, released by the epilogue",
@@ -442,8 +450,9 @@ def engine_for(plan: Plan) -> Engine:
     return _engine(plan.zero, plan.precision, plan.pp > 1, plan.overlap_comm)
 
 
-def sizes(plan: Plan, psi: float, small: float, owned: float | None = None) -> Sizes:
-    return Sizes(psi=psi, small=small, dp=plan.dp, bucket_elements=float(plan.bucket_elements), owned=owned)
+def sizes(plan: Plan, psi: float, small: float, owned: float | None = None, resident: bool = False) -> Sizes:
+    return Sizes(psi=psi, small=small, dp=plan.dp, bucket_elements=float(plan.bucket_elements), owned=owned,
+                 resident=resident)
 
 
 class Footprint:
@@ -455,17 +464,19 @@ class Footprint:
 
     __slots__ = ("linear_terms", "capped_terms", "owned_terms", "linear", "mins", "owned", "dp")
 
-    def __init__(self, engine: Engine, plan: Plan) -> None:
+    def __init__(self, engine: Engine, plan: Plan, resident: bool = False) -> None:
         d, bucket = plan.dp, float(plan.bucket_elements)
         capped = {"fallback_bucket": (1, float(FALLBACK_BUCKET)), "live_params": (1, bucket), "sub_group": (d, bucket)}
         linear_terms, capped_terms, owned_terms = [], [], []
         self.dp = d
         for buf in engine.buffers:
             group = 0 if buf.phase in ("always", "grads") else 1 if buf.phase == "backward" else 2
-            k = buf.bytes / (d if buf.sharded else 1)
+            k = buf.count * buf.bytes / (d if buf.sharded else 1)
             role = ROLES.index(buf.role)
             if buf.basis == "owned":
                 owned_terms.append((group, role, k))
+            elif buf.basis == "reduce_bucket" and resident:
+                capped_terms.append((group, role, k, buf.count, bucket))
             elif buf.basis in capped:
                 capped_terms.append((group, role, k, *capped[buf.basis]))
             else:
@@ -507,11 +518,14 @@ def _slots(group: int, role: int) -> tuple[int, ...]:
 
 
 @lru_cache(maxsize=4096)
-def _footprint(zero: int, precision: str, pipeline: bool, overlap_comm: bool, dp: int, bucket: int) -> Footprint:
+def _footprint(zero: int, precision: str, pipeline: bool, overlap_comm: bool, dp: int, bucket: int,
+               resident: bool) -> Footprint:
     plan = Plan(dp=dp, zero=zero, precision=precision, overlap_comm=overlap_comm, bucket_elements=bucket,
                 pp=2 if pipeline else 1)
-    return Footprint(_engine(zero, precision, pipeline, overlap_comm), plan)
+    return Footprint(_engine(zero, precision, pipeline, overlap_comm), plan, resident)
 
 
-def footprint(plan: Plan) -> Footprint:
-    return _footprint(plan.zero, plan.precision, plan.pp > 1, plan.overlap_comm, plan.dp, plan.bucket_elements)
+def footprint(plan: Plan, resident: bool = False) -> Footprint:
+    """The plan's engine, precompiled; `resident`: see Sizes.resident."""
+    return _footprint(plan.zero, plan.precision, plan.pp > 1, plan.overlap_comm, plan.dp, plan.bucket_elements,
+                      resident)

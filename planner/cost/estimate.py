@@ -6,7 +6,8 @@ from planner.cost.attention import recomputes_scores
 from planner.cost.engines import Engine
 from planner.cost.factors import cluster_factors
 from planner.cost.layers import LayerCosts
-from planner.cost.model import _act_bytes, _block_times, _kernel, _layer_costs, stage_memory, stage_times
+from planner.cost.model import (_act_bytes, _block_times, _kernel, _layer_costs, resident_memory, stage_memory,
+                                 stage_times)
 from planner.specs.estimate import GB, Estimate, TimeBreakdown
 from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
@@ -120,7 +121,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
                             "overhead": f["step_overhead_s"] + m * mb_overhead})
     step = time.total
 
-    mem = stage_memory(plan, lc, layers, ckpt, f["memory_fragmentation"])
+    mem = stage_memory(plan, lc, layers, ckpt, f["memory_fragmentation"], resident_memory(cluster.device.kind))
     cap = cluster.memory_bytes
     for i, mb in enumerate(mem):
         if mb.total > cap:

@@ -260,10 +260,18 @@ def stage_bytes(fp: engines.Footprint, plan: Plan, lc: LayerCosts, stage: int, b
     return params, grads, opt, acts, logits, buckets, overhead
 
 
+def resident_memory(device_kind: str) -> bool:
+    """Whether memory is measured as resident pages (a CPU process's peak RSS, VmHWM) rather
+    than as allocated bytes (a GPU's caching allocator): buffers allocated with torch.empty
+    and only partly written count only where written (planner.cost.engines.Sizes.resident)."""
+    return device_kind == "cpu"
+
+
 def stage_memory(plan: Plan, lc: LayerCosts, layers: tuple[int, ...],
-                 checkpointed: tuple[int, ...], fragmentation: float) -> list[MemoryBreakdown]:
+                 checkpointed: tuple[int, ...], fragmentation: float,
+                 resident: bool = False) -> list[MemoryBreakdown]:
     """Per-stage peak memory of one device from the shared layer costs."""
-    fp = engines.footprint(plan)
+    fp = engines.footprint(plan, resident)
     out = []
     for i, (n, r) in enumerate(zip(layers, checkpointed)):
         pa, gr, op, ac, lo, bu, ov = stage_bytes(fp, plan, lc, i, n, r, fragmentation)

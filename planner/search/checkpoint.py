@@ -19,6 +19,7 @@ from __future__ import annotations
 from planner.cost import engines
 from planner.cost.factors import all_factors
 from planner.cost.layers import LayerCosts
+from planner.cost.model import resident_memory
 from planner.specs.hardware import ClusterSpec
 from planner.specs.plan import Plan
 
@@ -44,7 +45,7 @@ class StageModel:
         self.mb_overhead = f["microbatch_overhead_s"]
         self.capacity = cluster.memory_bytes
         self.fixed = lc.fixed_bytes
-        fp = engines.footprint(plan)
+        fp = engines.footprint(plan, resident_memory(cluster.device.kind))
         self.mins = fp.mins
         self.owned = fp.owned  # ZeRO-1's owned gradients: not linear in the blocks
         self.pp, self.dp = p, plan.dp

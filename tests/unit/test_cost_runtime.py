@@ -210,3 +210,23 @@ def test_the_engines_read_the_knobs_the_ds_config_sets():
     assert z["stage3_param_persistence_threshold"] == params.persistence_threshold(model)
     assert z["reduce_bucket_size"] == z["stage3_max_live_parameters"] == z["sub_group_size"] == plan.bucket_elements
     assert z["overlap_comm"] is plan.overlap_comm
+
+
+@pytest.mark.parametrize("zero,overlap,psi,want", [
+    (1, True, 1500.0, 1500), (1, True, 5000.0, 2000), (1, False, 1500.0, 1000), (2, True, 800.0, 800),
+    (3, True, 800.0, 800), (3, True, 5000.0, 1000)])
+def test_a_cpu_counts_only_the_bucket_pages_the_gradients_touch(zero, overlap, psi, want):
+    """DeepSpeed allocates its reduce buckets with torch.empty and fills them with the rank's
+    gradients: a CPU's resident set holds min(psi, buckets x bucket_elements) elements of them
+    (ZeRO-1/2 double-buffer under overlap_comm), a GPU's allocator the whole buckets."""
+    plan = Plan(dp=2, zero=zero, micro_batch=1, grad_accum=1, bucket_elements=1000, overlap_comm=overlap)
+    eng = engines.engine_for(plan)
+    buckets = [b for b in eng.buffers if b.basis == "reduce_bucket"]
+    assert len(buckets) == 1 and buckets[0].count == (2 if overlap and zero < 3 else 1)
+    got = eng.bytes_by_role(engines.sizes(plan, psi, 0.0, resident=True), ("always", "backward"))["buckets"]
+    full = eng.bytes_by_role(engines.sizes(plan, psi, 0.0), ("always", "backward"))["buckets"]
+    live = 2 * min(psi, 1000) if zero == 3 else 0                    # ZeRO-3's gathered weights, written
+    assert full == 2 * 1000 * buckets[0].count + live                # bf16, allocated
+    assert got == 2 * want + live                                    # bf16, touched
+    held, back, _ = engines.footprint(plan, resident=True).evaluate(psi, 0.0)
+    assert held[3] + back[3] == got

@@ -299,6 +299,18 @@ def test_optuna_parameters_round_trip_and_neighbours_are_legal():
     assert {n.recompute for n in near} == set(space.recompute_modes())
 
 
+def test_neighbours_are_every_pp_at_the_same_tp_and_tp_halved_or_doubled():
+    space = small_space()
+    layouts = [(1, 1, 8), (1, 2, 4), (1, 4, 2), (2, 1, 4), (2, 2, 2), (4, 1, 2)]
+    near = neighbours(Shape(tp=1, pp=1, dp=8, recompute="none"), layouts, space)
+    # same TP: PP 2 and 4; TP doubled at the same PP: (2, 1); TP halved: none
+    assert {(n.tp, n.pp, n.dp) for n in near} == {(1, 1, 8), (1, 2, 4), (1, 4, 2), (2, 1, 4)}
+    near = neighbours(Shape(tp=2, pp=2, dp=2, recompute="none"), layouts, space)
+    # same TP: PP 1; TP halved: (1, 2) same PP, (1, 4) same DP; doubled: (4, 2) illegal, (4, 1) same DP
+    assert {(n.tp, n.pp, n.dp) for n in near} == {(2, 2, 2), (2, 1, 4), (1, 2, 4), (1, 4, 2), (4, 1, 2)}
+    assert len(near) == 5 * len(space.recompute_modes())
+
+
 def test_evaluate_shape_stops_at_the_first_micro_batch_that_cannot_fit():
     m, c = preset("glm-10b"), parse_cluster("8xA100-40GB")
     space = Space(model=m, cluster=c, train=TrainSpec(global_batch=256, seq_len=1024), max_interleave=1)
