@@ -464,7 +464,7 @@ class Footprint:
 
     __slots__ = ("linear_terms", "capped_terms", "owned_terms", "linear", "mins", "owned", "dp")
 
-    def __init__(self, engine: Engine, plan: Plan, resident: bool = False) -> None:
+    def __init__(self, engine: Engine, plan: Plan, resident: bool) -> None:
         d, bucket = plan.dp, float(plan.bucket_elements)
         capped = {"fallback_bucket": (1, float(FALLBACK_BUCKET)), "live_params": (1, bucket), "sub_group": (d, bucket)}
         linear_terms, capped_terms, owned_terms = [], [], []

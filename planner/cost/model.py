@@ -268,8 +268,7 @@ def resident_memory(device_kind: str) -> bool:
 
 
 def stage_memory(plan: Plan, lc: LayerCosts, layers: tuple[int, ...],
-                 checkpointed: tuple[int, ...], fragmentation: float,
-                 resident: bool = False) -> list[MemoryBreakdown]:
+                 checkpointed: tuple[int, ...], fragmentation: float, resident: bool) -> list[MemoryBreakdown]:
     """Per-stage peak memory of one device from the shared layer costs."""
     fp = engines.footprint(plan, resident)
     out = []

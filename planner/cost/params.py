@@ -146,7 +146,3 @@ def zero1_owned(numels: tuple[int, ...], dp: int) -> tuple[int, ...]:
         out.append(owned + max(0, hi - max(lo, total)))
     return tuple(out)
 
-
-def stage_zero1_owned(model: ModelSpec, t: int, pp: int, stage: int, blocks: int, dp: int) -> int:
-    """The largest zero1_owned over the DP ranks of one device of `stage` (the peak)."""
-    return max(zero1_owned(stage_tensors(model, t, pp, stage, blocks).numels, dp))

@@ -286,3 +286,62 @@ def test_zero3_blocks_each_keep_their_own_mask_and_rotary():
     s0 = lc(Plan(dp=4, micro_batch=B, recompute="selective"), sel)
     s3 = lc(Plan(dp=4, zero=3, micro_batch=B, recompute="selective"), sel)
     assert s3.block_act_bytes == s0.block_act_bytes
+
+
+# --- the terms a search plan switches on, at the stage level --------------------------------------
+def test_sequence_parallel_reaches_the_blocks_head_and_pipeline_messages():
+    mask, rot = 2 * B * S * S, 2 * 4 * SB * 4
+    c = lc(Plan(tp=2, dp=2, micro_batch=B, sequence_parallel=True))
+    assert c.block_act_bytes == block(t=2, sp=True)
+    assert c.last_stage_act_bytes == (memory.head_bytes(TOY, S, B, 2, sequence_parallel=True, act_bytes=E)
+                                      + 2 * SB * 1002 / 2 + mask + rot)
+    hidden = 2 * SB * 64 / 2                                             # the message's b s/t h half
+    msg = hidden + 16 * SB
+    kw = {"sequence_parallel": True, "act_bytes": E, "p": 3}
+    assert memory.pipeline_bytes(TOY, S, B, 2, stage=1, m=4, **kw) == (2 * msg, msg + hidden)
+    # two micro-batches: the last stage still keeps the previous logits (b s V_pad/t, bf16)
+    last = memory.pipeline_bytes(TOY, S, B, 2, stage=2, m=2, **kw)
+    assert last == (msg, msg + memory.pipe_buffers(3, 2, 2) * 8 * SB + 2 * SB * 1002 / 2)
+    pp = lc(Plan(tp=2, pp=2, micro_batch=B, grad_accum=4, sequence_parallel=True))
+    fixed0 = hidden + 2 * 3 * 8 * SB                                     # gradient buffer, 2 loaded inputs
+    assert pp.first_stage_act_bytes == pytest.approx(memory.embedding_bytes(TOY, S, B, 2) + mask + rot + msg
+                                                     + fixed0 / 2, rel=1e-15, abs=0)
+    assert pp.last_stage_act_bytes == pytest.approx(
+        memory.head_bytes(TOY, S, B, 2, sequence_parallel=True, act_bytes=E) + 2 * SB * 1002 / 2 + mask + rot
+        + msg + msg + 2 * 8 * SB + 2 * SB * 1002 / 2, rel=1e-15, abs=0)
+
+
+def test_selective_recompute_under_eager_attention_keeps_less_and_rebuilds_the_core():
+    from planner.cost.attention import attention_kernel
+    train = TrainSpec(global_batch=4 * B, seq_len=S, attention="eager")
+    k = attention_kernel(TOY, train, "cpu")
+    sel = layer_costs(TOY, CPU, train, Plan(dp=4, micro_batch=B, recompute="selective"))
+    assert sel.block_act_bytes == block(recompute="selective", kernel=k) < block(kernel=k)
+    rebuilt = memory.shared_bytes(TOY, S, B, 1, act_bytes=E, kernel=k, plain=True, recomputed=True)
+    assert sel.block_work_bytes == rebuilt + block(kernel=k) - block(recompute="selective", kernel=k)
+
+
+def test_alibi_masks_are_per_head_over_tp_wherever_they_are_kept():
+    alibi = dataclasses.replace(TOY, position="alibi")
+    mask = 2 * B * (4 // 2) * S * S                                      # b heads/t s s bf16, no cos/sin
+    z1 = lc(Plan(tp=2, dp=2, zero=1, micro_batch=B), alibi)
+    z3 = lc(Plan(tp=2, dp=2, zero=3, micro_batch=B), alibi)
+    assert z3.block_act_bytes - z1.block_act_bytes == mask               # ZeRO-3: each block its own
+    head = memory.head_bytes(alibi, S, B, 2, sequence_parallel=False, act_bytes=E) + 2 * SB * 1002 / 2
+    assert z1.last_stage_act_bytes == head + mask
+    full = lc(Plan(tp=2, dp=2, zero=1, micro_batch=B, recompute="full"), alibi)
+    assert full.block_work_bytes == mask + 16 * SB + block(alibi, t=2) - block(alibi, t=2, recompute="full")
+    # ZeRO-3 + full recompute: the recomputed block rebuilds its own mask next to what it kept
+    z3full = lc(Plan(tp=2, dp=2, zero=3, micro_batch=B, recompute="full"), alibi)
+    assert z3full.block_work_bytes - full.block_work_bytes == mask
+
+
+def test_a_selective_pipeline_stage_keeps_no_shared_set_per_micro_batch():
+    """Selective recompute: no plain block keeps the mask and cos/sin, so the first stage holds
+    only the cache's one set, spread over its in-flight micro-batches."""
+    mask, rot = 2 * B * S * S, 2 * 4 * SB * 4
+    msg, hidden = 2 * SB * 64 + 16 * SB, 2 * SB * 64
+    c = lc(Plan(dp=2, pp=2, micro_batch=B, grad_accum=4, recompute="selective"),
+           dataclasses.replace(TOY, attention_dropout=0.1))
+    fixed0 = hidden + 2 * 3 * 8 * SB
+    assert c.first_stage_act_bytes == pytest.approx(8 * SB + msg + (mask + rot + fixed0) / 2, rel=1e-15, abs=0)

@@ -10,7 +10,7 @@ from planner.cost import engines, params
 from planner.cost.attention import attention_kernel, selective_saves_memory
 from planner.cost.comm import cross_node_boundaries, group_links, group_sharing
 from planner.search import Space
-from planner.specs import ModelSpec, Plan, TrainSpec, parse_cluster, preset
+from planner.specs import ModelSpec, Plan, TrainSpec, parse_cluster, preset, scale
 
 GQA = ModelSpec(name="gqa", hidden=128, layers=4, heads=8, kv_groups=2, ffn_hidden=96, activation="swiglu",
                 vocab=1001, max_seq=256, norm="rmsnorm", position="rotary", qkv_bias=True, linear_bias=False)
@@ -230,3 +230,30 @@ def test_a_cpu_counts_only_the_bucket_pages_the_gradients_touch(zero, overlap, p
     assert got == 2 * want + live                                    # bf16, touched
     held, back, _ = engines.footprint(plan, resident=True).evaluate(psi, 0.0)
     assert held[3] + back[3] == got
+
+
+def test_zero1_owned_gradients_reach_the_engine_and_buffers_validate_their_count():
+    plan = Plan(dp=2, zero=1, micro_batch=1, grad_accum=1)
+    eng = engines.engine_for(plan)
+    assert eng.bytes_by_role(engines.sizes(plan, 1000.0, 0.0, owned=700.0), ("grads",))["grads"] == 2 * 700
+    assert eng.bytes_by_role(engines.sizes(plan, 1000.0, 0.0), ("grads",))["grads"] == 2 * 1000 / 2
+    held, _, _ = engines.footprint(plan).evaluate(1000.0, 0.0, 700.0)
+    assert held[1] == 2 * 700                                        # ZeRO-1 holds no other gradient then
+    with pytest.raises(AssertionError):
+        engines.Buffer(name="x", role="grads", bytes=2.0, count=2)   # only reduce buckets come in pairs
+    with pytest.raises(AssertionError):
+        engines.Buffer(name="x", role="buckets", bytes=2.0, basis="reduce_bucket", count=0)
+
+
+def test_the_estimate_counts_touched_bucket_pages_on_a_cpu_only():
+    """The same profile as a CPU and as a GPU: only the reduce buckets differ, by the pages the
+    gradients never touch (ZeRO-2, two buckets of 10^7 elements, psi < 2 x 10^7)."""
+    from planner.cost import estimate
+    model, train = scale(preset("chatglm3-6b"), "tiny"), TrainSpec(global_batch=4, seq_len=64)
+    cpu = parse_cluster("2xcpu")
+    gpu = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, kind="gpu"))
+    plan = Plan(dp=2, zero=2, micro_batch=2, grad_accum=1, bucket_elements=10_000_000)
+    a, b = estimate(model, cpu, train, plan).stage_memory[0], estimate(model, gpu, train, plan).stage_memory[0]
+    psi = params.stage_params(model, plan)[0]
+    assert b.buckets - a.buckets == 2 * (2 * 10_000_000 - psi)
+    assert (a.params, a.grads, a.optimizer, a.activations) == (b.params, b.grads, b.optimizer, b.activations)

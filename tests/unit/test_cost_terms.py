@@ -501,3 +501,16 @@ def test_fp32_activations_and_the_scaled_working_block():
 def test_zero3_updates_a_shard():
     plan = Plan(dp=4, zero=3, micro_batch=1, grad_accum=2, bucket_elements=1000)
     assert run(plan).time.optimizer == pytest.approx(PSI_T1 / 4 * 30 / HBM, rel=1e-12, abs=0)
+
+
+def test_zero1_owned_gradients_per_pipeline_stage():
+    """PP 2 x DP 2, two blocks per stage. Stage 0 = embedding (63,936) + 2 blocks = 163,904
+    elements, partitions of 81,952: rank 0 reaches into block 0's FFN input weight, which ends at
+    97,216; rank 1 starts inside it (at 80,832): 163,904 - 80,832 = 83,072. Stage 1 = 2 blocks +
+    final LayerNorm + output layer = 164,032, partitions of 82,016: rank 0 reaches into block 1's
+    FFN input weight (ending at 83,264), rank 1 starts inside it (at 66,880): 97,152."""
+    lc = layer_costs(MODEL, cluster(), train(Plan(dp=2, pp=2, zero=1, micro_batch=1, grad_accum=4)),
+                     Plan(dp=2, pp=2, zero=1, micro_batch=1, grad_accum=4))
+    assert lc.stage_owned(0, 2, 2, 2) == max(97_216, 163_904 - 80_832) == 97_216
+    assert lc.stage_owned(1, 2, 2, 2) == max(83_264, 164_032 - 66_880) == 97_152
+    assert lc.stage_owned(0, 1, 4, 4) == RANK0_OWNED                   # one stage: embedding, blocks and head

@@ -341,19 +341,24 @@ def test_stage_model_matches_the_estimate_where_the_optimizer_step_sets_the_peak
              Plan(dp=2, pp=4, zero=0, precision="fp32", micro_batch=1, grad_accum=8),
              Plan(dp=4, pp=2, zero=0, precision="bf16", micro_batch=2, grad_accum=2, recompute="selective"),
              Plan(dp=4, pp=2, zero=1, precision="bf16", micro_batch=1, grad_accum=4, recompute="full")]
-    for plan in plans:
-        lc = layer_costs(m, c, t, plan)
-        sm = StageModel(c, plan, lc)
-        fp = engines.footprint(plan)
-        frag = all_factors(dev)["memory_fragmentation"]
+    cpu = parse_cluster("8xcpu")
+    z2 = Plan(dp=8, zero=2, precision="bf16", micro_batch=1, grad_accum=2)   # buckets of 5e7 > psi
+    for plan, cl in [(x, c) for x in plans] + [(x, cpu) for x in plans[:2] + [z2]]:
+        lc = layer_costs(m, cl, t, plan)
+        sm = StageModel(cl, plan, lc)
+        fp = engines.footprint(plan, resident=cl is cpu)   # a CPU counts the bucket pages it touches
+        frag = all_factors(cl.device)["memory_fragmentation"]
         for i in range(plan.pp):
             for n in (1, 3, 8 // plan.pp):
                 for k in {0, n} if plan.recompute == "full" else {0}:
                     want = stage_bytes(fp, plan, lc, i, n, k, frag)
                     assert sm.bytes(i, n, k) == pytest.approx(sum(want), rel=1e-12, abs=0), (plan, i, n, k)
             layers = (2,) * plan.pp
-            assert [sm.time(j, 2, 0) for j in range(plan.pp)] == pytest.approx(
+            assert cl is cpu or [sm.time(j, 2, 0) for j in range(plan.pp)] == pytest.approx(
                 stage_times(lc, layers, (0,) * plan.pp, 0.003), rel=1e-12, abs=0)
+    lc2 = layer_costs(m, cpu, t, z2)
+    touched = stage_bytes(engines.footprint(z2, resident=True), z2, lc2, 0, 8, 0, 0.0)[5]
+    assert touched == 2 * lc2.stage_psi(0, 1, 8)[0] < stage_bytes(engines.footprint(z2), z2, lc2, 0, 8, 0, 0.0)[5]
     # the step phase did set the peak: FP16_Optimizer's fp32 gradient copy (4 bytes/parameter)
     p0 = plans[0]
     lc0 = layer_costs(m, c, t, p0)
