@@ -2,7 +2,8 @@
 
 Builds a run directory for GLM-130B on 96x8xA100-40GB (global batch 4224, sequence 2048):
 every outer point of the sample space priced by the real cost model in trials.csv (thousands
-of rows) and an Optuna study.db of thousands of trials (planner.report.sample), then times
+of rows) and an Optuna study.db (`--study-trials` is the trial budget; the study stops once
+every shape was tried, a few hundred trials for GLM-130B: planner.report.sample), then times
 
   * write_report in this process (imports already paid), per phase, best and median of 3;
   * `planner report RUN_DIR` as a user runs it: a fresh process, imports included.

@@ -299,6 +299,10 @@ def test_sequence_parallel_reaches_the_blocks_head_and_pipeline_messages():
     msg = hidden + 16 * SB
     kw = {"sequence_parallel": True, "act_bytes": E, "p": 3}
     assert memory.pipeline_bytes(TOY, S, B, 2, stage=1, m=4, **kw) == (2 * msg, msg + hidden)
+    # TP 2 without SP: the message is the whole b s h
+    whole = 2 * SB * 64 + 16 * SB
+    assert memory.pipeline_bytes(TOY, S, B, 2, stage=1, m=4, **{**kw, "sequence_parallel": False}) == (
+        2 * whole, whole + 2 * SB * 64)
     # two micro-batches: the last stage still keeps the previous logits (b s V_pad/t, bf16)
     last = memory.pipeline_bytes(TOY, S, B, 2, stage=2, m=2, **kw)
     assert last == (msg, msg + memory.pipe_buffers(3, 2, 2) * 8 * SB + 2 * SB * 1002 / 2)
