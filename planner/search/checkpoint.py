@@ -48,7 +48,7 @@ class StageModel:
         fp = engines.footprint(plan, resident_memory(cluster.device.kind))
         self.mins = fp.mins
         self.owned = fp.owned  # ZeRO-1's owned gradients: not linear in the blocks
-        self.pp, self.dp = p, plan.dp
+        self.dp = plan.dp
         # per stage: the engine's linear quantities (held, held buckets, backward, backward
         # buckets, step) as slope x blocks + intercept; psi(n) and the activation constants
         lin: dict[int, tuple] = {}
@@ -69,18 +69,16 @@ class StageModel:
         """planner.cost.model.stage_bytes(...) summed, from the precomputed constants."""
         (s0, i0), (s1, i1), (s2, i2), (s3, i3), (s4, i4) = self.stage_lin[i]
         held, held_b, back, back_b, step = s0 * n + i0, s1 * n + i1, s2 * n + i2, s3 * n + i3, s4 * n + i4
-        if self.mins:
+        if self.mins or self.owned:
             slope, psi0 = self.psi_of[i]
             psi = slope * n + psi0
             q_vals = [held, held_b, back, back_b, step]
             for q, c, div, cap in self.mins:
                 q_vals[q] += c * min(psi / div, cap)
-            held, held_b, back, back_b, step = q_vals
-        if self.owned:
-            q_vals = [held, held_b, back, back_b, step]
-            owned = self.lc.stage_owned(i, self.pp, n, self.dp)
-            for q, c in self.owned:
-                q_vals[q] += c * owned
+            if self.owned:
+                owned = self.lc.stage_owned(i, self.pp, n, self.dp)
+                for q, c in self.owned:
+                    q_vals[q] += c * owned
             held, held_b, back, back_b, step = q_vals
         act, act_ckpt, first, logits = self.acts_of[i]
         acts = (n - k) * act + k * act_ckpt + first
