@@ -21,6 +21,7 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
+from planner.cost.params import persistence_threshold
 from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
@@ -37,7 +38,19 @@ ENTRY_MODULE = "planner.executor.worker"
 """The training entry the launch script runs (one process per rank)."""
 
 
-def _zero_block(plan: Plan, model: ModelSpec) -> dict[str, Any]:
+NVME_PATH = "/local_nvme"
+"""Where ZeRO-Infinity swaps to (offload device nvme): edit to your NVMe mount."""
+
+
+def _offload(device: str, gpu: bool) -> dict[str, Any]:
+    # pinned host buffers speed PCIe copies on GPUs; a CPU accelerator has nothing to pin for
+    block: dict[str, Any] = {"device": device, "pin_memory": gpu}
+    if device == "nvme":
+        block["nvme_path"] = NVME_PATH
+    return block
+
+
+def _zero_block(plan: Plan, model: ModelSpec, gpu: bool = True) -> dict[str, Any]:
     z: dict[str, Any] = {
         "stage": plan.zero,
         "overlap_comm": bool(plan.overlap_comm),
@@ -50,14 +63,24 @@ def _zero_block(plan: Plan, model: ModelSpec) -> dict[str, Any]:
     }
     if plan.zero == 3:
         z.update({
-            "stage3_prefetch_bucket_size": plan.bucket_elements,
-            # HF Trainer's "auto" rule for persistence: 10 x hidden (small params stay whole)
-            "stage3_param_persistence_threshold": 10 * model.hidden,
-            "stage3_max_live_parameters": plan.bucket_elements,
-            "stage3_max_reuse_distance": plan.bucket_elements,
+            "stage3_prefetch_bucket_size": plan.prefetch,
+            # default: HF Trainer's "auto" rule for persistence, 10 x hidden (small params stay whole)
+            "stage3_param_persistence_threshold": plan.persistence_elements or persistence_threshold(model),
+            "stage3_max_live_parameters": plan.live,
+            "stage3_max_reuse_distance": plan.live,
             "stage3_gather_16bit_weights_on_model_save": False,
             "sub_group_size": plan.bucket_elements,
+            "zero_hpz_partition_size": plan.hpz,
+            "zero_quantized_weights": plan.quantized_weights,
+            "zero_quantized_gradients": plan.quantized_gradients,
         })
+        if plan.mics_shard:
+            z["mics_shard_size"] = plan.mics_shard
+            z["mics_hierarchical_params_gather"] = False
+        if plan.offload_params != "none":
+            z["offload_param"] = _offload(plan.offload_params, gpu)
+    if plan.offload_optimizer != "none":
+        z["offload_optimizer"] = _offload(plan.offload_optimizer, gpu)
     return z
 
 
@@ -76,7 +99,7 @@ def ds_config(plan: Plan, model: ModelSpec, train: TrainSpec, cluster: ClusterSp
         "bf16": {"enabled": plan.precision == "bf16"},
         "fp16": {"enabled": plan.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16,
                  "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
-        "zero_optimization": _zero_block(plan, model),
+        "zero_optimization": _zero_block(plan, model, gpu),
         "activation_checkpointing": {
             # which blocks are checkpointed is the plan's recompute_layers (executor); these
             # settings say how: plain recompute, activations neither partitioned nor offloaded
@@ -90,6 +113,9 @@ def ds_config(plan: Plan, model: ModelSpec, train: TrainSpec, cluster: ClusterSp
         cfg["optimizer"] = {"type": "AdamW", "params": dict(OPTIMIZER)}
     else:
         cfg["zero_allow_untested_optimizer"] = True
+        if plan.offload_optimizer != "none":
+            # offload with the executor's torch AdamW (DeepSpeedCPUAdam would JIT-compile cpu_adam)
+            cfg["zero_force_ds_cpu_optimizer"] = False
     if plan.pp > 1:
         # DeepSpeed reads stages/seed/interval here; stage_layers records the plan's explicit
         # boundaries, which the executor's PipelineModule applies (DeepSpeed has no such method)

@@ -23,8 +23,9 @@ from planner.errors import PlannerError, SpecError
 from planner.rundir import atomic_write_json, load_run, plan_document
 from planner.specs.plan import Plan
 
-_INTS = ("dp", "tp", "pp", "zero", "micro_batch", "grad_accum", "interleave", "bucket_elements")
-_BOOLS = ("sequence_parallel", "overlap_comm")
+_DEFAULTS = Plan()
+_INTS = tuple(f.name for f in dataclasses.fields(Plan) if type(getattr(_DEFAULTS, f.name)) is int)
+_BOOLS = tuple(f.name for f in dataclasses.fields(Plan) if type(getattr(_DEFAULTS, f.name)) is bool)
 _TUPLES = ("stage_layers", "recompute_layers")
 
 

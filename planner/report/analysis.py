@@ -39,9 +39,9 @@ def plan_from_row(row: pd.Series | dict[str, Any]) -> Plan | None:
         if name in ("stage_layers", "recompute_layers"):
             text = "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
             kw[name] = tuple(int(x) for x in text.split(";") if x.strip())
-        elif name in ("sequence_parallel", "overlap_comm"):
-            kw[name] = bool(v)
-        elif name in ("recompute", "schedule", "precision"):
+        elif name in ("sequence_parallel", "overlap_comm", "quantized_weights", "quantized_gradients"):
+            kw[name] = v if isinstance(v, bool) else str(v).strip().lower() in ("true", "1")
+        elif name in ("recompute", "schedule", "precision", "offload_optimizer", "offload_params"):
             kw[name] = str(v)
         else:
             if v is None or (isinstance(v, float) and math.isnan(v)):
@@ -53,10 +53,29 @@ def plan_from_row(row: pd.Series | dict[str, Any]) -> Plan | None:
         return None
 
 
+def short_variants(plan: Plan) -> tuple[str, ...]:
+    """ZeRO variants in a few letters: off-opt, off-par, hpZ8, qwZ, qgZ, MiCS16."""
+    out = []
+    if plan.offload_optimizer != "none":
+        out.append(f"off-opt:{plan.offload_optimizer}")
+    if plan.offload_params != "none":
+        out.append(f"off-par:{plan.offload_params}")
+    if plan.hpz > 1:
+        out.append(f"hpZ{plan.hpz}")
+    if plan.quantized_weights:
+        out.append("qwZ")
+    if plan.quantized_gradients:
+        out.append("qgZ")
+    if plan.mics_shard:
+        out.append(f"MiCS{plan.mics_shard}")
+    return tuple(out)
+
+
 def short_label(plan: Plan) -> str:
     """Two short lines for a figure: "TP4·PP8·DP2" and "Z1 mb1 sel-rc"."""
     rc = {"none": "", "selective": " sel-rc", "full": " full-rc"}[plan.recompute]
     extra = (" SP" if plan.sequence_parallel else "") + (f" v{plan.interleave}" if plan.interleave > 1 else "")
+    extra += "".join(f" {v}" for v in short_variants(plan))
     return f"TP{plan.tp}·PP{plan.pp}·DP{plan.dp}\nZ{plan.zero} mb{plan.micro_batch}{rc}{extra}"
 
 

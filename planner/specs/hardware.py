@@ -5,6 +5,7 @@ A device profile is a JSON file with the same schema whether it is built in or m
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -40,6 +41,31 @@ class Link:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Host:
+    """The host side of a node, for ZeRO-Offload and ZeRO-Infinity (planner/cost/offload.py)."""
+
+    cpu_memory_gb: float = 0.0
+    """Host memory per node usable for offloaded model states, GB (0 = unknown: no offload)."""
+    pcie_gbps: float = 0.0
+    """Host <-> device bandwidth per device, one direction, GB/s (0 = unknown: no offload)."""
+    cpu_adam_gparams: float = 0.0
+    """DeepSpeedCPUAdam throughput of the whole node, billion parameters updated per second
+    (0 = unknown: no offload)."""
+    nvme_gbps: float = 0.0
+    """NVMe read/write bandwidth per node, GB/s (0 = no NVMe: no NVMe offload)."""
+
+    def __post_init__(self) -> None:
+        for f in ("cpu_memory_gb", "pcie_gbps", "cpu_adam_gparams", "nvme_gbps"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ProfileError(f"host.{f}", f"must be a number >= 0, got {v!r}", "fix the profile or the flag")
+
+    @property
+    def can_offload(self) -> bool:
+        return self.cpu_memory_gb > 0 and self.pcie_gbps > 0 and self.cpu_adam_gparams > 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class DeviceProfile:
     """One accelerator type (or the CPU), with its links and the runtime's fitted factors."""
 
@@ -64,6 +90,8 @@ class DeviceProfile:
     inter_node: Link
     factors: Mapping[str, float] = field(default_factory=dict)
     """Named runtime factors (DeepSpeed on this device); see planner/cost/factors.py."""
+    host: Host = field(default_factory=Host)
+    """The node's host memory, PCIe, CPU Adam and NVMe (offload); zeros where unknown."""
     sources: Mapping[str, str] = field(default_factory=dict)
     """Where each number came from (field path -> citation or measurement)."""
     measured: Mapping[str, Any] = field(default_factory=dict)
@@ -163,6 +191,12 @@ def profile_from_dict(data: Any, path: str = "") -> DeviceProfile:
     if not isinstance(factors, dict) or any(
             isinstance(v, bool) or not isinstance(v, (int, float)) for v in factors.values()):
         raise ProfileError("factors", "must map names to numbers", "see planner/cost/factors.py")
+    raw_host = data.get("host", {})
+    if not isinstance(raw_host, dict) or set(raw_host) - {"cpu_memory_gb", "pcie_gbps", "cpu_adam_gparams",
+                                                          "nvme_gbps"}:
+        raise ProfileError("host", "must map cpu_memory_gb, pcie_gbps, cpu_adam_gparams, nvme_gbps to numbers",
+                           "see profiles/A100-80GB.json")
+    host = Host(**raw_host)
     gpn = _need(data, "gpus_per_node", "", int)
     if gpn <= 0:
         raise ProfileError("gpus_per_node", f"must be positive, got {gpn}", "fix the profile file")
@@ -173,7 +207,7 @@ def profile_from_dict(data: Any, path: str = "") -> DeviceProfile:
         hbm_bandwidth_gbps=_positive(_need(data, "hbm_bandwidth_gbps", ""), "hbm_bandwidth_gbps"),
         gemm_efficiency=points, gemm_efficiency_by_precision=curves, gpus_per_node=gpn,
         intra_node=links["intra_node"], inter_node=links["inter_node"],
-        factors={k: float(v) for k, v in factors.items()},
+        factors={k: float(v) for k, v in factors.items()}, host=host,
         sources=dict(data.get("sources", {})), measured=dict(data.get("measured", {})), path=path)
 
 
@@ -221,6 +255,14 @@ def find_device(name: str) -> tuple[DeviceProfile, str]:
     return prof, note
 
 
+DEFAULT_HEADROOM = 0.03
+"""Default --memory-headroom: 3% of device memory left free beyond the estimate, which
+already counts a fixed allowance (CUDA context, NCCL buffers: memory_overhead_gb) and average
+allocator fragmentation (memory_fragmentation, planner/cost/factors.py). The headroom covers
+what varies from run to run on top: fragmentation spikes of PyTorch's caching allocator,
+NCCL's lazily created communicators (one per new group, each with its own buffers) and
+DeepSpeed's temporary flat buffers. A plan within 2% of the usable memory is flagged."""
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ClusterSpec:
     """Nodes x devices per node of one device type, and the links between them."""
@@ -234,11 +276,27 @@ class ClusterSpec:
     """The --gpus string as the user wrote it."""
     note: str = ""
     """e.g. "A100 means A100-80GB"."""
+    host: Host | None = None
+    """The node's host side (offload); None: the device profile's (with --cpu-mem-gb / --nvme-gbps applied)."""
+    memory_headroom: float = DEFAULT_HEADROOM
+    """Fraction of each device's memory a chosen plan leaves free beyond its estimate
+    (--memory-headroom)."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
             raise SpecError("--gpus", f"needs at least one node and one GPU, got {self.nodes}x{self.gpus_per_node}",
                             "write e.g. 8xA100 or 4x8xH100")
+        h = self.memory_headroom
+        if isinstance(h, bool) or not isinstance(h, (int, float)) or not (0 <= h < 0.5):
+            raise SpecError("--memory-headroom", f"must be a fraction in [0, 0.5), got {h!r}",
+                            f"give e.g. {DEFAULT_HEADROOM}")
+        if self.host is None:
+            object.__setattr__(self, "host", self.device.host)
+
+    @property
+    def usable_bytes(self) -> float:
+        """Device memory a plan may fill: capacity less the headroom."""
+        return self.memory_bytes * (1.0 - self.memory_headroom)
 
     @property
     def world_size(self) -> int:
@@ -258,14 +316,17 @@ class ClusterSpec:
                                "latency_us": self.intra_node.latency_us},
                 "inter_node": {"name": self.inter_node.name, "busbw_gbps": self.inter_node.busbw_gbps,
                                "latency_us": self.inter_node.latency_us},
-                "note": self.note}
+                "note": self.note, "memory_headroom": self.memory_headroom,
+                "host": dataclasses.asdict(self.host)}
 
 
 _GPUS_RE = re.compile(r"^\s*(?:(\d+)\s*[xX]\s*)?(?:(\d+)\s*[xX]\s*)?([A-Za-z][A-Za-z0-9_.\-]*)\s*$")
 
 
 def parse_cluster(text: str, profile: DeviceProfile | None = None, *, inter_gbps: float | None = None,
-                  inter_latency_us: float | None = None, intra_gbps: float | None = None) -> ClusterSpec:
+                  inter_latency_us: float | None = None, intra_gbps: float | None = None,
+                  cpu_mem_gb: float | None = None, nvme_gbps: float | None = None,
+                  memory_headroom: float | None = None) -> ClusterSpec:
     """Parse `8xA100`, `4x8xH100`, `96x8xA100-40GB`, `2xcpu`.
 
     One number is GPUs on one node; two are nodes x GPUs per node. `profile` (from
@@ -297,5 +358,13 @@ def parse_cluster(text: str, profile: DeviceProfile | None = None, *, inter_gbps
         inter = Link(name=f"{inter.name} (overridden)",
                      busbw_gbps=inter_gbps if inter_gbps is not None else inter.busbw_gbps,
                      latency_us=inter_latency_us if inter_latency_us is not None else inter.latency_us)
+    host = profile.host
+    for flag, key, v in (("--cpu-mem-gb", "cpu_memory_gb", cpu_mem_gb), ("--nvme-gbps", "nvme_gbps", nvme_gbps)):
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise SpecError(flag, f"must be a number >= 0, got {v!r}", "give GB (memory) or GB/s (NVMe) per node")
+        host = dataclasses.replace(host, **{key: float(v)})
     return ClusterSpec(nodes=nodes, gpus_per_node=per_node, device=profile, intra_node=intra,
-                       inter_node=inter, spec=text.strip(), note=note)
+                       inter_node=inter, spec=text.strip(), note=note, host=host,
+                       memory_headroom=DEFAULT_HEADROOM if memory_headroom is None else memory_headroom)

@@ -15,6 +15,7 @@ from planner.errors import SpecError
 from planner.specs.hardware import PRECISIONS
 
 RECOMPUTE = ("none", "selective", "full")
+OFFLOAD = ("none", "cpu", "nvme")
 SCHEDULES = ("1f1b", "interleaved")
 
 
@@ -49,13 +50,68 @@ class Plan:
     overlap_comm: bool = True
     """Overlap the DP gradient reduction with the backward pass (DeepSpeed overlap_comm)."""
     bucket_elements: int = 50_000_000
-    """reduce/allgather bucket size in elements (DeepSpeed reduce_bucket_size)."""
+    """reduce/allgather bucket size in elements (DeepSpeed reduce_bucket_size,
+    allgather_bucket_size; ZeRO-3's sub_group_size)."""
+    prefetch_elements: int = 0
+    """ZeRO-3: parameters fetched ahead of use (stage3_prefetch_bucket_size); 0 = bucket_elements."""
+    live_elements: int = 0
+    """ZeRO-3: most gathered parameters alive at once (stage3_max_live_parameters, also
+    stage3_max_reuse_distance); 0 = bucket_elements."""
+    persistence_elements: int = 0
+    """ZeRO-3: tensors up to this many elements stay gathered (stage3_param_persistence_threshold);
+    0 = 10 x hidden (planner.cost.params.persistence_threshold)."""
+    offload_optimizer: str = "none"
+    """ZeRO-Offload / ZeRO-Infinity: fp32 master weights, Adam moments and the fp32 gradient
+    partition live on the host (cpu) or on NVMe (nvme, ZeRO-3 only); Adam runs on the CPU."""
+    offload_params: str = "none"
+    """ZeRO-Infinity (ZeRO-3 only): the 16-bit weight partition lives on the host (cpu) or NVMe."""
+    hpz: int = 1
+    """ZeRO++ hpZ (ZeRO-3): secondary weight partition over this many ranks inside a node
+    (zero_hpz_partition_size); 1 = off."""
+    quantized_weights: bool = False
+    """ZeRO++ qwZ (ZeRO-3): weights gathered in int8 (zero_quantized_weights)."""
+    quantized_gradients: bool = False
+    """ZeRO++ qgZ (ZeRO-3): gradients reduced hierarchically in int4 (zero_quantized_gradients)."""
+    mics_shard: int = 0
+    """MiCS (ZeRO-3): model states sharded over groups of this many ranks, replicated across
+    groups (mics_shard_size); 0 = off (shard over the whole data-parallel group)."""
 
     def __post_init__(self) -> None:
-        for f in ("dp", "tp", "pp", "micro_batch", "grad_accum", "interleave", "bucket_elements"):
+        for f in ("dp", "tp", "pp", "micro_batch", "grad_accum", "interleave", "bucket_elements", "hpz"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise SpecError(f"plan.{f}", f"must be a positive integer, got {v!r}", "give a positive integer")
+        for f in ("prefetch_elements", "live_elements", "persistence_elements", "mics_shard"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise SpecError(f"plan.{f}", f"must be an integer >= 0, got {v!r}", "give 0 (the default) or more")
+        for f in ("quantized_weights", "quantized_gradients", "overlap_comm", "sequence_parallel"):
+            if not isinstance(getattr(self, f), bool):
+                raise SpecError(f"plan.{f}", f"must be true or false, got {getattr(self, f)!r}", "give a boolean")
+        for f in ("offload_optimizer", "offload_params"):
+            if getattr(self, f) not in OFFLOAD:
+                raise SpecError(f"plan.{f}", f"unknown value {getattr(self, f)!r}", f"use one of {', '.join(OFFLOAD)}")
+        if self.zero < 3:
+            for f, off in (("offload_params", self.offload_params != "none"), ("hpz", self.hpz > 1),
+                           ("quantized_weights", self.quantized_weights),
+                           ("quantized_gradients", self.quantized_gradients), ("mics_shard", self.mics_shard > 0)):
+                if off:
+                    raise SpecError(f"plan.{f}", f"needs ZeRO-3 (plan has ZeRO-{self.zero})",
+                                    f"set zero=3 or drop {f}")
+            if self.offload_optimizer == "nvme":
+                raise SpecError("plan.offload_optimizer", "NVMe offload needs ZeRO-3 (ZeRO-Infinity)",
+                                "use offload_optimizer=cpu or zero=3")
+        if self.offload_optimizer != "none" and self.zero == 0:
+            raise SpecError("plan.offload_optimizer", "optimizer offload needs ZeRO 1-3", "set zero >= 1")
+        if self.mics_shard > 0 and self.hpz > 1:
+            raise SpecError("plan.hpz", "ZeRO++ hpZ and MiCS are separate ZeRO-3 variants",
+                            "use either hpz or mics_shard")
+        if self.mics_shard > 0 and self.dp % self.mics_shard:
+            raise SpecError("plan.mics_shard", f"{self.mics_shard} does not divide the data-parallel size {self.dp}",
+                            f"use a divisor of {self.dp}")
+        if self.hpz > 1 and self.dp % self.hpz:
+            raise SpecError("plan.hpz", f"{self.hpz} does not divide the data-parallel size {self.dp}",
+                            f"use a divisor of {self.dp}")
         if self.zero not in (0, 1, 2, 3):
             raise SpecError("plan.zero", f"ZeRO stage must be 0-3, got {self.zero!r}", "use 0, 1, 2 or 3")
         if self.pp > 1 and self.zero > 1:
@@ -85,6 +141,39 @@ class Plan:
                             "checkpoint at most every layer of a stage")
         if self.sequence_parallel and self.tp == 1:
             raise SpecError("plan.sequence_parallel", "needs tp > 1", "drop --sequence-parallel or raise --tp")
+
+    @property
+    def prefetch(self) -> int:
+        """stage3_prefetch_bucket_size in elements."""
+        return self.prefetch_elements or self.bucket_elements
+
+    @property
+    def live(self) -> int:
+        """stage3_max_live_parameters in elements."""
+        return self.live_elements or self.bucket_elements
+
+    @property
+    def zero_shard(self) -> int:
+        """Ranks ZeRO partitions the model states over: the MiCS shard group, else DP."""
+        return self.mics_shard or self.dp
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        """DeepSpeed's ZeRO variants the plan uses, in words (empty: plain ZeRO)."""
+        out = []
+        if self.offload_optimizer != "none":
+            out.append(f"optimizer offload to {self.offload_optimizer}")
+        if self.offload_params != "none":
+            out.append(f"parameter offload to {self.offload_params}")
+        if self.hpz > 1:
+            out.append(f"ZeRO++ hpZ {self.hpz}")
+        if self.quantized_weights:
+            out.append("ZeRO++ qwZ")
+        if self.quantized_gradients:
+            out.append("ZeRO++ qgZ")
+        if self.mics_shard:
+            out.append(f"MiCS shard {self.mics_shard}")
+        return tuple(out)
 
     @property
     def world_size(self) -> int:
@@ -122,6 +211,7 @@ class Plan:
             parts.append("sequence parallel")
         if self.schedule == "interleaved":
             parts.append(f"interleaved x{self.interleave}")
+        parts += self.variants
         return ", ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
