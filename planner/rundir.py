@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.errors import SpecError
-from planner.specs.hardware import DEFAULT_HEADROOM, ClusterSpec, Host, Link, find_device, load_profile
+from planner.specs.hardware import ClusterSpec, Host, Link, find_device, load_profile
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
 from planner.specs.train import TrainSpec
@@ -107,7 +107,7 @@ def load_run(path: str | Path) -> tuple[Plan, ModelSpec, ClusterSpec, TrainSpec,
                               intra_node=Link(**c["intra_node"]), inter_node=Link(**c["inter_node"]),
                               spec=c.get("spec", ""), note=c.get("note", ""),
                               host=Host(**c["host"]) if "host" in c else None,
-                              memory_headroom=c.get("memory_headroom", DEFAULT_HEADROOM))
+                              memory_headroom=c.get("memory_headroom"))
     except (KeyError, TypeError) as exc:
         raise SpecError(str(plan_file), f"is missing or has a malformed field ({exc})", "re-run `planner search`") from None
     return plan, model, cluster, train, doc

@@ -11,6 +11,7 @@ aligned to nodes.
 """
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 from planner.specs.hardware import ClusterSpec
@@ -80,9 +81,21 @@ def cross_node_boundaries(gpus_per_node: int, dp: int, tp: int, pp: int) -> tupl
     return tuple(any((i * w + j) // g != ((i + 1) * w + j) // g for j in range(w)) for i in range(pp - 1))
 
 
+def allreduce_steps(n: int) -> int:
+    """Latency steps of an all-reduce over n ranks: NCCL's tuner takes the cheaper of the ring
+    (2(n-1) steps: reduce-scatter then all-gather round the ring) and the double binary tree
+    (2 ceil(log2 n): up the tree and down again), so large groups pay a logarithmic latency
+    (Sanders et al. 2009; NCCL 2.4 "Massively scale your deep learning training with NCCL
+    2.4"). All-gather and reduce-scatter have only the ring in NCCL: n - 1 steps."""
+    if n <= 1:
+        return 0
+    return min(2 * (n - 1), 2 * math.ceil(math.log2(n)))
+
+
 def allreduce_time(nbytes: float, n: int, busbw: float, latency: float, efficiency: float) -> float:
-    """Ring all-reduce of `nbytes` over n ranks (0 for one rank: nothing is sent)."""
-    return nbytes * 2.0 * (n - 1) / n / (busbw * efficiency) + 2.0 * (n - 1) * latency
+    """All-reduce of `nbytes` over n ranks at the ring's bus bandwidth, with the latency of the
+    cheaper algorithm (allreduce_steps); 0 for one rank: nothing is sent."""
+    return nbytes * 2.0 * (n - 1) / n / (busbw * efficiency) + allreduce_steps(n) * latency
 
 
 def allgather_time(nbytes: float, n: int, busbw: float, latency: float, efficiency: float) -> float:

@@ -32,6 +32,7 @@ model"): every "always" and "grads" buffer below appears with the predicted size
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -44,7 +45,8 @@ allreduce_no_retain, which flattens up to this many elements into one temporary 
 
 PHASES = ("always", "grads", "backward", "step")
 ROLES = ("params", "grads", "optimizer", "buckets")
-BASES = ("psi", "small", "reduce_bucket", "fallback_bucket", "live_params", "sub_group", "owned")
+BASES = ("psi", "small", "reduce_bucket", "fallback_bucket", "live_params", "sub_group", "owned", "hpz")
+LOCATIONS = ("device", "host", "nvme")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -61,7 +63,8 @@ class Buffer:
     reduce_bucket: plan.bucket_elements; fallback_bucket: min(psi, FALLBACK_BUCKET);
     live_params: min(psi, plan.bucket_elements); sub_group: min(psi / dp, plan.bucket_elements);
     owned: the elements of the whole gradients ZeRO-1 keeps for this rank's partition
-    (planner.cost.params.zero1_owned; psi / dp when the tensors are not known)."""
+    (planner.cost.params.zero1_owned; psi / dp when the tensors are not known);
+    hpz: psi / hpz (ZeRO++'s secondary partition inside the hpZ group)."""
     sharded: bool = False
     """Partitioned over the data-parallel group (divided by dp)."""
     count: int = 1
@@ -71,9 +74,12 @@ class Buffer:
     """Where the executor's measurement finds it: module (p.data, p.grad) or optimizer."""
     source: str = ""
     """DeepSpeed 0.19.8 file and function that allocates it."""
+    location: str = "device"
+    """device, host (offloaded to CPU memory) or nvme (ZeRO-Infinity's swap files)."""
 
     def __post_init__(self) -> None:
         assert self.role in ROLES and self.phase in PHASES and self.basis in BASES, self
+        assert self.location in LOCATIONS, self
         assert self.held_by in ("module", "optimizer") and isinstance(self.sharded, bool), self
         assert self.count >= 1 and (self.count == 1 or self.basis == "reduce_bucket"), self
 
@@ -112,12 +118,13 @@ class Engine:
         assert isinstance(self.optimizer_sharded, bool), self
 
     def bytes_by_role(self, sizes: "Sizes", phases: tuple[str, ...] = ("always", "grads", "backward"),
-                      held_by: str | None = None) -> dict[str, float]:
+                      held_by: str | None = None, location: str | None = "device") -> dict[str, float]:
         """Bytes per role of the buffers alive in `phases` (optionally only those the executor
-        finds through `held_by`)."""
+        finds through `held_by`) kept in `location` (None: everywhere)."""
         out = dict.fromkeys(ROLES, 0.0)
         for b in self.buffers:
-            if b.phase in phases and (held_by is None or b.held_by == held_by):
+            if b.phase in phases and (held_by is None or b.held_by == held_by) and \
+                    (location is None or b.location == location):
                 out[b.role] += b.bytes * b.count * sizes.of(b)
         return out
 
@@ -135,6 +142,9 @@ class Sizes:
     owned: float | None = None
     """Elements ZeRO-1 keeps for this rank's gradient partition (planner.cost.params.zero1_owned);
     None: psi / dp."""
+    live: float = 0.0
+    """ZeRO-3's stage3_max_live_parameters (0: bucket_elements)."""
+    hpz: int = 1
     resident: bool = False
     """Count only the pages a buffer touches, as a CPU's resident set does (a GPU's allocator
     counts what was allocated): DeepSpeed allocates its reduce buckets with torch.empty and
@@ -153,7 +163,9 @@ class Sizes:
         elif b.basis == "fallback_bucket":
             n = min(self.psi, FALLBACK_BUCKET)
         elif b.basis == "live_params":
-            n = min(self.psi, self.bucket_elements)
+            n = min(self.psi, self.live or self.bucket_elements)
+        elif b.basis == "hpz":
+            n = self.psi / self.hpz
         else:  # sub_group
             n = min(self.psi / self.dp, self.bucket_elements)
         return n / self.dp if b.sharded else n
@@ -430,8 +442,70 @@ def _zero3(e: float, overlap: bool) -> Engine:
         ))
 
 
-@lru_cache(maxsize=64)
-def _engine(zero: int, precision: str, pipeline: bool, overlap_comm: bool) -> Engine:
+SRC_OFFLOAD = "runtime/zero/offload_config.py; stage_1_and_2.py / stage3.py with offload_optimizer"
+
+
+def _with_variants(engine: Engine, zero: int, e: float, offload_optimizer: str, offload_params: str, hpz: bool,
+                   qwz: bool) -> Engine:
+    """The engine with DeepSpeed's ZeRO variants applied to its buffers.
+
+    Optimizer offload (ZeRO-Offload, Ren et al. 2021; ZeRO-Infinity for nvme): the fp32 master
+    partition and Adam moments move to the host (or NVMe); gradients are copied out of the
+    reduce buckets into the host fp32 partition's .grad (allocated at start-up, pinned), so
+    the device keeps no gradient partition and no fp32 gradient copy. NVMe keeps a host swap
+    buffer of one sub-group (fp32 master, moments and gradient, double-buffered).
+    Parameter offload (ZeRO-3): the 16-bit weight partition (ds_tensor) lives on the host or
+    NVMe (with a host swap buffer of the live parameters); gathered weights still come to the
+    device. hpZ (ZeRO++, Wang et al. 2023): a secondary copy of the weights partitioned over
+    the hpZ group only (ds_secondary_tensor). qwZ: the int8 gathered weights before
+    dequantisation, up to the live parameters."""
+    out = []
+    opt = {"cpu": "host", "nvme": "nvme"}.get(offload_optimizer)
+    for b in engine.buffers:
+        if opt and b.name in ("fp32 master partition", "Adam moments"):
+            b = dataclasses.replace(b, location=opt, source=b.source + f"; offload_optimizer {offload_optimizer}")
+        elif opt and b.name in ("fp32 gradient partition", "fp32 gradient sub-group"):
+            b = dataclasses.replace(b, location="host", phase="always", basis="psi", sharded=True,
+                                    source=SRC_OFFLOAD + ": the host fp32 partition's .grad, accumulated from the "
+                                                         "reduce buckets every micro-batch")
+        elif opt and b.name in ("owned gradient partition", "gradient partition"):
+            continue  # the reduced gradients go straight to the host
+        elif offload_params != "none" and b.name == "weight partition":
+            b = dataclasses.replace(b, location="host" if offload_params == "cpu" else "nvme",
+                                    source=b.source + f"; offload_param {offload_params}")
+        out.append(b)
+    if offload_optimizer == "nvme":
+        out.append(Buffer(name="optimizer swap buffer", role="optimizer", bytes=32, basis="sub_group",
+                          location="host", source="runtime/swap_tensor/partitioned_optimizer_swapper.py: one "
+                          "sub-group's fp32 master, moments and gradient, double-buffered"))
+    if offload_params == "nvme":
+        out.append(Buffer(name="parameter swap buffer", role="params", bytes=e, basis="live_params",
+                          location="host", source="runtime/swap_tensor/partitioned_param_swapper.py: "
+                          "buffer_count x buffer_size pinned buffers (about the live parameters)"))
+    if hpz:
+        out.append(Buffer(name="hpZ secondary partition", role="params", bytes=e, basis="hpz", held_by="module",
+                          source="runtime/zero/partition_parameters.py _partition_param_sec: ds_secondary_tensor"))
+    if qwz:
+        out.append(Buffer(name="int8 gathered weights", role="buckets", bytes=1, basis="live_params",
+                          phase="backward",
+                          source="runtime/zero/partition_parameters.py all_gather_coalesced (quantize): int8 "
+                                 "buffers before dequantisation"))
+    if not (opt or offload_params != "none" or hpz or qwz):
+        return engine
+    names = [v for v, on in ((f"optimizer offload to {offload_optimizer}", opt),
+                             (f"parameter offload to {offload_params}", offload_params != "none"),
+                             ("hpZ", hpz), ("qwZ", qwz)) if on]
+    return dataclasses.replace(engine, name=f"{engine.name} + {', '.join(names)}", buffers=tuple(out))
+
+
+@lru_cache(maxsize=256)
+def _engine(zero: int, precision: str, pipeline: bool, overlap_comm: bool, offload_optimizer: str = "none",
+            offload_params: str = "none", hpz: bool = False, qwz: bool = False) -> Engine:
+    return _with_variants(_base_engine(zero, precision, pipeline, overlap_comm), zero, _lp(precision),
+                          offload_optimizer, offload_params, hpz, qwz)
+
+
+def _base_engine(zero: int, precision: str, pipeline: bool, overlap_comm: bool) -> Engine:
     e = _lp(precision)
     if zero == 0:
         if precision == "fp32":
@@ -447,12 +521,14 @@ def _engine(zero: int, precision: str, pipeline: bool, overlap_comm: bool) -> En
 
 def engine_for(plan: Plan) -> Engine:
     """The optimizer engine DeepSpeed 0.19.8 builds for this plan's ds_config."""
-    return _engine(plan.zero, plan.precision, plan.pp > 1, plan.overlap_comm)
+    return _engine(plan.zero, plan.precision, plan.pp > 1, plan.overlap_comm, plan.offload_optimizer,
+                   plan.offload_params, plan.hpz > 1, plan.quantized_weights)
 
 
 def sizes(plan: Plan, psi: float, small: float, owned: float | None = None, resident: bool = False) -> Sizes:
-    return Sizes(psi=psi, small=small, dp=plan.dp, bucket_elements=float(plan.bucket_elements), owned=owned,
-                 resident=resident)
+    """A device's bases. ZeRO partitions over plan.zero_shard ranks (the DP group, or MiCS's shard group)."""
+    return Sizes(psi=psi, small=small, dp=plan.zero_shard, bucket_elements=float(plan.bucket_elements), owned=owned,
+                 live=float(plan.live), hpz=plan.hpz, resident=resident)
 
 
 class Footprint:
@@ -465,11 +541,15 @@ class Footprint:
     __slots__ = ("linear_terms", "capped_terms", "owned_terms", "linear", "mins", "owned", "dp")
 
     def __init__(self, engine: Engine, plan: Plan, resident: bool) -> None:
-        d, bucket = plan.dp, float(plan.bucket_elements)
-        capped = {"fallback_bucket": (1, float(FALLBACK_BUCKET)), "live_params": (1, bucket), "sub_group": (d, bucket)}
+        d, bucket = plan.zero_shard, float(plan.bucket_elements)
+        capped = {"fallback_bucket": (1, float(FALLBACK_BUCKET)), "live_params": (1, float(plan.live)),
+                  "sub_group": (d, bucket)}
         linear_terms, capped_terms, owned_terms = [], [], []
         self.dp = d
         for buf in engine.buffers:
+            # a CPU "device" is the host: what DeepSpeed offloads stays in the same resident set
+            if buf.location == "nvme" or (buf.location == "host" and not resident):
+                continue
             group = 0 if buf.phase in ("always", "grads") else 1 if buf.phase == "backward" else 2
             k = buf.count * buf.bytes / (d if buf.sharded else 1)
             role = ROLES.index(buf.role)
@@ -480,7 +560,8 @@ class Footprint:
             elif buf.basis in capped:
                 capped_terms.append((group, role, k, *capped[buf.basis]))
             else:
-                coef = {"psi": (k, 0.0, 0.0), "small": (0.0, k, 0.0), "reduce_bucket": (0.0, 0.0, k * bucket)}
+                coef = {"psi": (k, 0.0, 0.0), "small": (0.0, k, 0.0), "reduce_bucket": (0.0, 0.0, k * bucket),
+                        "hpz": (k / plan.hpz, 0.0, 0.0)}
                 linear_terms.append((group, role, *coef[buf.basis]))
         self.linear_terms, self.capped_terms = tuple(linear_terms), tuple(capped_terms)
         self.owned_terms = tuple(owned_terms)
@@ -517,15 +598,23 @@ def _slots(group: int, role: int) -> tuple[int, ...]:
     return (2 * group, 2 * group + 1) if role == ROLES.index("buckets") else (2 * group,)
 
 
+_ENGINE_FIELDS = ("zero", "precision", "overlap_comm", "dp", "bucket_elements", "live_elements", "offload_optimizer",
+                  "offload_params", "hpz", "quantized_weights", "mics_shard")
+
+
 @lru_cache(maxsize=4096)
-def _footprint(zero: int, precision: str, pipeline: bool, overlap_comm: bool, dp: int, bucket: int,
-               resident: bool) -> Footprint:
-    plan = Plan(dp=dp, zero=zero, precision=precision, overlap_comm=overlap_comm, bucket_elements=bucket,
-                pp=2 if pipeline else 1)
-    return Footprint(_engine(zero, precision, pipeline, overlap_comm), plan, resident)
+def _footprint(key: tuple, pipeline: bool, resident: bool) -> Footprint:
+    plan = Plan(**dict(zip(_ENGINE_FIELDS, key)), pp=2 if pipeline else 1)
+    return Footprint(engine_for(plan), plan, resident)
 
 
 def footprint(plan: Plan, resident: bool = False) -> Footprint:
-    """The plan's engine, precompiled; `resident`: see Sizes.resident."""
-    return _footprint(plan.zero, plan.precision, plan.pp > 1, plan.overlap_comm, plan.dp, plan.bucket_elements,
-                      resident)
+    """The plan's engine, precompiled; `resident`: see Sizes.resident (a CPU device, whose host
+    buffers are its own memory: offloaded buffers count)."""
+    return _footprint(tuple(getattr(plan, f) for f in _ENGINE_FIELDS), plan.pp > 1, resident)
+
+
+def host_bytes(plan: Plan, psi: float, small: float, location: str = "host") -> float:
+    """Bytes one rank keeps in host memory (or on NVMe) for the plan's offloaded states."""
+    eng = engine_for(plan)
+    return sum(eng.bytes_by_role(sizes(plan, psi, small), PHASES, location=location).values())

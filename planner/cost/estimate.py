@@ -1,7 +1,9 @@
 """Assemble the step time, throughput, FLOPs utilisation and per-stage memory of a plan."""
 from __future__ import annotations
 
-from planner.cost import comm, compute, engines, pipeline
+import math
+
+from planner.cost import comm, compute, engines, params, pipeline, zero
 from planner.cost.attention import recomputes_scores
 from planner.cost.engines import Engine
 from planner.cost.factors import cluster_factors
@@ -18,6 +20,10 @@ from planner.specs.validate import plan_problems
 _LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states",
            "activations": "activations", "logits": "logits", "buckets": "communication buckets",
            "overhead": "runtime allowance"}
+
+HOST_USABLE = 0.9
+"""Share of a node's host memory offloaded states may take (the rest: OS, page cache, the
+launcher, data loaders, pinned staging buffers)."""
 
 ADAM_BYTES = {"fp32": 28.0, "mixed": 30.0}
 """Memory traffic of one Adam(W) update per parameter (memory-bound): read and write the fp32
@@ -37,19 +43,30 @@ def dp_comm(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[int, ..
     volumes (Rajbhandari et al. 2020, sec. 7): 2 Psi for stages 0-2, 3 Psi for stage 3.
     """
     d = plan.dp
-    if d <= 1:
+    offload = plan.offload_optimizer != "none"
+    if d <= 1 and not offload:
         return 0.0, 0.0
     links = comm.group_links(cluster, plan, "dp")
-    eff, m = f["comm_efficiency"], plan.grad_accum
+    eff, m, ls = f["comm_efficiency"], plan.grad_accum, f["latency_scale"]
     hide = f["dp_overlap"]  # the engine's collectives say whether they overlap (overlap_comm)
+    # ZeRO-0 flattens up to FALLBACK_BUCKET elements per all-reduce; ZeRO-1/2 reduce and gather
+    # reduce_bucket_size / allgather_bucket_size elements per collective
+    bucket = engines.FALLBACK_BUCKET if plan.zero == 0 else plan.bucket_elements
     worst = (0.0, 0.0)
     for i, n in enumerate(psi):
         bw, lat = links[i]
+        nb = max(1, math.ceil(n / bucket))
         # collectives sharing one overlap window hide at most dp_overlap x that window together
         windows: dict[tuple[str, bool], list[tuple[bool, float]]] = {}
-        for c in engine.collectives:
-            t = comm.COLLECTIVES[c.kind](n * c.bytes, d, bw, lat, eff)
+        for c in engine.collectives if d > 1 else ():
+            t = nb * comm.COLLECTIVES[c.kind](n * c.bytes / nb, d, bw, lat * ls, eff)
             windows.setdefault((c.per, c.overlap), []).append((c.kind == "all_gather" and c.per == "micro_batch", t))
+        if offload:
+            # the reduced gradient partition crosses to the host (stage 2 every micro-batch,
+            # stage 1 at the boundary), asynchronously while backward still computes
+            per = "micro_batch" if plan.zero == 2 else "step"
+            t = zero.host_copy(cluster, n * _act_bytes(plan.precision) / plan.zero_shard)
+            windows.setdefault((per, plan.overlap_comm and plan.pp == 1), []).append((False, t))
         sync = gather = 0.0
         for (per, overlap), items in windows.items():
             total = sum(t for _, t in items)
@@ -69,10 +86,25 @@ def dp_comm(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[int, ..
 def optimizer_time(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[int, ...],
                    f: dict[str, float]) -> float:
     """Adam is memory-bound (ADAM_BYTES per parameter it updates); the engine updates all of
-    the stage's parameters or, when it shards the optimizer, 1/dp of them."""
-    n = max(psi) / (plan.dp if engine.optimizer_sharded else 1)
+    the stage's parameters or, when it shards the optimizer, 1/dp (MiCS: 1/mics_shard) of
+    them. Offloaded: DeepSpeedCPUAdam on the host (planner.cost.zero.offload_step_time)."""
+    if plan.offload_optimizer != "none":
+        return zero.offload_step_time(cluster, plan, max(psi), _act_bytes(plan.precision), f)
+    n = max(psi) / (plan.zero_shard if engine.optimizer_sharded else 1)
     per_param = ADAM_BYTES["fp32" if plan.precision == "fp32" else "mixed"]
     return n * per_param / (cluster.device.hbm_bandwidth_gbps * 1e9) * f["optimizer_scale"]
+
+
+def zero3_comm(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan, f: dict[str, float],
+               lc: LayerCosts, bt, recomputed: int) -> zero.Zero3Time:
+    """ZeRO-3's exposed gathers and reductions per step (planner.cost.zero): the blocks'
+    forward / backward compute and the embedding's and output layer's (1/3 forward, 2/3
+    backward) are the windows its collectives hide behind."""
+    first, last = lc.first_stage_time - lc.first_stage_tp, lc.last_stage_time - lc.last_stage_tp
+    thr = plan.persistence_elements or params.persistence_threshold(model)
+    us = zero.units(model, plan, bt.forward + bt.tp_fwd, bt.backward + bt.tp_bwd, (first / 3.0, 2.0 * first / 3.0),
+                    (last / 3.0, 2.0 * last / 3.0), recomputed, thr)
+    return zero.zero3_time(cluster, plan, us, f, _act_bytes(plan.precision))
 
 
 def p2p_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan,
@@ -112,7 +144,11 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
 
     psi = tuple(lc.stage_psi(i, p, n)[0] for i, n in enumerate(layers))
     backward = tuple(n * (bt.backward + bt.tp_bwd) for n in layers)
-    dp_sync, zero_gather = dp_comm(cluster, plan, engine, psi, f, tuple(times), backward)
+    if plan.zero == 3:
+        z3 = zero3_comm(model, cluster, train, plan, f, lc, bt, ckpt[0])
+        dp_sync, zero_gather = z3.sync, z3.gather
+    else:
+        dp_sync, zero_gather = dp_comm(cluster, plan, engine, psi, f, tuple(times), backward)
     opt = optimizer_time(cluster, plan, engine, psi, f)
 
     time = _breakdown(lc, bt, plan, layers[slow], ckpt[slow], slow == 0, slow == p - 1, m)
@@ -130,6 +166,14 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
             reasons.append(f"stage {i} needs {mb.total / GB:.1f} GB > {cap / GB:.1f} GB: "
                            f"{_LABELS[big]} {parts[big]:.1f} GB")
             break
+    host = max(engines.host_bytes(plan, *lc.stage_psi(i, p, n)) for i, n in enumerate(layers))
+    nvme = max(engines.host_bytes(plan, *lc.stage_psi(i, p, n), location="nvme") for i, n in enumerate(layers))
+    ranks = cluster.gpus_per_node
+    if host and cluster.device.kind != "cpu" and cluster.host.cpu_memory_gb and \
+            host * ranks > cluster.host.cpu_memory_gb * 1e9 * HOST_USABLE:
+        reasons.append(f"offloaded states need {host * ranks / GB:.0f} GB of host memory per node > "
+                       f"{cluster.host.cpu_memory_gb * HOST_USABLE:.0f} GB usable of {cluster.host.cpu_memory_gb:.0f} GB "
+                       "(--cpu-mem-gb): offload less, use NVMe, or more nodes")
 
     # forward share of each stage's micro-batch time (the rest is backward + recompute)
     fwd_share = []
@@ -149,7 +193,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
         tokens_per_s=tokens / step, tflops_per_gpu=model_flops / denom / 1e12, mfu=model_flops / (denom * peak),
         hfu=hw_flops / (denom * peak), stage_memory=tuple(mem), capacity_bytes=cap,
         bubble_fraction=pipeline.bubble_fraction(p, m, v), model_flops_per_step=model_flops,
-        hardware_flops_per_step=hw_flops, stage_times=tuple(fwd_share))
+        hardware_flops_per_step=hw_flops, stage_times=tuple(fwd_share), host_memory_bytes=host,
+        nvme_bytes=nvme, headroom_bytes=f["memory_overhead_gb"] * GB)
 
 
 def _breakdown(lc: LayerCosts, bt, plan: Plan, n: int, r: int, first: bool, last: bool, m: int) -> dict[str, float]:

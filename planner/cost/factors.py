@@ -17,6 +17,12 @@ DEFAULTS: dict[str, float] = {
     # multiplier on memory-bound (non-GEMM) time: norms, activations, softmax, dropout, adds
     "comm_efficiency": 1.0,
     # fraction of the link's bus bandwidth the runtime's collectives reach
+    "latency_scale": 1.0,
+    # multiplier on every collective's latency (ring steps x the link's per-step latency)
+    "zero3_fetch_overhead_s": 0.0,
+    # host-side seconds per ZeRO-3 tensor fetch (module hooks, coordinator bookkeeping), never hidden
+    "cpu_adam_scale": 1.0,
+    # multiplier on DeepSpeedCPUAdam time under optimizer offload (the host's Adam throughput)
     "dp_overlap": 0.7,
     # fraction of the data-parallel gradient traffic hidden behind backward when overlap_comm
     "step_overhead_s": 0.0,
@@ -58,8 +64,11 @@ def oversubscription(cluster: ClusterSpec) -> float:
 
 
 def cluster_factors(cluster: ClusterSpec) -> dict[str, float]:
-    """The device's factors with CPU oversubscription applied to compute and memory-bound work."""
+    """The device's factors with CPU oversubscription applied to compute and memory-bound work,
+    and the cluster's --memory-headroom as the fixed allowance."""
     f = all_factors(cluster.device)
+    if cluster.memory_headroom is not None:
+        f["memory_overhead_gb"] = float(cluster.memory_headroom)  # --memory-headroom
     k = oversubscription(cluster)
     if k != 1.0:
         for name in ("compute_scale", "attention_scale", "elementwise_scale", "optimizer_scale"):

@@ -160,7 +160,7 @@ def _layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
     first_act, last_act, work = stage_extras(model, s, b, t, plan, e, kernel, in_flight[0])
     # the recomputed block (or attention core) rebuilds what it dropped, next to what it kept
     work += act_none - (act if plan.recompute == "selective" else act_full)
-    thr = params.persistence_threshold(model)
+    thr = plan.persistence_elements or params.persistence_threshold(model)
     blk, fst, lst = (params.block_tensors(model, t), params.first_stage_tensors(model, t),
                      params.last_stage_tensors(model, t, plan.pp))
     return LayerCosts(

@@ -38,6 +38,36 @@ def divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
+BUCKETS = (50_000_000, 200_000_000)
+"""reduce_bucket_size choices (elements) for ZeRO 1-3: DeepSpeed's 5e8 default is left out (a
+GPU rarely has the memory to spare), 5e7 is the Megatron-DeepSpeed recipes' value; larger
+buckets mean fewer collectives, each paying its latency (planner.cost.zero), for memory."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ZeroVariant:
+    """The ZeRO knobs of one outer point beyond the stage (planner.specs.plan field names)."""
+
+    bucket_elements: int = BUCKETS[0]
+    offload_optimizer: str = "none"
+    offload_params: str = "none"
+    hpz: int = 1
+    quantized_weights: bool = False
+    quantized_gradients: bool = False
+    mics_shard: int = 0
+
+    def plan_fields(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def label(self) -> str:
+        parts = [f"bucket {self.bucket_elements:.0e}".replace("e+0", "e")]
+        parts += Plan(zero=3, dp=max(self.hpz, self.mics_shard, 1), **{**self.plan_fields(), "bucket_elements": 1}).variants
+        return ", ".join(parts)
+
+
+PLAIN = ZeroVariant()
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Outer:
     """One point of the outer space; the inner solvers complete it into a Plan."""
@@ -53,13 +83,17 @@ class Outer:
     sequence_parallel: bool
     interleave: int
     """1 = 1F1B; v > 1 = interleaved with v chunks per stage."""
+    variant: "ZeroVariant" = None  # type: ignore[assignment]
+    """DeepSpeed's ZeRO knobs and variants (None: plain ZeRO, default buckets)."""
 
     def plan(self, precision: str, stage_layers: tuple[int, ...] = (),
              recompute_layers: tuple[int, ...] = ()) -> Plan:
+        v = self.variant or PLAIN
         return Plan(dp=self.dp, tp=self.tp, pp=self.pp, zero=self.zero, micro_batch=self.micro_batch,
                     grad_accum=self.grad_accum, recompute=self.recompute, sequence_parallel=self.sequence_parallel,
                     schedule="interleaved" if self.interleave > 1 else "1f1b", interleave=self.interleave,
-                    precision=precision, stage_layers=stage_layers, recompute_layers=recompute_layers)
+                    precision=precision, stage_layers=stage_layers, recompute_layers=recompute_layers,
+                    **v.plan_fields())
 
     @property
     def shape(self) -> "Shape":
@@ -78,10 +112,10 @@ class Shape:
     recompute: str
 
     def outer(self, micro_batch: int, grad_accum: int, sequence_parallel: bool = False,
-              interleave: int = 1, zero: int = 0) -> Outer:
+              interleave: int = 1, zero: int = 0, variant: ZeroVariant | None = None) -> Outer:
         return Outer(tp=self.tp, pp=self.pp, dp=self.dp, zero=zero, micro_batch=micro_batch,
                      grad_accum=grad_accum, recompute=self.recompute, sequence_parallel=sequence_parallel,
-                     interleave=interleave)
+                     interleave=interleave, variant=variant if variant is not None and variant != PLAIN else None)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,6 +157,44 @@ class Space:
     def zero_stages(self, pp: int) -> tuple[int, ...]:
         return (0, 1, 2, 3) if pp == 1 else (0, 1)
 
+    def zero_options(self, pp: int, dp: int, tp: int = 1) -> list[tuple[int, ZeroVariant]]:
+        """(ZeRO stage, variant) pairs to scan for a layout (README "ZeRO variants"):
+
+        - every stage with the default buckets; stages 1-3 also with 4x larger buckets (fewer
+          collectives, more memory) when data parallel;
+        - optimizer offload to the host (stages 1-3; ZeRO-Offload) and, for ZeRO-3, optimizer
+          and parameters on the host (ZeRO-Infinity), on NVMe too when the cluster has it --
+          GPU clusters with known host numbers only;
+        - ZeRO-3 across nodes: hpZ over the node's ranks, full ZeRO++ (hpZ + qwZ + qgZ), and
+          MiCS sharding over one node.
+        """
+        out: list[tuple[int, ZeroVariant]] = []
+        gpu = self.cluster.device.kind != "cpu"
+        host = self.cluster.host
+        offload = gpu and host.can_offload
+        g = self.cluster.gpus_per_node // tp
+        across = dp > g > 1 and self.cluster.nodes > 1
+        for z in self.zero_stages(pp):
+            out.append((z, PLAIN))
+            if z == 0:
+                continue
+            if dp > 1:
+                out.append((z, ZeroVariant(bucket_elements=BUCKETS[1])))
+            if offload:
+                out.append((z, ZeroVariant(offload_optimizer="cpu")))
+            if z < 3:
+                continue
+            if offload:
+                out.append((z, ZeroVariant(offload_optimizer="cpu", offload_params="cpu")))
+                if host.nvme_gbps:
+                    out.append((z, ZeroVariant(offload_optimizer="nvme")))
+                    out.append((z, ZeroVariant(offload_optimizer="nvme", offload_params="nvme")))
+            if across and dp % g == 0:
+                out.append((z, ZeroVariant(hpz=g)))
+                out.append((z, ZeroVariant(hpz=g, quantized_weights=True, quantized_gradients=True)))
+                out.append((z, ZeroVariant(mics_shard=g)))
+        return out
+
     def interleaves(self, pp: int, dp: int) -> list[int]:
         """Chunks per stage: 1 (1F1B), or 2..max_interleave when some accumulation is divisible
         by pp (with micro-batch 1 the accumulation is global_batch/dp; a larger micro-batch only
@@ -146,14 +218,14 @@ class Space:
         divisible by pp)."""
         per_rank = self.train.global_batch // shape.dp
         out = []
-        for zero in self.zero_stages(shape.pp):
+        for zero, variant in self.zero_options(shape.pp, shape.dp, shape.tp):
             for sp in self.sequence_parallel(shape.tp):
                 for v in self.interleaves(shape.pp, shape.dp):
                     row = []
                     for mb in divisors(per_rank):
                         ga = per_rank // mb
                         if v == 1 or ga % shape.pp == 0:
-                            row.append(shape.outer(mb, ga, sp, v, zero))
+                            row.append(shape.outer(mb, ga, sp, v, zero, variant))
                     out.append(row)
         return out
 

@@ -67,6 +67,10 @@ class MemoryBreakdown:
         return {f.name: getattr(self, f.name) / GB for f in dataclasses.fields(self)}
 
 
+NEAR_LIMIT = 0.02
+"""A plan whose peak (with its headroom) is within this fraction of the capacity is flagged."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Estimate:
     feasible: bool
@@ -89,6 +93,17 @@ class Estimate:
     hardware_flops_per_step: float = 0.0
     stage_times: tuple[tuple[float, float], ...] = ()
     """Per stage, (forward, backward incl. recompute) seconds of one micro-batch."""
+    host_memory_bytes: float = 0.0
+    """Per rank, model states offloaded to host memory (on a CPU "device" also inside stage_memory)."""
+    nvme_bytes: float = 0.0
+    """Per rank, model states swapped to NVMe."""
+    headroom_bytes: float = 0.0
+    """The fixed allowance inside the peak for CUDA context and NCCL buffers (--memory-headroom)."""
+
+    @property
+    def near_limit(self) -> bool:
+        """Peak memory (headroom included) within NEAR_LIMIT of the device's capacity."""
+        return self.peak_memory_bytes > (1.0 - NEAR_LIMIT) * self.capacity_bytes
 
     @property
     def peak_stage(self) -> int:
@@ -121,4 +136,8 @@ class Estimate:
             "model_flops_per_step": self.model_flops_per_step,
             "hardware_flops_per_step": self.hardware_flops_per_step,
             "stage_time_s": [{"forward": f, "backward": b} for f, b in self.stage_times],
+            "host_memory_gb": self.host_memory_bytes / GB,
+            "nvme_gb": self.nvme_bytes / GB,
+            "headroom_gb": self.headroom_bytes / GB,
+            "near_limit": self.near_limit,
         }

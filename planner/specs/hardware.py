@@ -255,14 +255,6 @@ def find_device(name: str) -> tuple[DeviceProfile, str]:
     return prof, note
 
 
-DEFAULT_HEADROOM = 0.03
-"""Default --memory-headroom: 3% of device memory left free beyond the estimate, which
-already counts a fixed allowance (CUDA context, NCCL buffers: memory_overhead_gb) and average
-allocator fragmentation (memory_fragmentation, planner/cost/factors.py). The headroom covers
-what varies from run to run on top: fragmentation spikes of PyTorch's caching allocator,
-NCCL's lazily created communicators (one per new group, each with its own buffers) and
-DeepSpeed's temporary flat buffers. A plan within 2% of the usable memory is flagged."""
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ClusterSpec:
     """Nodes x devices per node of one device type, and the links between them."""
@@ -278,29 +270,35 @@ class ClusterSpec:
     """e.g. "A100 means A100-80GB"."""
     host: Host | None = None
     """The node's host side (offload); None: the device profile's (with --cpu-mem-gb / --nvme-gbps applied)."""
-    memory_headroom: float = DEFAULT_HEADROOM
-    """Fraction of each device's memory a chosen plan leaves free beyond its estimate
-    (--memory-headroom)."""
+    memory_headroom: float | None = None
+    """GB per device a plan leaves free for what DeepSpeed needs besides model states and
+    activations -- CUDA context, NCCL's communicator buffers, the allocator's reserve
+    (--memory-headroom). None: the profile's memory_overhead_gb factor (planner/cost/factors.py,
+    default 1 GB); allocator fragmentation is counted on top, as memory_fragmentation x the
+    dynamic memory. The estimate's "runtime allowance" line is the two together."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
             raise SpecError("--gpus", f"needs at least one node and one GPU, got {self.nodes}x{self.gpus_per_node}",
                             "write e.g. 8xA100 or 4x8xH100")
         h = self.memory_headroom
-        if isinstance(h, bool) or not isinstance(h, (int, float)) or not (0 <= h < 0.5):
-            raise SpecError("--memory-headroom", f"must be a fraction in [0, 0.5), got {h!r}",
-                            f"give e.g. {DEFAULT_HEADROOM}")
+        if h is not None and (isinstance(h, bool) or not isinstance(h, (int, float)) or not math.isfinite(h)
+                              or not 0 <= h < self.device.memory_gb):
+            raise SpecError("--memory-headroom", f"must be GB in [0, {self.device.memory_gb:g}), got {h!r}",
+                            "give e.g. 2 (GB left free per device)")
         if self.host is None:
             object.__setattr__(self, "host", self.device.host)
 
-    @property
-    def usable_bytes(self) -> float:
-        """Device memory a plan may fill: capacity less the headroom."""
-        return self.memory_bytes * (1.0 - self.memory_headroom)
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def usable_bytes(self) -> float:
+        """Device memory a plan's estimate may fill: the capacity (the headroom is inside the
+        estimate, as its fixed allowance)."""
+        return self.memory_bytes
 
     @property
     def memory_bytes(self) -> float:
@@ -367,4 +365,4 @@ def parse_cluster(text: str, profile: DeviceProfile | None = None, *, inter_gbps
         host = dataclasses.replace(host, **{key: float(v)})
     return ClusterSpec(nodes=nodes, gpus_per_node=per_node, device=profile, intra_node=intra,
                        inter_node=inter, spec=text.strip(), note=note, host=host,
-                       memory_headroom=DEFAULT_HEADROOM if memory_headroom is None else memory_headroom)
+                       memory_headroom=memory_headroom)

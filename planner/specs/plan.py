@@ -16,6 +16,8 @@ from planner.specs.hardware import PRECISIONS
 
 RECOMPUTE = ("none", "selective", "full")
 OFFLOAD = ("none", "cpu", "nvme")
+DEFAULT_BUCKET = 50_000_000
+"""reduce_bucket_size of the Megatron-DeepSpeed recipes (elements)."""
 SCHEDULES = ("1f1b", "interleaved")
 
 
@@ -49,7 +51,7 @@ class Plan:
     """bf16, fp16 or fp32."""
     overlap_comm: bool = True
     """Overlap the DP gradient reduction with the backward pass (DeepSpeed overlap_comm)."""
-    bucket_elements: int = 50_000_000
+    bucket_elements: int = DEFAULT_BUCKET
     """reduce/allgather bucket size in elements (DeepSpeed reduce_bucket_size,
     allgather_bucket_size; ZeRO-3's sub_group_size)."""
     prefetch_elements: int = 0
@@ -212,6 +214,8 @@ class Plan:
         if self.schedule == "interleaved":
             parts.append(f"interleaved x{self.interleave}")
         parts += self.variants
+        if self.bucket_elements != DEFAULT_BUCKET and (self.zero > 0 or self.dp > 1):
+            parts.append(f"buckets of {self.bucket_elements:,} elements")
         return ", ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:

@@ -54,6 +54,29 @@ def plan_problems(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan
                    + " or ".join(p for p in ("bf16", "fp16", "fp32") if cluster.device.supports(p)))
     if cluster.device.kind == "cpu" and plan.precision == "fp16":
         out.append("fp16 does not train on CPU under DeepSpeed: use bf16 or fp32")
+    out += variant_problems(cluster, plan)
+    return out
+
+
+def variant_problems(cluster: ClusterSpec, plan: Plan) -> list[str]:
+    """The cluster-dependent rules of DeepSpeed's ZeRO variants (the plan-only ones are
+    checked when the Plan is built): hpZ's secondary group lives inside a node; offload needs
+    the host's numbers; NVMe offload needs an NVMe bandwidth."""
+    out = []
+    g = cluster.gpus_per_node // plan.tp if cluster.gpus_per_node % plan.tp == 0 else cluster.gpus_per_node
+    if plan.hpz > 1 and g % plan.hpz:
+        out.append(f"plan.hpz {plan.hpz} does not divide the {g} data-parallel ranks of a node "
+                   f"(zero_hpz_partition_size must stay inside a node): use a divisor of {g}")
+    host = cluster.host
+    gpu = cluster.device.kind != "cpu"
+    offloads = {plan.offload_optimizer, plan.offload_params} - {"none"}
+    if offloads and gpu and not host.can_offload:
+        missing = [f for f, v in (("--cpu-mem-gb", host.cpu_memory_gb), ("host.pcie_gbps", host.pcie_gbps),
+                                  ("host.cpu_adam_gparams", host.cpu_adam_gparams)) if not v]
+        out.append(f"offload needs the host's {', '.join(missing)}, unknown for {cluster.device.name}: "
+                   "give them (--cpu-mem-gb, or a profile's host block)")
+    if "nvme" in offloads and not host.nvme_gbps:
+        out.append("offload to NVMe needs the NVMe bandwidth: pass --nvme-gbps (GB/s per node)")
     return out
 
 

@@ -152,15 +152,35 @@ def test_zero2_reduces_every_micro_batch():
     assert run(dataclasses.replace(plan, overlap_comm=False)).time.dp_sync == pytest.approx(2 * rs + ag, rel=1e-12, abs=0)
 
 
-def test_zero3_gathers_twice_per_micro_batch():
+def test_zero3_gathers_per_tensor_and_hides_behind_each_units_compute():
+    # DP 4 over 2 nodes: the group's link is one node's network (INTER). Persistent below
+    # 10 x 64 = 640 elements: norms and biases stay whole; fetched: QKV 12,288, out 4,096,
+    # FFN in 16,384, FFN out 16,384 per block, the embedding and the output layer 63,936 each.
     plan = Plan(dp=4, zero=3, micro_batch=1, grad_accum=2, bucket_elements=1000, overlap_comm=False)
-    one = PSI_T1 * 2 * (3 / 4) / INTER
+    ag = 2 * (3 / 4) / INTER                                  # seconds per fetched element (bf16, ring)
+    block_g, emb_g = 49_152 * ag, 63_936 * ag
+    per_elem_rs = ag                                          # 328 buckets of the whole model, same volume
+    units = [(emb_g, FIRST_C / 3, 2 * FIRST_C / 3, 63_936), (block_g, F_T1, B_T1, BLOCK_T1),
+             (block_g, F_T1, B_T1, BLOCK_T1), (block_g, F_T1, B_T1, BLOCK_T1), (block_g, F_T1, B_T1, BLOCK_T1),
+             (emb_g, last_c(999) / 3, 2 * last_c(999) / 3, HEAD_T1)]
+    gather = sync = 0.0
+    for g, fw, bw, elements in units:
+        r = elements * per_elem_rs
+        exposed_b = g + r - min(g, 0.5 * bw)                  # overlap_comm off: only the prefetched gather hides
+        gather += g - min(g, 0.5 * fw) + exposed_b * g / (g + r)
+        sync += exposed_b * r / (g + r)
     t = run(plan).time
-    assert t.zero_gather == pytest.approx(2 * 2 * one, rel=1e-12, abs=0)
-    assert t.dp_sync == pytest.approx(2 * one, rel=1e-12, abs=0)
-    hidden = run(dataclasses.replace(plan, overlap_comm=True)).time              # half of one window hides
-    assert hidden.zero_gather == pytest.approx(2 * 0.5 * 2 * one, rel=1e-12, abs=0)
-    assert hidden.dp_sync == pytest.approx(2 * 0.5 * one, rel=1e-12, abs=0)
+    assert t.zero_gather == pytest.approx(2 * gather, rel=1e-12, abs=0)      # two micro-batches
+    assert t.dp_sync == pytest.approx(2 * sync, rel=1e-12, abs=0)
+    on = run(dataclasses.replace(plan, overlap_comm=True)).time              # the reduce-scatters hide too
+    gather_on = sync_on = 0.0
+    for g, fw, bw, elements in units:
+        r = elements * per_elem_rs
+        exposed_b = g + r - min(g + r, 0.5 * bw)
+        gather_on += g - min(g, 0.5 * fw) + exposed_b * g / (g + r)
+        sync_on += exposed_b * r / (g + r)
+    assert on.zero_gather == pytest.approx(2 * gather_on, rel=1e-12, abs=0)
+    assert on.dp_sync == pytest.approx(2 * sync_on, rel=1e-12, abs=0)
 
 
 def test_bf16_pipeline_all_reduces_and_all_gathers_over_dp():

@@ -32,8 +32,11 @@ def eff(flops: float) -> float:
 
 # --- communication ---------------------------------------------------------------------------
 def test_ring_collectives_with_latency_and_efficiency():
-    assert comm.allreduce_time(1e6, 4, 1e9, 1e-5, 0.5) == pytest.approx(1e6 * 2 * 3 / 4 / 0.5e9 + 2 * 3 * 1e-5,
+    # all-reduce over 4: the tree's 2 x log2(4) = 4 latency steps beat the ring's 2 x 3 = 6
+    assert comm.allreduce_time(1e6, 4, 1e9, 1e-5, 0.5) == pytest.approx(1e6 * 2 * 3 / 4 / 0.5e9 + 4 * 1e-5,
                                                                         rel=1e-12, abs=0)
+    # over 1024: 20 tree steps instead of 2046 ring steps; over 2 and 3 the ring is as cheap (2, 4)
+    assert [comm.allreduce_steps(n) for n in (1, 2, 3, 4, 5, 1024)] == [0, 2, 4, 4, 6, 20]
     assert comm.allgather_time(1e6, 4, 1e9, 1e-5, 0.5) == pytest.approx(1e6 * 3 / 4 / 0.5e9 + 3 * 1e-5, rel=1e-12, abs=0)
     assert comm.reducescatter_time is comm.allgather_time
     # one rank sends nothing and waits for nobody

@@ -225,7 +225,8 @@ def test_space_rules_for_zero_interleaving_and_sequence_parallelism():
     assert space.sequence_parallel(1) == (False,) and space.sequence_parallel(8) == (False, True)
     assert space.sequence_parallel(16) == (False,)        # 1000 % 16 != 0
     rows = space.outers(Shape(tp=1, pp=4, dp=4, recompute="none"))
-    assert len(rows) == 2 * 3 and all(o.grad_accum % 4 == 0 for row in rows for o in row if o.interleave > 1)
+    assert len(rows) == len(space.zero_options(4, 4)) * 3
+    assert all(o.grad_accum % 4 == 0 for row in rows for o in row if o.interleave > 1)
     assert space.size() == sum(1 for _ in space.points())
 
 
@@ -540,7 +541,7 @@ def test_heuristic_with_two_data_parallel_ranks_uses_zero_1():
 
 
 def test_optuna_when_nothing_fits_returns_the_infeasible_trials():
-    m, c = preset("glm-130b"), parse_cluster("8xA100-40GB")
+    m, c = preset("glm-130b"), parse_cluster("8xA100-40GB", cpu_mem_gb=0)   # no host: no offload either
     space = Space(model=m, cluster=c, train=TrainSpec(global_batch=8, seq_len=2048), max_interleave=1)
     ev = Evaluator(m, c, space.train)
     found, study = optuna_search(space, ev, heuristic(space, ev), n_trials=2, seed=0)
@@ -559,11 +560,38 @@ def test_optuna_keeps_its_study_in_the_storage_it_is_given():
 def test_space_rows_cover_every_zero_stage_and_interleaving():
     m, c = preset("glm-10b"), parse_cluster("2x8xA100")
     space = Space(model=m, cluster=c, train=TrainSpec(global_batch=64, seq_len=1024), max_interleave=3)
-    assert len(space.outers(Shape(tp=2, pp=1, dp=8, recompute="none"))) == 4 * 2     # ZeRO 0-3 x SP
+    assert len(space.outers(Shape(tp=2, pp=1, dp=8, recompute="none"))) == len(space.zero_options(1, 8, 2)) * 2
+    assert {z for z, _ in space.zero_options(1, 8, 2)} == {0, 1, 2, 3}           # ZeRO 0-3 (x SP)
     rows = space.outers(Shape(tp=1, pp=4, dp=4, recompute="none"))
     inter = [o for row in rows for o in row if o.interleave > 1]
     assert inter and all(o.grad_accum % 4 == 0 for o in inter)
     assert {o.micro_batch for o in inter} == {1, 2, 4}                # 16 per rank: accumulation 16, 8, 4
+
+
+def test_zero_options_offer_deepspeeds_variants_where_they_apply():
+    from planner.search.space import PLAIN, ZeroVariant
+    from planner.specs.hardware import Host
+    dev = dataclasses.replace(parse_cluster("8xA100").device, host=Host(cpu_memory_gb=1000, pcie_gbps=25,
+                                                                         cpu_adam_gparams=2, nvme_gbps=0))
+    m, t = preset("glm-10b"), TrainSpec(global_batch=64, seq_len=1024)
+    two = Space(model=m, cluster=parse_cluster("2x8xA100", dev), train=t)
+    big, off = ZeroVariant(bucket_elements=200_000_000), ZeroVariant(offload_optimizer="cpu")
+    # pipeline: ZeRO 0-1 only; ZeRO-1 with larger buckets or the optimizer on the host
+    assert two.zero_options(2, 8) == [(0, PLAIN), (1, PLAIN), (1, big), (1, off)]
+    z3 = [v for z, v in two.zero_options(1, 16) if z == 3]
+    assert z3 == [PLAIN, big, off, ZeroVariant(offload_optimizer="cpu", offload_params="cpu"), ZeroVariant(hpz=8),
+                  ZeroVariant(hpz=8, quantized_weights=True, quantized_gradients=True), ZeroVariant(mics_shard=8)]
+    # TP 2 leaves 4 data-parallel ranks per node: hpZ and MiCS over those 4
+    assert ZeroVariant(hpz=4) in [v for _, v in two.zero_options(1, 8, 2)]
+    # one node: nothing crosses nodes, so no hpZ / ZeRO++ / MiCS; NVMe only with a bandwidth
+    one = Space(model=m, cluster=parse_cluster("8xA100", dev, nvme_gbps=20), train=t)
+    z3 = [v for z, v in one.zero_options(1, 8) if z == 3]
+    assert not any(v.hpz > 1 or v.mics_shard for v in z3)
+    assert ZeroVariant(offload_optimizer="nvme", offload_params="nvme") in z3
+    # no host numbers (or a CPU cluster): no offload; one rank: no bucket choice
+    bare = Space(model=m, cluster=parse_cluster("8xA100", dev, cpu_mem_gb=0), train=t)
+    assert not any(v.offload_optimizer != "none" for _, v in bare.zero_options(1, 8))
+    assert bare.zero_options(1, 1) == [(0, PLAIN), (1, PLAIN), (2, PLAIN), (3, PLAIN)]
 
 
 def test_fp16_on_v100_and_selective_on_the_cpu_math_path():

@@ -1,0 +1,201 @@
+"""DeepSpeed's ZeRO as it runs (planner/cost/zero.py) and its variants, pinned to hand-computed values.
+
+The toy device of test_cost_terms (no latency unless a test adds it; links INTRA inside a
+node, INTER per node between nodes), 2 nodes x 2 devices, the 4-block model (h 64), bf16,
+with a host: 100 GB memory per node, PCIe 10 GB/s, CPU Adam 1e9 parameters/s per node,
+NVMe 5 GB/s. Fetched tensors (above 10 x 64 = 640 elements): per block QKV 12,288, out
+4,096, FFN in 16,384, FFN out 16,384; the embedding 63,936; the output layer 63,936.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from planner.cost import engines, zero
+from planner.errors import SpecError
+from planner.specs import Plan
+from planner.specs.hardware import ClusterSpec, Host, Link
+from planner.specs.validate import plan_problems
+from test_cost_terms import DEVICE, INTER, INTRA, MODEL, PSI_T1, run, train
+
+HOST = Host(cpu_memory_gb=100, pcie_gbps=10, cpu_adam_gparams=1, nvme_gbps=5)
+DEV = dataclasses.replace(DEVICE, host=HOST)
+FETCHED_BLOCK = (12_288, 4_096, 16_384, 16_384)
+FETCHED = 4 * len(FETCHED_BLOCK) + 2                    # tensors fetched per pass: 18
+FETCHED_ELEMS = 4 * sum(FETCHED_BLOCK) + 2 * 63_936      # 324,480
+
+
+def cluster(nodes=2, per_node=2, dev=DEV, inter_lat=0.0, intra_lat=0.0, host=None) -> ClusterSpec:
+    return ClusterSpec(nodes=nodes, gpus_per_node=per_node, device=dev,
+                       intra_node=Link(name="i", busbw_gbps=INTRA / 1e9, latency_us=intra_lat),
+                       inter_node=Link(name="e", busbw_gbps=INTER / 1e9, latency_us=inter_lat), host=host)
+
+
+def z3(**kw) -> Plan:
+    base = dict(dp=4, zero=3, micro_batch=1, grad_accum=1, bucket_elements=1000, overlap_comm=False)
+    return Plan(**{**base, **kw})
+
+
+def comm_total(plan: Plan, c: ClusterSpec | None = None) -> float:
+    t = run(plan, c=c or cluster()).time
+    return t.zero_gather + t.dp_sync
+
+
+def test_every_collective_pays_its_latency():
+    # compute is far smaller than communication here, so what hides is fixed (half of each
+    # unit's compute) and adding latency adds exactly count x (n - 1) steps x latency:
+    # 2 passes x 18 fetched tensors + ceil(327,936 / 1000) = 328 reduce-scatter buckets, ring over 4
+    plan = z3()
+    base = comm_total(plan)
+    slow = comm_total(plan, cluster(inter_lat=10.0))
+    assert slow - base == pytest.approx((2 * FETCHED + math.ceil(PSI_T1 / 1000)) * 3 * 10e-6, rel=1e-9)
+    # latency_scale multiplies it
+    scaled = dataclasses.replace(DEV, factors={**DEV.factors, "latency_scale": 0.5})
+    half = comm_total(plan, cluster(dev=scaled, inter_lat=10.0))
+    assert half - base == pytest.approx((2 * FETCHED + 328) * 3 * 10e-6 * 0.5, rel=1e-9)
+    # a bigger reduce bucket means fewer reduce-scatters: 33 buckets of 10,000
+    big = comm_total(dataclasses.replace(plan, bucket_elements=10_000), cluster(inter_lat=10.0))
+    assert big - comm_total(dataclasses.replace(plan, bucket_elements=10_000)) == pytest.approx(
+        (2 * FETCHED + 33) * 3 * 10e-6, rel=1e-9)
+
+
+def test_fetch_overhead_is_per_fetched_tensor_and_never_hidden():
+    dev = dataclasses.replace(DEV, factors={**DEV.factors, "zero3_fetch_overhead_s": 1e-3})
+    t0 = run(z3(), c=cluster()).time.zero_gather
+    t1 = run(z3(), c=cluster(dev=dev)).time.zero_gather
+    assert t1 - t0 == pytest.approx(2 * FETCHED * 1e-3, rel=1e-9)
+    # checkpointed blocks are gathered a third time to recompute: 4 blocks x 4 tensors more
+    r0 = run(z3(recompute="full"), c=cluster()).time.zero_gather
+    r1 = run(z3(recompute="full"), c=cluster(dev=dev)).time.zero_gather
+    assert r1 - r0 == pytest.approx((2 * FETCHED + 16) * 1e-3, rel=1e-9)
+
+
+def test_recompute_gathers_the_blocks_again():
+    # the recompute's gathers (4 blocks x 49,152 elements) join backward's, whose window
+    # grows by the blocks' forward: with the network this slow nothing more hides than
+    # half of that forward
+    from test_cost_terms import F_T1
+    ag = 2 * (3 / 4) / INTER
+    extra = comm_total(z3(recompute="full")) - comm_total(z3())
+    assert extra == pytest.approx(4 * (49_152 * ag - 0.5 * F_T1), rel=1e-9)
+
+
+def test_qwz_gathers_forward_weights_in_int8():
+    ag = (3 / 4) / INTER
+    diff = comm_total(z3()) - comm_total(z3(quantized_weights=True))
+    # forward gathers: 2 bytes -> 1 + 4/2048 per element (int8 and one fp32 scale per 2048)
+    assert diff == pytest.approx(FETCHED_ELEMS * (2 - (1 + 4 / 2048)) * ag, rel=1e-9)
+
+
+def test_hpz_keeps_backward_gathers_inside_the_node():
+    # hpZ 2: backward gathers over the 2 ranks of a node (INTRA, (2-1)/2) instead of 4 across
+    # nodes; what backward hides is half its compute, at most the gathers themselves
+    from test_cost_terms import B_T1, FIRST_C, last_c
+    units = [(63_936, 2 * FIRST_C / 3, 1), (49_152, B_T1, 4), (63_936, 2 * last_c(999) / 3, 1)]
+    diff = 0.0
+    for elems, bw, count in units:
+        across, inside = elems * 2 * (3 / 4) / INTER, elems * 2 * (1 / 2) / INTRA
+        diff += count * ((across - min(across, 0.5 * bw)) - (inside - min(inside, 0.5 * bw)))
+    assert comm_total(z3()) - comm_total(z3(hpz=2)) == pytest.approx(diff, rel=1e-9)
+    # the embedding's backward is too short to hide even the node-local gather; the blocks' hides it
+    assert 63_936 * 1e-11 > 0.5 * 2 * FIRST_C / 3 and 49_152 * 1e-11 < 0.5 * B_T1
+
+
+def test_mics_shards_inside_the_node_and_all_reduces_across_replicas():
+    # MiCS 2: every gather and reduce-scatter inside the node (2 ranks, INTRA); once per step
+    # the gradient partition (psi / 2, bf16) is all-reduced across the 2 replicas, whose two
+    # groups {0, 2} and {1, 3} both cross nodes: each gets half a node's network
+    t = run(z3(mics_shard=2, grad_accum=2), c=cluster()).time
+    plain = run(z3(dp=2, grad_accum=2), c=cluster(nodes=1)).time     # the same shard group alone
+    ar = PSI_T1 * 2 / 2 * 2 * (1 / 2) / (INTER / 2)
+    assert t.dp_sync + t.zero_gather == pytest.approx(plain.dp_sync + plain.zero_gather + ar, rel=1e-9)
+
+
+def test_qgz_reduces_in_int4_inside_then_across_nodes():
+    # one 1000-element... bucket: intra-node reduce-scatter of 0.5 + 4/2048 bytes per element
+    # over 2 ranks, then across the 2 nodes over half of it
+    q = 0.5 + 4 / 2048
+    rs = PSI_T1 * q * (1 / 2) / INTRA + PSI_T1 / 2 * q * (1 / 2) / INTER
+    plain = PSI_T1 * 2 * (3 / 4) / INTER
+    # with overlap off and this little compute, the reduction is exposed in full either way
+    assert comm_total(z3()) - comm_total(z3(quantized_gradients=True)) == pytest.approx(plain - rs, rel=1e-9)
+
+
+def test_optimizer_offload_moves_states_to_the_host_and_adam_to_the_cpu():
+    plan = z3(offload_optimizer="cpu")
+    est = run(plan, c=cluster())
+    part = PSI_T1 / 4
+    # Adam over the partition, the node's 2 ranks sharing 1e9 params/s; the bf16 partition back over PCIe
+    assert est.time.optimizer == pytest.approx(part * 2 / 1e9 + part * 2 / 10e9, rel=1e-12)
+    # host: fp32 master, two moments, the fp32 gradient: 16 bytes per element of the partition
+    assert est.host_memory_bytes == pytest.approx(16 * part, rel=1e-12)
+    assert est.stage_memory[0].optimizer == 0.0
+    # NVMe: the swap of 28 bytes per element for the node's 2 ranks at 5 GB/s is slower than Adam here? no:
+    nv = run(z3(offload_optimizer="nvme"), c=cluster())
+    swap = part * 28 * 2 / 5e9
+    assert nv.time.optimizer == pytest.approx(max(part * 2 / 1e9, swap) + part * 2 / 10e9, rel=1e-12)
+    assert nv.nvme_bytes == pytest.approx(12 * part, rel=1e-12)
+    # the host keeps the fp32 gradient and a double-buffered sub-group (min(partition, 1000) x 32 bytes)
+    assert nv.host_memory_bytes == pytest.approx(4 * part + 32 * 1000, rel=1e-12)
+
+
+def test_zero2_offload_copies_gradients_every_micro_batch():
+    plan = Plan(dp=4, zero=2, micro_batch=1, grad_accum=2, bucket_elements=1000, overlap_comm=False)
+    with_off = run(dataclasses.replace(plan, offload_optimizer="cpu"), c=cluster()).time.dp_sync
+    without = run(plan, c=cluster()).time.dp_sync
+    assert with_off - without == pytest.approx(2 * PSI_T1 / 4 * 2 / 10e9, rel=1e-9)
+
+
+def test_parameter_offload_copies_each_partition_before_its_gather():
+    # each fetched tensor's 1/4 partition crosses PCIe before each of its 2 gathers; compute is
+    # too small to hide it
+    diff = comm_total(z3(offload_params="cpu")) - comm_total(z3())
+    assert diff == pytest.approx(2 * FETCHED_ELEMS * 2 / 4 / 10e9, rel=1e-9)
+    est = run(z3(offload_params="cpu"), c=cluster())
+    assert est.host_memory_bytes == pytest.approx(2 * PSI_T1 / 4, rel=1e-12)   # the bf16 partition
+
+
+def test_variant_memory_on_the_device():
+    psi, small = 1000.0, 100.0
+    p = z3(hpz=2)
+    held, back, _ = engines.footprint(p).evaluate(psi, small)
+    plain, _, _ = engines.footprint(z3()).evaluate(psi, small)
+    assert held[0] - plain[0] == pytest.approx(2 * psi / 2)                 # the secondary partition
+    q_back = engines.footprint(z3(quantized_weights=True)).evaluate(psi, small)[1]
+    p_back = engines.footprint(z3()).evaluate(psi, small)[1]
+    assert q_back[3] - p_back[3] == pytest.approx(1 * min(psi, 1000))       # int8 gathered weights
+    m_held, _, _ = engines.footprint(z3(mics_shard=2)).evaluate(psi, small)
+    assert m_held[2] == pytest.approx(12 * psi / 2)                          # optimizer over 2, not 4
+
+
+def test_variants_that_cannot_run_say_so():
+    c = cluster()
+    t = train(z3())
+    assert any("hpz 3" in r for r in plan_problems(MODEL, cluster(per_node=3, nodes=1), train(z3(dp=3)), z3(dp=3, hpz=3)) or [""]) is False
+    six = cluster(nodes=1, per_node=6)
+    assert any("plan.hpz 4 does not divide" in r for r in plan_problems(MODEL, six, train(Plan(dp=4, zero=3)),
+                                                                         Plan(dp=4, zero=3, hpz=4)))
+    assert any("--nvme-gbps" in r for r in plan_problems(MODEL, cluster(host=dataclasses.replace(HOST, nvme_gbps=0)),
+                                                         t, z3(offload_optimizer="nvme")))
+    assert any("--cpu-mem-gb" in r for r in plan_problems(MODEL, cluster(dev=DEVICE), t, z3(offload_optimizer="cpu")))
+    from planner.cost import estimate
+    small = cluster(host=dataclasses.replace(HOST, cpu_memory_gb=1e-4))
+    reasons = estimate(MODEL, small, t, z3(offload_optimizer="cpu")).reasons
+    # 2 ranks x 16 bytes x 327,936 / 4 = 2.6 MB per node > 90% of 0.1 MB
+    assert reasons == ("offloaded states need 0 GB of host memory per node > 0 GB usable of 0 GB (--cpu-mem-gb): "
+                       "offload less, use NVMe, or more nodes",)
+    for kw, field in ((dict(dp=4, zero=3, mics_shard=3), "plan.mics_shard"), (dict(dp=4, zero=3, hpz=3), "plan.hpz"),
+                      (dict(dp=4, zero=2, hpz=2), "plan.hpz"), (dict(dp=4, zero=0, offload_optimizer="cpu"),
+                                                                 "plan.offload_optimizer"),
+                      (dict(dp=4, zero=2, offload_params="cpu"), "plan.offload_params"),
+                      (dict(dp=4, zero=3, offload_params="disk"), "plan.offload_params")):
+        with pytest.raises(SpecError, match=field):
+            Plan(**kw)
+
+
+def test_units_of_a_zero3_model():
+    us = zero.units(MODEL, z3(), 1.0, 2.0, (0.1, 0.2), (0.3, 0.6), 1, 640)
+    assert [(u.tensors, u.count, u.recomputed) for u in us] == [
+        ((63_936,), 1, False), (FETCHED_BLOCK, 3, False), (FETCHED_BLOCK, 1, True), ((63_936,), 1, False)]
