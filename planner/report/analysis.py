@@ -12,6 +12,8 @@ import pandas as pd
 
 from planner.errors import PlannerError
 from planner.report.data import PLAN_FIELDS, RunData
+from planner.report.plan_text import headroom_gb, headroom_text, host_memory, memory_flag, short_variants
+from planner.specs.estimate import GB
 from planner.specs import MemoryBreakdown, Plan, TimeBreakdown
 
 TIME_PARTS = [f.name for f in dataclasses.fields(TimeBreakdown)]
@@ -51,24 +53,6 @@ def plan_from_row(row: pd.Series | dict[str, Any]) -> Plan | None:
         return Plan(**kw)
     except (PlannerError, TypeError, ValueError):
         return None
-
-
-def short_variants(plan: Plan) -> tuple[str, ...]:
-    """ZeRO variants in a few letters: off-opt, off-par, hpZ8, qwZ, qgZ, MiCS16."""
-    out = []
-    if plan.offload_optimizer != "none":
-        out.append(f"off-opt:{plan.offload_optimizer}")
-    if plan.offload_params != "none":
-        out.append(f"off-par:{plan.offload_params}")
-    if plan.hpz > 1:
-        out.append(f"hpZ{plan.hpz}")
-    if plan.quantized_weights:
-        out.append("qwZ")
-    if plan.quantized_gradients:
-        out.append("qgZ")
-    if plan.mics_shard:
-        out.append(f"MiCS{plan.mics_shard}")
-    return tuple(out)
 
 
 def short_label(plan: Plan) -> str:
@@ -135,8 +119,34 @@ def knobs(plan: Plan, layers: int) -> list[tuple[str, str, str]]:
     elif plan.recompute == "selective":
         out.append(("ckpt", "selective", "activation checkpointing of the attention core only"))
     out.append(("overlap", "on" if plan.overlap_comm else "off", "zero_optimization.overlap_comm"))
-    out.append(("bucket", f"{plan.bucket_elements:.0e}".replace("e+0", "e"), "zero_optimization.reduce_bucket_size"))
+    out.append(("bucket", _elements(plan.bucket_elements), "zero_optimization.reduce_bucket_size"))
+    if plan.offload_optimizer != "none":
+        out.append(("off-opt", plan.offload_optimizer, "zero_optimization.offload_optimizer.device "
+                    "(fp32 master weights, Adam moments, gradients; Adam on the CPU)"))
+    if plan.offload_params != "none":
+        out.append(("off-par", plan.offload_params, "zero_optimization.offload_param.device (16-bit weights)"))
+    if plan.hpz > 1:
+        out.append(("hpZ", str(plan.hpz), "zero_optimization.zero_hpz_partition_size (ZeRO++ secondary partition)"))
+    if plan.quantized_weights:
+        out.append(("qwZ", "", "zero_optimization.zero_quantized_weights (ZeRO++ int8 weight gathers)"))
+    if plan.quantized_gradients:
+        out.append(("qgZ", "", "zero_optimization.zero_quantized_gradients (ZeRO++ int4 gradient reduce)"))
+    if plan.mics_shard:
+        out.append(("MiCS", str(plan.mics_shard), "zero_optimization.mics_shard_size"))
+    if plan.zero == 3:
+        for short, set_, value, key in (("prefetch", plan.prefetch_elements, plan.prefetch,
+                                         "stage3_prefetch_bucket_size"),
+                                        ("live", plan.live_elements, plan.live, "stage3_max_live_parameters"),
+                                        ("persist", plan.persistence_elements, plan.persistence_elements,
+                                         "stage3_param_persistence_threshold")):
+            if set_:
+                out.append((short, _elements(value), f"zero_optimization.{key}"))
     return out
+
+
+def _elements(n: int) -> str:
+    """50000000 -> "5e7"."""
+    return f"{n:.0e}".replace("e+0", "e").replace("e+", "e")
 
 
 def why_lost(row: pd.Series, winner: dict[str, Any]) -> str:
@@ -180,6 +190,7 @@ def top_plans(run: RunData, n: int = 10) -> pd.DataFrame:
     base = df[df["source"] == "baseline"].head(1) if "source" in df.columns else df.iloc[:0]
     chosen_key = tuple(str(run.plan.to_dict()[f] if not isinstance(run.plan.to_dict()[f], list)
                            else ";".join(map(str, run.plan.to_dict()[f]))) for f in present)
+    usable, headroom = run.cluster.usable_bytes, headroom_gb(run.cluster, run.estimate)
     rows = []
     for kind, frame in (("plan", ok), ("baseline", base)):
         for _, r in frame.iterrows():
@@ -198,12 +209,21 @@ def top_plans(run: RunData, n: int = 10) -> pd.DataFrame:
                 "why": "chosen plan" if chosen else why_lost(r, run.estimate),
                 "time": {p: r.get(f"time_{p}", math.nan) for p in TIME_PARTS},
                 "mem": {p: r.get(f"mem_{p}", math.nan) for p in MEM_PARTS},
+                "memory_flag": _flag(r["peak_memory_gb"], usable, headroom),
+                "variants": list(short_variants(plan)) if plan is not None else [],
             })
     out = pd.DataFrame(rows)
     if not out.empty:
         plans = out["kind"] == "plan"
         out["rank"] = out["tokens_per_s"].where(plans).rank(ascending=False, method="min")
     return out
+
+
+def _flag(peak_gb: Any, usable_bytes: float, headroom: float | None) -> dict[str, Any] | None:
+    """{"short", "text"} for a plan near (or over) the usable memory, None otherwise."""
+    peak = peak_gb * GB if isinstance(peak_gb, (int, float)) and not isinstance(peak_gb, bool) else None
+    flag = memory_flag(peak, usable_bytes, headroom)
+    return {"short": flag.short, "text": flag.text(), "over": flag.over} if flag else None
 
 
 def train_cost(tokens_per_s: float | None, world: int, tokens: float, price: float | None) -> dict[str, Any]:
@@ -231,6 +251,14 @@ def headline(run: RunData, price_per_gpu_hour: float | None, train_tokens: float
     }
     cap = est.get("capacity_gb") or math.nan
     out["memory_fraction"] = (est.get("peak_memory_gb") or math.nan) / cap if cap else math.nan
+    c = run.cluster
+    out["usable_gb"] = c.usable_bytes / GB
+    headroom = headroom_gb(c, est)
+    out["headroom"] = headroom_text(headroom)
+    out["memory_flag"] = _flag(est.get("peak_memory_gb"), c.usable_bytes, headroom)
+    out["variants"] = list(run.plan.variants)
+    out["host_memory"] = host_memory(est, c.gpus_per_node, c.host.cpu_memory_gb)
+    out["host"] = c.host
     targets = dict(DEFAULT_TARGETS)
     if run.verify and isinstance(run.verify.get("targets"), dict):
         targets.update({k: v for k, v in run.verify["targets"].items() if isinstance(v, (int, float))})
