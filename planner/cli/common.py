@@ -24,6 +24,15 @@ def model_options(f: Callable) -> Callable:
 
 
 def cluster_options(f: Callable) -> Callable:
+    f = click.option("--memory-headroom", type=float, default=None, metavar="GB",
+                     help="GB per GPU left free for CUDA context, NCCL communicator buffers and the allocator's "
+                          "reserve, counted in every plan's peak (default: the profile's memory_overhead_gb); "
+                          "plans within 2% of the GPU's memory are flagged.")(f)
+    f = click.option("--nvme-gbps", type=float, default=None, metavar="GB/S",
+                     help="NVMe read/write bandwidth per node for ZeRO-Infinity offload to NVMe "
+                          "(default: the profile's host block; 0 = no NVMe).")(f)
+    f = click.option("--cpu-mem-gb", type=float, default=None, metavar="GB",
+                     help="Host memory per node for offloaded model states (default: the profile's host block).")(f)
     f = click.option("--intra-gbps", type=float, default=None, help="Override intra-node bus bandwidth, GB/s.")(f)
     f = click.option("--inter-latency-us", type=float, default=None, help="Override inter-node latency, us.")(f)
     f = click.option("--inter-gbps", type=float, default=None, help="Override inter-node bus bandwidth, GB/s.")(f)
@@ -55,14 +64,26 @@ def load_model(model_arg: str, size: str | None) -> ModelSpec:
 
 
 def load_cluster(gpus: str, profile_path: str | None, inter_gbps: float | None,
-                 inter_latency_us: float | None, intra_gbps: float | None) -> ClusterSpec:
+                 inter_latency_us: float | None, intra_gbps: float | None, *, cpu_mem_gb: float | None = None,
+                 nvme_gbps: float | None = None, memory_headroom: float | None = None) -> ClusterSpec:
     for name, v in (("--inter-gbps", inter_gbps), ("--intra-gbps", intra_gbps)):
         if v is not None and not v > 0:
             raise SpecError(name, f"must be positive, got {v}", "give a bandwidth in GB/s")
     if inter_latency_us is not None and not inter_latency_us >= 0:
         raise SpecError("--inter-latency-us", f"must be >= 0, got {inter_latency_us}", "give microseconds")
+    # `not v >= 0` also catches nan; inf is no memory size or bandwidth
+    if cpu_mem_gb is not None and not (0 <= cpu_mem_gb < float("inf")):
+        raise SpecError("--cpu-mem-gb", f"must be a number of GB >= 0, got {cpu_mem_gb}",
+                        "give the host memory per node in GB, e.g. 1024 (0: no offload to the host)")
+    if nvme_gbps is not None and not (0 <= nvme_gbps < float("inf")):
+        raise SpecError("--nvme-gbps", f"must be a bandwidth >= 0, got {nvme_gbps}",
+                        "give the NVMe bandwidth per node in GB/s, e.g. 25 (0: no NVMe)")
+    if memory_headroom is not None and not (0 <= memory_headroom < float("inf")):
+        raise SpecError("--memory-headroom", f"must be GB >= 0, got {memory_headroom}",
+                        "give the GB each GPU keeps free, e.g. 2")
     prof = load_profile(profile_path) if profile_path else None
-    return parse_cluster(gpus, prof, inter_gbps=inter_gbps, inter_latency_us=inter_latency_us, intra_gbps=intra_gbps)
+    return parse_cluster(gpus, prof, inter_gbps=inter_gbps, inter_latency_us=inter_latency_us, intra_gbps=intra_gbps,
+                         cpu_mem_gb=cpu_mem_gb, nvme_gbps=nvme_gbps, memory_headroom=memory_headroom)
 
 
 def load_train(model: ModelSpec, cluster: ClusterSpec, global_batch: int | None, seq_len: int | None,
@@ -84,14 +105,16 @@ def load_inputs(kw: dict[str, Any]) -> tuple[ModelSpec, ClusterSpec, TrainSpec]:
     """Pop the shared options from a command's kwargs and build the three specs."""
     model = load_model(kw.pop("model_arg"), kw.pop("scale"))
     cluster = load_cluster(kw.pop("gpus"), kw.pop("profile_path"), kw.pop("inter_gbps"),
-                           kw.pop("inter_latency_us"), kw.pop("intra_gbps"))
+                           kw.pop("inter_latency_us"), kw.pop("intra_gbps"), cpu_mem_gb=kw.pop("cpu_mem_gb"),
+                           nvme_gbps=kw.pop("nvme_gbps"), memory_headroom=kw.pop("memory_headroom"))
     train = load_train(model, cluster, kw.pop("global_batch"), kw.pop("seq_len"), kw.pop("precision"),
                        kw.pop("attention"))
     return model, cluster, train
 
 
 def common_inputs(f: Callable) -> Callable:
-    """--model/--scale, --gpus/--profile/network, --global-batch/--seq-len/--precision/--attention."""
+    """--model/--scale, --gpus/--profile/network/host/--memory-headroom, --global-batch/--seq-len/
+    --precision/--attention."""
     return model_options(cluster_options(train_options(f)))
 
 

@@ -20,12 +20,15 @@ from rich.table import Table
 
 from planner.cli.common import common_inputs, load_inputs
 from planner.errors import SpecError
+from planner.report.plan_text import (headroom_gb, headroom_text, host_bytes_per_rank, host_memory_text,
+                                      plan_memory_flag, short_variants)
 from planner.search.outputs import write_outputs
 from planner.specs.estimate import GB, Estimate
-from planner.specs.plan import RECOMPUTE, Plan
+from planner.specs.plan import OFFLOAD, RECOMPUTE, Plan
 from planner.specs.validate import plan_problems
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$")
+_PLAN_DEFAULTS = Plan()
 
 
 def _console(err: bool = False) -> Console:
@@ -74,30 +77,60 @@ def _plan_cells(plan: Plan) -> list[str]:
     if rc == "full" and plan.recompute_layers:
         rc = f"full {sum(plan.recompute_layers)}/{sum(plan.stage_layers) or '?'}"
     sched = f"interleaved x{plan.interleave}" if plan.schedule == "interleaved" else ("1F1B" if plan.pp > 1 else "-")
-    return [f"{plan.tp}x{plan.pp}x{plan.dp}", str(plan.zero), f"{plan.micro_batch}x{plan.grad_accum}", rc,
-            "yes" if plan.sequence_parallel else "-", sched]
+    variants = list(short_variants(plan))
+    if plan.bucket_elements != _PLAN_DEFAULTS.bucket_elements:   # else two rows can look the same
+        variants.append(f"bucket {plan.bucket_elements:.0e}".replace("e+0", "e").replace("e+", "e"))
+    return [f"{plan.tp}x{plan.pp}x{plan.dp}", str(plan.zero), " ".join(variants) or "-",
+            f"{plan.micro_batch}x{plan.grad_accum}", rc, "yes" if plan.sequence_parallel else "-", sched]
+
+
+def _mem_cell(est: Estimate, cluster) -> str:
+    """Peak / capacity GB per GPU, with "!" when the plan is near (or over) the usable memory."""
+    flag = plan_memory_flag(est, cluster)
+    return f"{_gb(est.peak_memory_bytes)}/{_gb(est.capacity_bytes)}" + (" !" if flag else "")
+
+
+def _memory_lines(est: Estimate, cluster) -> list[str]:
+    """The near-the-limit warning and the host memory per node of one plan, as printed lines."""
+    out = []
+    flag = plan_memory_flag(est, cluster)
+    if flag:
+        out.append(f"warning: {flag.text()}")
+    host = host_memory_text(est, cluster.gpus_per_node, cluster.host.cpu_memory_gb)
+    if host:
+        out.append(f"host memory: {host}")
+    return out
 
 
 def _print_search(console: Console, result, cluster, run_dir: Path, written: list[str], top: int) -> None:
     base = result.baseline
     table = Table(title=f"Top plans ({result.method}: {result.distinct} distinct plans evaluated, "
                         f"{result.space_size} in the space, {result.wall_s:.2f} s)")
-    for col in ("#", "TPxPPxDP", "ZeRO", "micro x acc", "recompute", "SP", "schedule", "tokens/s", "step s",
-                "MFU", "GB/GPU", "vs base"):
-        table.add_column(col, justify="left" if col in ("recompute", "schedule") else "right")
+    for col in ("#", "TPxPPxDP", "ZeRO", "ZeRO options", "micro x acc", "recompute", "SP", "schedule", "tokens/s",
+                "step s", "MFU", "GB/GPU", "vs base"):
+        table.add_column(col, justify="left" if col in ("ZeRO options", "recompute", "schedule") else "right")
+    flagged = False
     for i, t in enumerate(result.ranked[:top], 1):
         e = t.estimate
         speed = f"{e.tokens_per_s / base.tokens_per_s:.2f}x" if base.feasible else "-"
+        mem = _mem_cell(e, cluster)
+        flagged |= mem.endswith("!")
         table.add_row(str(i), *_plan_cells(t.plan), f"{e.tokens_per_s:,.0f}", f"{e.step_time_s:.2f}", f"{e.mfu:.1%}",
-                      f"{_gb(e.peak_memory_bytes)}/{_gb(e.capacity_bytes)}", speed)
+                      mem, speed)
     cells = _plan_cells(result.baseline_plan)
     if base.feasible:
+        mem = _mem_cell(base, cluster)
+        flagged |= mem.endswith("!")
         table.add_row("base", *cells, f"{base.tokens_per_s:,.0f}", f"{base.step_time_s:.2f}", f"{base.mfu:.1%}",
-                      f"{_gb(base.peak_memory_bytes)}/{_gb(base.capacity_bytes)}", "1.00x")
+                      mem, "1.00x")
     else:
         table.add_row("base", *cells, "does not fit", "-", "-",
                       f"needs {_gb(base.peak_memory_bytes)}/{_gb(base.capacity_bytes)}", "-")
     console.print(table)
+    if flagged:
+        console.print(f"! = near the memory limit: peak within 2% of the {_gb(cluster.usable_bytes)} GB usable "
+                      f"per GPU (headroom {headroom_text(headroom_gb(cluster, result.best.estimate))} counted "
+                      "in the peak, --memory-headroom)")
     if cluster.note:
         console.print(f"note: {cluster.note}")
     best = result.best
@@ -106,7 +139,10 @@ def _print_search(console: Console, result, cluster, run_dir: Path, written: lis
         extra += f"; checkpointed blocks per stage {list(best.plan.recompute_layers)}"
     console.print(f"chosen: {best.plan.describe()}{extra}")
     mem = ", ".join(f"stage {i}: {_gb(m.total)}" for i, m in enumerate(best.estimate.stage_memory))
-    console.print(f"per-GPU memory (GB, capacity {_gb(best.estimate.capacity_bytes)}): {mem}")
+    console.print(f"per-GPU memory (GB, capacity {_gb(best.estimate.capacity_bytes)}, usable "
+                  f"{_gb(cluster.usable_bytes)}): {mem}")
+    for line in _memory_lines(best.estimate, cluster):
+        console.print(line)
     if base.feasible:
         console.print(f"baseline (plain DP, ZeRO-0, no recompute): {base.tokens_per_s:,.0f} tokens/s, "
                       f"{_gb(base.peak_memory_bytes)} GB per GPU")
@@ -269,6 +305,30 @@ def _write_report(run_dir: Path, err: Console) -> str | None:
         return None
 
 
+# Plan fields `planner estimate` sets from a flag: a rule the Plan enforces names the flag
+_PLAN_FLAGS = {"tp": "--tp", "pp": "--pp", "zero": "--zero", "micro_batch": "--micro-batch",
+               "recompute": "--recompute", "recompute_layers": "--recompute-layers",
+               "stage_layers": "--stage-layers", "sequence_parallel": "--sequence-parallel",
+               "interleave": "--interleave", "schedule": "--interleave",
+               "offload_optimizer": "--offload-optimizer", "offload_params": "--offload-params", "hpz": "--hpz",
+               "quantized_weights": "--qwz", "quantized_gradients": "--qgz", "mics_shard": "--mics-shard",
+               "bucket_elements": "--bucket-elements", "prefetch_elements": "--prefetch-elements",
+               "live_elements": "--live-elements", "persistence_elements": "--persistence-elements"}
+
+
+def _build_plan(**fields: Any) -> Plan:
+    """Plan(**fields); a rule it breaks is reported under the flag that set the field."""
+    try:
+        return Plan(**fields)
+    except SpecError as exc:
+        name = exc.field.removeprefix("plan.")
+        flag = _PLAN_FLAGS.get(name)
+        if flag is None:
+            raise
+        fix = exc.fix.replace("zero=3", "--zero 3").replace("zero >= 1", "--zero 1, 2 or 3")
+        raise SpecError(flag, exc.problem, fix) from None
+
+
 def _int_list(text: str | None, flag: str) -> tuple[int, ...]:
     if not text:
         return ()
@@ -291,6 +351,25 @@ def _int_list(text: str | None, flag: str) -> tuple[int, ...]:
 @click.option("--sequence-parallel", is_flag=True, help="Megatron sequence parallelism (needs --tp > 1).")
 @click.option("--interleave", type=int, default=1, show_default=True,
               help="Virtual chunks per stage (> 1: interleaved 1F1B).")
+@click.option("--offload-optimizer", type=click.Choice(list(OFFLOAD)), default="none", show_default=True,
+              help="ZeRO-Offload / ZeRO-Infinity: fp32 master weights, Adam moments and gradients on the host "
+                   "(cpu, ZeRO 1-3) or NVMe (nvme, ZeRO-3); Adam runs on the CPU.")
+@click.option("--offload-params", type=click.Choice(list(OFFLOAD)), default="none", show_default=True,
+              help="ZeRO-Infinity (ZeRO-3): the 16-bit weight partition on the host (cpu) or NVMe (nvme).")
+@click.option("--hpz", type=int, default=1, show_default=True, metavar="N",
+              help="ZeRO++ hpZ (ZeRO-3): secondary weight partition over N ranks inside a node; 1 = off.")
+@click.option("--qwz", is_flag=True, help="ZeRO++ qwZ (ZeRO-3): gather weights in int8.")
+@click.option("--qgz", is_flag=True, help="ZeRO++ qgZ (ZeRO-3): reduce gradients hierarchically in int4.")
+@click.option("--mics-shard", type=int, default=0, show_default=True, metavar="N",
+              help="MiCS (ZeRO-3): shard model states over groups of N ranks, replicated across groups; 0 = off.")
+@click.option("--bucket-elements", type=int, default=_PLAN_DEFAULTS.bucket_elements, show_default=True,
+              help="reduce/allgather bucket size in elements (ZeRO-3: also sub_group_size).")
+@click.option("--prefetch-elements", type=int, default=0, show_default=True,
+              help="ZeRO-3 stage3_prefetch_bucket_size in elements; 0 = --bucket-elements.")
+@click.option("--live-elements", type=int, default=0, show_default=True,
+              help="ZeRO-3 stage3_max_live_parameters (and max_reuse_distance) in elements; 0 = --bucket-elements.")
+@click.option("--persistence-elements", type=int, default=0, show_default=True,
+              help="ZeRO-3 stage3_param_persistence_threshold in elements; 0 = 10 x hidden.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def estimate(**kw: Any) -> None:
     """Predict step time, throughput and per-GPU memory of a plan you give."""
@@ -305,16 +384,22 @@ def estimate(**kw: Any) -> None:
         raise SpecError("--tp/--pp", f"tp {tp} x pp {pp} = {tp * pp} does not divide the {world} devices",
                         f"choose degrees whose product divides {world}")
     dp = world // (tp * pp)
-    plan = Plan(dp=dp, tp=tp, pp=pp, zero=kw["zero"], micro_batch=mb,
-                grad_accum=max(1, train.global_batch // (mb * dp)), recompute=kw["recompute"],
-                sequence_parallel=kw["sequence_parallel"], schedule="interleaved" if kw["interleave"] > 1 else "1f1b",
-                interleave=kw["interleave"], precision=train.precision,
-                stage_layers=_int_list(kw["stage_layers"], "--stage-layers"),
-                recompute_layers=_int_list(kw["recompute_layers"], "--recompute-layers"))
+    plan = _build_plan(dp=dp, tp=tp, pp=pp, zero=kw["zero"], micro_batch=mb,
+                       grad_accum=max(1, train.global_batch // (mb * dp)), recompute=kw["recompute"],
+                       sequence_parallel=kw["sequence_parallel"],
+                       schedule="interleaved" if kw["interleave"] > 1 else "1f1b",
+                       interleave=kw["interleave"], precision=train.precision,
+                       stage_layers=_int_list(kw["stage_layers"], "--stage-layers"),
+                       recompute_layers=_int_list(kw["recompute_layers"], "--recompute-layers"),
+                       offload_optimizer=kw["offload_optimizer"], offload_params=kw["offload_params"],
+                       hpz=kw["hpz"], quantized_weights=kw["qwz"], quantized_gradients=kw["qgz"],
+                       mics_shard=kw["mics_shard"], bucket_elements=kw["bucket_elements"],
+                       prefetch_elements=kw["prefetch_elements"], live_elements=kw["live_elements"],
+                       persistence_elements=kw["persistence_elements"])
     batch_ok = train.global_batch % (mb * dp) == 0
     problems = [p for p in plan_problems(model, cluster, train, plan) if batch_ok or "global batch" not in p]
     if problems:
-        raise SpecError("plan", problems[0], "change the degrees or batch named above")
+        raise SpecError("plan", problems[0], "change the flags named above")
     if not batch_ok:
         raise SpecError("--micro-batch", f"micro-batch {mb} x dp {dp} = {mb * dp} does not divide the global "
                         f"batch {train.global_batch}", "choose --micro-batch and --global-batch so that "
@@ -322,7 +407,13 @@ def estimate(**kw: Any) -> None:
     est = cost_estimate(model, cluster, train, plan)
     if kw["as_json"]:
         doc = est.to_json()
-        doc.update(plan=plan.to_dict(), description=plan.describe(), note=cluster.note)
+        flag = plan_memory_flag(est, cluster)
+        host = host_bytes_per_rank(est)
+        doc.update(plan=plan.to_dict(), description=plan.describe(), note=cluster.note,
+                   variants=list(plan.variants), memory_headroom_gb=headroom_gb(cluster, est),
+                   usable_memory_gb=cluster.usable_bytes / GB, memory_warning=flag.text() if flag else None,
+                   host_memory_per_node_gb=host * cluster.gpus_per_node / GB,
+                   host_memory_capacity_gb=cluster.host.cpu_memory_gb)
         click.echo(json.dumps(doc))
         return
     _print_estimate(_console(), plan, est, cluster)
@@ -337,11 +428,21 @@ def _print_estimate(console: Console, plan: Plan, est: Estimate, cluster) -> Non
             ("TFLOP/s per GPU", f"{est.tflops_per_gpu:.1f}"), ("MFU / HFU", f"{est.mfu:.1%} / {est.hfu:.1%}"),
             ("pipeline bubble", f"{est.bubble_fraction:.1%}"),
             ("peak memory per GPU", f"{est.peak_memory_gb:.1f} / {est.capacity_bytes / GB:.1f} GB "
-                                    f"(stage {est.peak_stage})")]
+                                    f"(stage {est.peak_stage})"),
+            ("usable memory per GPU", f"{cluster.usable_bytes / GB:.1f} GB (headroom "
+                                      f"{headroom_text(headroom_gb(cluster, est))} counted in the peak)")]
+    if plan.variants:
+        rows.insert(1, ("ZeRO variants", ", ".join(plan.variants)))
+    host = host_memory_text(est, cluster.gpus_per_node, cluster.host.cpu_memory_gb)
+    if host:
+        rows.append(("host memory", host))
     rows += [(f"  memory: {k}", f"{v:.2f} GB") for k, v in est.stage_memory[est.peak_stage].to_gb().items()]
     rows += [(f"  time: {k}", f"{v:.4f} s") for k, v in est.time.to_dict().items()]
     for r in rows:
         table.add_row(*r)
     console.print(table)
+    flag = plan_memory_flag(est, cluster)
+    if flag:
+        console.print(f"warning: {flag.text()}")
     if cluster.note:
         console.print(f"note: {cluster.note}")

@@ -74,7 +74,8 @@ def test_hf_config_estimates(capsys, tmp_path):
 
 
 def test_fits_nowhere_writes_nothing(capsys, tmp_path):
+    # no host memory: no ZeRO-Offload / ZeRO-Infinity, which would fit it (issue 9)
     rc, out, err = run(capsys, "search", "--model", "glm-130b", "--gpus", "8xA100-40GB", "--global-batch", "8",
-                       "--out-dir", str(tmp_path))
+                       "--cpu-mem-gb", "0", "--out-dir", str(tmp_path))
     assert rc == 2 and "does not fit" in err and "GB" in err and len(err.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
