@@ -451,9 +451,10 @@ def _with_variants(engine: Engine, zero: int, e: float, offload_optimizer: str, 
 
     Optimizer offload (ZeRO-Offload, Ren et al. 2021; ZeRO-Infinity for nvme): the fp32 master
     partition and Adam moments move to the host (or NVMe); gradients are copied out of the
-    reduce buckets into the host fp32 partition's .grad (allocated at start-up, pinned), so
-    the device keeps no gradient partition and no fp32 gradient copy. NVMe keeps a host swap
-    buffer of one sub-group (fp32 master, moments and gradient, double-buffered).
+    reduce buckets into the host fp32 partition's .grad (allocated at start-up, pinned; on
+    NVMe swapped out with the states), so the device keeps no gradient partition and no fp32
+    gradient copy. NVMe keeps a host swap buffer of one sub-group (fp32 master, moments and
+    gradient, double-buffered).
     Parameter offload (ZeRO-3): the 16-bit weight partition (ds_tensor) lives on the host or
     NVMe (with a host swap buffer of the live parameters); gathered weights still come to the
     device. hpZ (ZeRO++, Wang et al. 2023): a secondary copy of the weights partitioned over
@@ -465,9 +466,10 @@ def _with_variants(engine: Engine, zero: int, e: float, offload_optimizer: str, 
         if opt and b.name in ("fp32 master partition", "Adam moments"):
             b = dataclasses.replace(b, location=opt, source=b.source + f"; offload_optimizer {offload_optimizer}")
         elif opt and b.name in ("fp32 gradient partition", "fp32 gradient sub-group"):
-            b = dataclasses.replace(b, location="host", phase="always", basis="psi", sharded=True,
+            b = dataclasses.replace(b, location=opt, phase="always", basis="psi", sharded=True,
                                     source=SRC_OFFLOAD + ": the host fp32 partition's .grad, accumulated from the "
-                                                         "reduce buckets every micro-batch")
+                                                         "reduce buckets every micro-batch (nvme: swapped out with "
+                                                         "the optimizer states, partitioned_optimizer_swapper.py)")
         elif opt and b.name in ("owned gradient partition", "gradient partition"):
             continue  # the reduced gradients go straight to the host
         elif offload_params != "none" and b.name == "weight partition":

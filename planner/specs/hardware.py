@@ -357,6 +357,12 @@ def parse_cluster(text: str, profile: DeviceProfile | None = None, *, inter_gbps
                      busbw_gbps=inter_gbps if inter_gbps is not None else inter.busbw_gbps,
                      latency_us=inter_latency_us if inter_latency_us is not None else inter.latency_us)
     host = profile.host
+    if per_node != profile.gpus_per_node and host.can_offload:
+        # a profile's host numbers describe its node of profile.gpus_per_node devices; a node
+        # with a different count is taken as that server scaled (memory, CPU, NVMe per device)
+        k = per_node / profile.gpus_per_node
+        host = dataclasses.replace(host, cpu_memory_gb=host.cpu_memory_gb * k,
+                                   cpu_adam_gparams=host.cpu_adam_gparams * k, nvme_gbps=host.nvme_gbps * k)
     for flag, key, v in (("--cpu-mem-gb", "cpu_memory_gb", cpu_mem_gb), ("--nvme-gbps", "nvme_gbps", nvme_gbps)):
         if v is None:
             continue
