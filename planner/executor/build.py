@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import traceback
 from typing import Any
 
 import torch
@@ -87,6 +88,7 @@ def build_engine(plan: Plan, spec: ModelSpec, cfg: dict[str, Any], *, attention:
                                                mpu=groups if plan.pp == 1 else None,
                                                model_parameters=None if optimizer else module.parameters())
     except (AssertionError, ValueError, NotImplementedError, TypeError) as exc:
+        traceback.print_exc()  # the rank's log keeps the DeepSpeed frame that refused
         raise ExecutionError("ds_config.json", f"DeepSpeed rejected the plan: {type(exc).__name__}: {exc}",
                              "re-plan with `planner search` (the plan is not runnable as written)") from None
     _keep_fp32_clip_norm(engine)

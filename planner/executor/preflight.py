@@ -7,8 +7,9 @@ for this host); the CLI prints it and exits 2. In order:
 
 1. The plan (plan.json): the structural rules of planner.specs.validate.plan_problems (world
    size vs cluster, TP dividing the heads, KV groups and FFN, stage split, global batch, ...),
-   what DeepSpeed itself cannot run (runtime_problems), one node only, and a vocabulary every
-   TP rank's shard holds real rows of (`vocab_problem`).
+   what DeepSpeed itself cannot run (runtime_problems, and the ZeRO variants DeepSpeed 0.19.8
+   cannot run here: `variant_problem`), one node only, and a vocabulary every TP rank's shard
+   holds real rows of (`vocab_problem`).
 2. ds_config.json against plan.json: the worker builds the model from plan.json but hands
    DeepSpeed ds_config.json, so a hand edit of one would run a different layout from the one
    the other (and the estimate) describes. Compared: the batch triple (hence the DP degree),
@@ -151,6 +152,25 @@ def vocab_problem(model: ModelSpec, tp: int) -> str:
             f"{rows} row(s) per TP rank, only {real} of the {tp} ranks would hold real tokens")
 
 
+def variant_problem(plan: Plan, cluster: ClusterSpec) -> tuple[str, str, str] | None:
+    """(field, why, fix) for a ZeRO variant DeepSpeed 0.19.8 cannot run here, else None.
+    Measured through the executor (docs/runtime.md "ZeRO variants on CPU",
+    tests/integration/test_zero_variants.py): MiCS is gone from DeepSpeed 0.19.8 (its config
+    refuses mics_shard_size on every device); ZeRO++'s quantized weights and gradients load
+    DeepSpeed's quantizer kernels (QuantizerBuilder), which the CPU accelerator does not have.
+    Optimizer and parameter offload to the CPU and hpZ run."""
+    if plan.mics_shard:
+        return ("plan.mics_shard", "DeepSpeed 0.19.8 removed MiCS: its config rejects zero_optimization."
+                "mics_shard_size ('MiCS ZeRO-3 sharding has been removed')",
+                "re-plan without MiCS (plain ZeRO-3, or hpZ for intra-node weight gathers)")
+    if cluster.device.kind == "cpu" and (plan.quantized_weights or plan.quantized_gradients):
+        field = "plan.quantized_weights" if plan.quantized_weights else "plan.quantized_gradients"
+        return (field, "ZeRO++ qwZ/qgZ need DeepSpeed's quantizer kernels (QuantizerBuilder), which DeepSpeed "
+                "0.19.8 does not implement for the CPU accelerator ('This op had not been implemented on CPU "
+                "backend')", "re-plan without quantized weights/gradients, or run the plan on CUDA GPUs")
+    return None
+
+
 def check_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> None:
     problems = plan_problems(model, cluster, train, plan)
     if problems:
@@ -166,6 +186,10 @@ def check_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec, train: TrainS
     if unsupported:
         raise ExecutionError("plan.json", unsupported[0].split(" (")[0],
                              "plan without --megatron-features, or run it under Megatron-LM")
+    variant = variant_problem(plan, cluster)
+    if variant:
+        field, why, fix = variant
+        raise ExecutionError(f"plan.json {field}", why, fix)
     if cluster.nodes > 1:
         raise ExecutionError("cluster", f"{cluster.nodes} nodes: `planner run` launches on this machine only",
                              "use launch.sh with a hostfile (deepspeed launcher) for multi-node runs")
