@@ -8,13 +8,16 @@ libraries (reported separately as the RSS before the model was built).
 GPU: torch.cuda.max_memory_allocated after torch.cuda.reset_peak_memory_stats.
 Model states (both): the bytes of parameters, gradients and optimizer state (fp32 masters,
 moments, ZeRO partitions and buckets) this rank holds, counted tensor by tensor with
-shared storage counted once -- exact and repeatable.
+shared storage counted once -- exact and repeatable; what DeepSpeed offloads (ZeRO-Offload's
+CPU optimizer partition, ZeRO-3's offloaded parameter partition) separately as host-held
+(`model_states`).
 Activations (worker --measure-activations): the bytes each layer keeps for backward during one
 micro-batch of a real training step, ActivationRecorder below.
 """
 from __future__ import annotations
 
 import contextlib
+import re
 import weakref
 from pathlib import Path
 
@@ -59,46 +62,148 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int]:
     return st.data_ptr(), st.nbytes()
 
 
-def _collect(obj, seen_ids: set[int], out: dict[tuple[int, int], int], depth: int) -> None:
-    if depth < 0 or id(obj) in seen_ids:
-        return
-    seen_ids.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        if obj.device.type != "meta" and obj.untyped_storage().nbytes():
-            key = _storage_key(obj)
-            out[key] = key[1]
-        return
-    if isinstance(obj, torch.nn.Module):
-        return  # modules are counted through their parameters
-    if isinstance(obj, dict):
-        items = list(obj.values()) + [k for k in obj if isinstance(k, torch.Tensor)]
-    elif isinstance(obj, (list, tuple, set)):
-        items = list(obj)
-    elif hasattr(obj, "__dict__") and type(obj).__module__.split(".")[0] in ("deepspeed", "torch"):
-        items = list(vars(obj).values())
-    else:
-        return
-    for v in items:
-        _collect(v, seen_ids, out, depth - 1)
+ROLES = ("params", "grads", "optimizer")
+"""Model-state roles, per location ("device", "host"). Device: as before -- parameters and
+gradients reached through the module (p.data or ZeRO-3's ds_tensor, hpZ's ds_secondary_tensor,
+p.grad) and everything else reached through the optimizer under "optimizer" (fp32 masters,
+moments, ZeRO's gradient partitions and buckets). Host: what DeepSpeed keeps in its CPU offload
+structures (`_host_roles`), split by what it is."""
+
+
+def _host_roles(module: torch.nn.Module, optimizer) -> dict[tuple[int, int], str]:
+    """Storages DeepSpeed 0.19.8 keeps on the host because of offload, with their role.
+
+    On a CPU-only machine every tensor is on "cpu", so they are identified by where DeepSpeed
+    keeps them (on a GPU these are exactly its tensors allocated on "cpu"):
+    - ZeRO-1/2 with offload_optimizer (stage_1_and_2.py, `cpu_offload`): the fp32 master
+      partition (single_partition_of_fp32_groups), its Adam state, the 16-bit staging copy of
+      the partition (param_buffer_of_bit16_for_cpu_offload_groups) -> optimizer; the fp32
+      gradient partition (the master's .grad, offload_gradient_dict views it), the per-parameter
+      accumulators of gradient accumulation (accumulated_grads_in_cpu) and the copy buffer of
+      one parameter (temp_grad_buffer_for_cpu_offload) -> grads;
+    - ZeRO-3 with offload_optimizer (stage3.py, `offload_optimizer`; self.device is "cpu"):
+      the fp32 master sub-groups placed on "cpu" (subgroup_to_device) and their Adam state ->
+      optimizer; their .grad and the gradient partition buffer grad_partitions_flat_buffer ->
+      grads;
+    - ZeRO-3 with offload_param (`offload_param`): every parameter's ds_tensor (views of
+      param_groups_fp16_flat_cpu_memory) -> params."""
+    o = optimizer
+    out: dict[tuple[int, int], str] = {}
+
+    def add(role: str, *tensors) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.untyped_storage().nbytes():
+                out.setdefault(_storage_key(t), role)
+
+    def state(masters) -> list:
+        inner = getattr(o, "optimizer", None)
+        st = getattr(inner, "state", {}) if inner is not None else {}
+        return [v for m in masters for v in (st.get(m) or {}).values()]
+
+    if getattr(o, "cpu_offload", False):
+        masters = list(getattr(o, "single_partition_of_fp32_groups", []))
+        add("optimizer", *masters, *state(masters), *getattr(o, "param_buffer_of_bit16_for_cpu_offload_groups", []))
+        add("grads", *(m.grad for m in masters), *getattr(o, "accumulated_grads_in_cpu", {}).values(),
+            getattr(o, "temp_grad_buffer_for_cpu_offload", None))
+    if getattr(o, "offload_optimizer", False) is True:
+        on_host = [i for i, d in getattr(o, "subgroup_to_device", {}).items() if str(d) == "cpu"]
+        masters = [o.fp32_partitioned_groups_flat[i] for i in on_host]
+        add("optimizer", *masters, *state(masters))
+        add("grads", *(m.grad for m in masters), getattr(o, "grad_partitions_flat_buffer", None))
+    if getattr(o, "offload_param", False) is True:
+        add("params", *(p.ds_tensor for p in module.parameters() if getattr(p, "ds_tensor", None) is not None))
+    return out
+
+
+_MANGLED = re.compile(r"(^|\.)_[A-Za-z0-9]+__")
+
+
+def _walk(root, depth: int) -> dict[tuple[int, int], tuple[str, torch.Tensor]]:
+    """Every tensor storage reachable from `root` (DeepSpeed/torch objects, containers, tensor
+    dict keys, a leaf tensor's .grad) within `depth` steps, breadth first, each named by its
+    shortest attribute path with indices folded ("optimizer.state[p][exp_avg]",
+    "ipg_buckets[torch.float32].buffer")."""
+    found: dict[tuple[int, int], tuple[str, torch.Tensor]] = {}
+    seen: set[int] = set()
+    level = [(root, "")]
+    for _ in range(depth + 1):
+        nxt = []
+        for obj, path in level:
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, torch.Tensor):
+                if obj.device.type != "meta" and obj.untyped_storage().nbytes():
+                    found.setdefault(_storage_key(obj), (path, obj))
+                if obj.is_leaf and obj.grad is not None:
+                    nxt.append((obj.grad, path + ".grad"))
+                continue
+            if isinstance(obj, torch.nn.Module):
+                continue  # modules are counted through their parameters
+            if isinstance(obj, dict):
+                items = [(f"[{'p' if isinstance(k, torch.Tensor) else 'i' if isinstance(k, int) else k}]", v)
+                         for k, v in obj.items()]
+                items += [("[key]", k) for k in obj if isinstance(k, torch.Tensor)]
+            elif isinstance(obj, (list, tuple, set)):
+                items = [("[i]", v) for v in obj]
+            elif hasattr(obj, "__dict__") and type(obj).__module__.split(".")[0] in ("deepspeed", "torch"):
+                items = [("." + k, v) for k, v in vars(obj).items()]
+            else:
+                continue
+            nxt += [(v, path + k) for k, v in items]
+        level = nxt
+    return {k: (_MANGLED.sub(r"\1__", p.lstrip(".")), t) for k, (p, t) in found.items()}
+
+
+def model_states(module: torch.nn.Module, optimizer, device: str = "cpu") -> dict:
+    """This rank's model states by location and role, in bytes, each storage counted once:
+    {"device": {params, grads, optimizer}, "host": {params, grads, optimizer},
+     "buffers": {"<location>.<role>:<where DeepSpeed keeps it>": bytes}}.
+
+    "device" keeps the meaning model_state_bytes always had (module parameters -- this rank's
+    ZeRO-3 shard, plus hpZ's secondary shard -- and gradients; the rest of what the optimizer
+    holds under "optimizer"), less what DeepSpeed offloads: that is "host" (`_host_roles`; on a
+    GPU also anything else the optimizer holds on the CPU)."""
+    host = _host_roles(module, optimizer)
+    where: dict[tuple[int, int], tuple[str, str, str]] = {}  # key -> (location, role, name)
+
+    def place(t: torch.Tensor, role: str, name: str) -> None:
+        if t.device.type == "meta" or not t.untyped_storage().nbytes():
+            return
+        k = _storage_key(t)
+        if k in where:
+            return
+        # on a GPU any tensor on the CPU is host-held, whatever DeepSpeed calls it
+        on_host = k in host or (device != "cpu" and t.device.type == "cpu")
+        where[k] = ("host" if on_host else "device", host.get(k, role), name)
+
+    for p in module.parameters():
+        shard = getattr(p, "ds_tensor", None)
+        if shard is not None:
+            place(shard, "params", "module.ds_tensor")
+        else:
+            place(p.data, "params", "module.param")
+        secondary = getattr(p, "ds_secondary_tensor", None)
+        if secondary is not None:  # ZeRO++ hpZ: the weights partitioned again inside the hpZ group
+            place(secondary, "params", "module.ds_secondary_tensor")
+        if p.grad is not None:
+            place(p.grad, "grads", "module.grad")
+    for name, t in _walk(optimizer, depth=6).values():
+        if isinstance(t, torch.nn.Parameter):  # p.data beside its ds_tensor: ZeRO-3 keeps it gathered
+            name = "gathered parameters (ZeRO-3 persistent or live)"
+        place(t, "optimizer", "optimizer." + name)
+    out: dict = {"device": dict.fromkeys(ROLES, 0), "host": dict.fromkeys(ROLES, 0), "buffers": {}}
+    for (_, nbytes), (loc, role, name) in where.items():
+        out[loc][role] += nbytes
+        label = f"{loc}.{role}:{name}"
+        out["buffers"][label] = out["buffers"].get(label, 0) + nbytes
+    return out
 
 
 def model_state_bytes(module: torch.nn.Module, optimizer) -> dict[str, int]:
-    """Bytes of parameters (this rank's shard under ZeRO-3), gradients and optimizer state."""
-    params: dict[tuple[int, int], int] = {}
-    grads: dict[tuple[int, int], int] = {}
-    for p in module.parameters():
-        shard = getattr(p, "ds_tensor", None)
-        t = shard if shard is not None else p.data
-        if t.untyped_storage().nbytes():
-            k = _storage_key(t)
-            params[k] = k[1]
-        if p.grad is not None:
-            k = _storage_key(p.grad)
-            grads[k] = k[1]
-    rest: dict[tuple[int, int], int] = {}
-    _collect(optimizer, set(), rest, depth=6)
-    opt = {k: v for k, v in rest.items() if k not in params and k not in grads}
-    return {"params": sum(params.values()), "grads": sum(grads.values()), "optimizer": sum(opt.values())}
+    """Device-held bytes of parameters (this rank's shard under ZeRO-3), gradients and optimizer
+    state (model_states(...)["device"])."""
+    return model_states(module, optimizer)["device"]
 
 
 class ActivationRecorder:

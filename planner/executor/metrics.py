@@ -55,6 +55,7 @@ def build_metrics(result: dict, plan, model, warmup: int, steps: int, estimate_d
     real, pad = result["real_tokens"], result["padding_tokens"]
     peaks = [r["peak_bytes"] / GB for r in ranks]
     states = [sum(r["model_state"].values()) / GB for r in ranks]
+    host = [r.get("host_model_state") or {} for r in ranks]  # offloaded states (planner.executor.measure)
     predicted = _predicted(estimate_doc)
     measured = {"step_time_s": step_time, "tokens_per_s": tokens_per_s, "peak_memory_gb": max(peaks)}
     m = _base(plan, model, result["world_size"], warmup, steps, result["batching"])
@@ -66,6 +67,9 @@ def build_metrics(result: dict, plan, model, warmup: int, steps: int, estimate_d
         "peak_memory_gb_per_rank": peaks, "peak_memory_gb": max(peaks), "memory_method": result["memory_method"],
         "model_state_gb_per_rank": states,
         "model_state_breakdown_gb_per_rank": [{k: v / GB for k, v in r["model_state"].items()} for r in ranks],
+        "host_model_state_gb_per_rank": [sum(h.values()) / GB for h in host],
+        "host_model_state_breakdown_gb_per_rank": [{k: v / GB for k, v in h.items()} for h in host],
+        "model_state_buffers_bytes_per_rank": [r.get("model_state_buffers") or {} for r in ranks],
         "rss_before_model_gb_per_rank": [r["rss_before_model_bytes"] / GB for r in ranks],
         "loss": result["loss"], "resumed_at": result["resumed_at"], "skipped_batches": result["skipped_batches"],
         "predicted": predicted,
@@ -91,6 +95,7 @@ def failure_metrics(run: Path, plan, model, world: int, cluster, warmup: int, st
               "failed_rank": rank, "device": "cpu" if cluster.device.kind == "cpu" else "cuda",
               "loss": _progress_losses(run), "step_times_s": [], "step_time_s": None, "tokens_per_s": None,
               "peak_memory_gb_per_rank": [], "peak_memory_gb": None, "model_state_gb_per_rank": [],
+              "host_model_state_gb_per_rank": [],
               "memory_method": None, "padding_fraction": None,
               "predicted": _predicted(_read_json(run / "estimate.json")),
               "relative_error": {"step_time_s": None, "tokens_per_s": None, "peak_memory_gb": None},

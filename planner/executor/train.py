@@ -11,7 +11,7 @@ import torch
 
 from planner.executor.build import build_engine, check_topology, loader, rank_coords, set_poison
 from planner.executor.data import DataSpec, Layout, Rows
-from planner.executor.measure import (CPU_METHOD, GPU_METHOD, ActivationRecorder, model_state_bytes, peak_bytes,
+from planner.executor.measure import (CPU_METHOD, GPU_METHOD, ActivationRecorder, model_states, peak_bytes,
                                       reset_peak, rss_bytes)
 from planner.executor.model import Block
 from planner.executor.monitor import StabilityMonitor
@@ -124,7 +124,7 @@ def train(args, run_dir: Path, rank: int, status) -> None:
                 engine.backward(l)
                 if step >= 1 and k == len(micro) - 1 and states is None:
                     # gradients reduced and optimizer state allocated: count model states here
-                    states = model_state_bytes(engine.module, engine.optimizer)
+                    states = model_states(engine.module, engine.optimizer, device)
                 engine.step()
                 losses.append(float(l.detach()))
             loss = sum(losses) / len(losses)
@@ -173,9 +173,10 @@ def train(args, run_dir: Path, rank: int, status) -> None:
 
     status.write(phase="measure")
     if states is None or pipe:  # pipeline: after the last step (train_batch has freed the gradients)
-        states = model_state_bytes(engine.module, engine.optimizer)
+        states = model_states(engine.module, engine.optimizer, device)
     mine = {"rank": rank, "coords": [pp_i, dp_i, tp_i], "peak_bytes": peak_bytes(device),
-            "rss_before_model_bytes": rss_before, "model_state": states,
+            "rss_before_model_bytes": rss_before, "model_state": states["device"],
+            "host_model_state": states["host"], "model_state_buffers": states["buffers"],
             "checkpointed_blocks": [bool(m.checkpoint) for m in engine.module.modules() if isinstance(m, Block)],
             "selective_blocks": [bool(m.self_attention.checkpoint_core) for m in engine.module.modules()
                                  if isinstance(m, Block)],
