@@ -82,11 +82,14 @@ def variant_problems(cluster: ClusterSpec, plan: Plan) -> list[str]:
 
 def runtime_problems(plan: Plan) -> list[str]:
     """What the executor under DeepSpeed 0.19.8 cannot run: DeepSpeed's PipelineEngine has
-    only the plain 1F1B schedule. Such plans stay in the space (evaluated, shown with this
+    only the plain 1F1B schedule, and MiCS is gone from it. Such plans stay in the space (evaluated, shown with this
     reason) but are only chosen with --megatron-features. Megatron sequence parallelism is
     not here: the executor's own TP layers run it (tests/integration/test_parity.py)."""
     out = []
     if plan.schedule == "interleaved":
         out.append("DeepSpeed's PipelineEngine has no interleaved schedule (Megatron-LM only; "
                    "--megatron-features allows it)")
+    if plan.mics_shard:
+        out.append("MiCS was removed from DeepSpeed (0.19.8 rejects zero_optimization.mics_shard_size, "
+                   "deepspeedai/DeepSpeed#8489): estimated for comparison, never chosen")
     return out

@@ -121,3 +121,38 @@ def test_launch_script_is_valid_bash(tmp_path) -> None:
         script = tmp_path / "launch.sh"
         script.write_text(text)
         assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+
+
+def test_every_zero_variant_the_search_offers_is_accepted_as_written() -> None:
+    """Each (stage, variant) of a multi-node GPU space with host and NVMe numbers: DeepSpeed's
+    parser reads back the offload devices, ZeRO++ and MiCS settings and the buckets."""
+    from planner.search.space import Space
+    model = preset("glm-10b")
+    cluster = parse_cluster("2x8xA100", nvme_gbps=20)
+    space = Space(model=model, cluster=cluster, train=TrainSpec(global_batch=64, seq_len=1024))
+    options = space.zero_options(1, 16)
+    kinds = {(v.offload_optimizer, v.offload_params, v.hpz > 1, v.quantized_weights, v.mics_shard > 0)
+             for _, v in options}
+    assert len(kinds) == 8  # plain, optimizer on cpu, both on cpu, optimizer on nvme, both on nvme, hpZ, ZeRO++, MiCS
+    for zero, v in options:
+        plan = Plan(dp=16, zero=zero, micro_batch=1, grad_accum=4, **v.plan_fields())
+        if v.mics_shard:   # DeepSpeed 0.19.8 removed MiCS: the parser refuses it, so the search never picks it
+            from deepspeed.runtime.config import DeepSpeedConfigError
+            from planner.specs.validate import runtime_problems
+            with pytest.raises(DeepSpeedConfigError, match="MiCS"):
+                DeepSpeedConfig(dsconfig.ds_config(plan, model, TrainSpec(global_batch=64, seq_len=1024), cluster),
+                                mpu=_Mpu(plan.dp))
+            assert any("MiCS was removed" in p for p in runtime_problems(plan))
+            continue
+        cfg = dsconfig.ds_config(plan, model, TrainSpec(global_batch=64, seq_len=1024), cluster)
+        parsed = DeepSpeedConfig(json.loads(json.dumps(cfg)), mpu=_Mpu(plan.dp))
+        z = parsed.zero_config
+        assert parsed.zero_optimization_stage == zero and z.reduce_bucket_size == v.bucket_elements
+        opt = z.offload_optimizer.device if z.offload_optimizer else "none"
+        assert str(getattr(opt, "value", opt)) == v.offload_optimizer
+        par = z.offload_param.device if z.offload_param else "none"
+        assert str(getattr(par, "value", par)) == v.offload_params
+        if zero == 3:
+            assert (z.zero_hpz_partition_size, z.zero_quantized_weights, z.zero_quantized_gradients) == (
+                v.hpz, v.quantized_weights, v.quantized_gradients)
+            assert z.prefetch_bucket_size == plan.prefetch and z.max_live_parameters == plan.live
