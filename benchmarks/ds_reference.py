@@ -13,10 +13,14 @@ V/16lh), or 8 N tokens) / predicted step time / GPUs. Error = predicted / measur
 Then one set of named factors per GPU generation (A100: sections A and B; V100: A's 13B row, C,
 D, E), never one per row, minimising the mean squared log error over the rows marked "fit" (plus
 a small ridge toward the profile's current values, which keeps a factor the rows cannot
-determine where it was): Levenberg-Marquardt from planner/calibrate/solver.py in the transformed
-space of planner/calibrate/fit.py (log for multipliers, logit for dp_overlap, softplus for
-seconds). Every row is also predicted by a fit that did not see it (leave-one-out; a held-out
-row's leave-one-out is its after-fit prediction). Rows whose point is a ZeRO variant the cost
+determine where it was): Levenberg-Marquardt from planner/calibrate/solver.py, polished by
+Nelder-Mead (the cost model's max/min kinks stop LM at corners), from several starting points,
+in a transformed space (multipliers bounded to a physical range, logit for dp_overlap as in
+planner/calibrate/fit.py, seconds linear and >= 0). The factor list per generation is a
+parameter (--factors); by default BASE_FACTORS plus every time factor planner/cost/factors.py
+has gained since (latency_scale, zero3_fetch_overhead_s, cpu_adam_scale, ...). Every row is
+also predicted by a fit that did not see it (leave-one-out, warm-started at the full fit; a
+held-out row's leave-one-out is its after-fit prediction). Rows whose point is a ZeRO variant the cost
 model does not represent yet (its estimate is unchanged with the variant switched off) print
 with a note and stay out of the fit.
 
@@ -71,9 +75,13 @@ LAM = 1e-4
 """Ridge weight toward the profile's current value, per unit of transformed factor, on the scale
 of the mean squared log error (a unit step of z costs 1e-4: 1% of a 1% MSLE): enough to hold a
 factor the rows do not determine, too little to move one they do."""
+FTOL, XTOL = 1e-9, 1e-7
+"""Levenberg-Marquardt's stopping tolerances (relative cost change, step): far below the rows'
+own uncertainty, far above what costs iterations for nothing."""
 STARTS = 4
-"""Levenberg-Marquardt starting points per generation's fit (leave-one-out refits warm-start
-from the full fit)."""
+"""Starting points per generation's fit (leave-one-out refits warm-start from the full fit)."""
+LOO_NM = 20
+"""Nelder-Mead evaluations per factor in a leave-one-out refit (its start is already near)."""
 VARIANTS = {"offload_optimizer": "none", "offload_params": "none", "hpz": 1, "quantized_weights": False,
             "quantized_gradients": False, "mics_shard": 0}
 
@@ -233,8 +241,8 @@ def phases_of(est: Estimate) -> dict[str, float]:
 BOUNDS = {"compute_scale": (0.5, 4.0), "attention_scale": (0.25, 8.0), "elementwise_scale": (0.25, 8.0),
           "comm_efficiency": (0.05, 1.0 / 0.9), "latency_scale": (0.05, 50.0), "cpu_adam_scale": (0.2, 5.0),
           "optimizer_scale": (0.25, 8.0)}
-"""Physical ranges of the multipliers. comm_efficiency may reach 1/0.9: every link here is stated
-as 0.9 x its line rate, so the runtime can at most reach the line rate."""
+"""Physical ranges of the multipliers. comm_efficiency may reach 1/0.9: the links here are
+stated at 0.825-0.9 of their line rate (the profiles take 0.9), so 1/0.9 is about the line rate."""
 
 
 class Bounded:
@@ -301,6 +309,8 @@ class Fit:
     Below 0.5 the ridge decides: the rows do not determine the factor and it stays near the
     profile's value."""
     msle: float
+    cost: float
+    """The minimised objective: 0.5 (MSLE + lam |z - z_profile|^2)."""
     iterations: int
     at_bound: list[str] = dataclasses.field(default_factory=list)
     """Multipliers that ended at a bound of BOUNDS (the rows push them past what is physical)."""
@@ -310,10 +320,10 @@ def nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, *, step: float
                 tol: float = 1e-10) -> tuple[np.ndarray, float, int]:
     """Minimise f from x0 with the Nelder-Mead simplex (Nelder & Mead 1965; the standard
     reflection 1, expansion 2, contraction 1/2, shrink 1/2 of Lagarias et al. 1998). Returns
-    (x, f(x), evaluations); stops after max_evals (default 60 x dimensions) or when the
+    (x, f(x), evaluations); stops after max_evals (default 40 x dimensions) or when the
     simplex's values agree within tol."""
     n = len(x0)
-    max_evals = max_evals or 60 * n
+    max_evals = max_evals or 40 * n
     pts = [np.asarray(x0, dtype=float)] + [x0 + step * np.eye(n)[i] for i in range(n)]
     vals = [f(p) for p in pts]
     evals = n + 1
@@ -348,13 +358,14 @@ def nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, *, step: float
 
 
 def fit_factors(rows: Sequence[Row], device: DeviceProfile, names: Sequence[str], *, lam: float = LAM,
-                start: Mapping[str, float] | None = None, starts: int = 1, seed: int = 0,
-                predictor: Callable[[Row, DeviceProfile], float] = predict) -> Fit:
+                start: Mapping[str, float] | None = None, starts: int = 1, perturbations: Sequence[int] = (),
+                nm_evals: int = 0, predictor: Callable[[Row, DeviceProfile], float] = predict) -> Fit:
     """One set of `names` for all `rows` (one generation): minimise mean log(pred/meas)^2 +
     lam |z - z_profile|^2 by Levenberg-Marquardt (planner/calibrate/solver.py) polished by
-    Nelder-Mead, from `start` (default: the profile's values) and from `starts - 1` more points
-    drawn uniformly within +-2 of it in z (seeded); the lowest cost wins (the cost model's
-    max/min kinks leave corners and shallow local minima)."""
+    Nelder-Mead, from `start` (default: the profile's values) and from more points drawn
+    uniformly within +-2 of it in z (seeds 1 .. starts - 1, or `perturbations`; seed 0 is
+    `start` itself); the lowest cost wins (the cost model's max/min kinks leave corners and
+    shallow local minima)."""
     tr = [transform(n, device) for n in names]
     prior = np.array([t.to_z(factor_value(device, n)) for t, n in zip(tr, names)])
     z0 = prior if start is None else np.array([t.to_z(start[n]) for t, n in zip(tr, names)])
@@ -369,16 +380,16 @@ def fit_factors(rows: Sequence[Row], device: DeviceProfile, names: Sequence[str]
     def solve(z: np.ndarray) -> Solution:
         # Levenberg-Marquardt, then a Nelder-Mead polish: the cost model's max/min kinks stop
         # LM's forward-difference steps at a corner; the simplex walks off it, LM finishes
-        first = least_squares(resid, z)
-        z2, _, evals = nelder_mead(lambda x: 0.5 * float(resid(x) @ resid(x)), first.x)
-        last = least_squares(resid, z2)
+        first = least_squares(resid, z, ftol=FTOL, xtol=XTOL)
+        z2, c2, evals = nelder_mead(lambda x: 0.5 * float(resid(x) @ resid(x)), first.x, max_evals=nm_evals)
+        if c2 >= first.cost * (1 - 1e-6):
+            return dataclasses.replace(first, iterations=first.iterations + evals)
+        last = least_squares(resid, z2, ftol=FTOL, xtol=XTOL)
         best = min((first, last), key=lambda x: x.cost)
         return dataclasses.replace(best, iterations=first.iterations + evals + last.iterations)
 
-    rng = np.random.default_rng(seed)
-    sols = [solve(z0)]
-    for _ in range(starts - 1):
-        sols.append(solve(z0 + rng.uniform(-2.0, 2.0, len(names))))
+    seeds = list(perturbations) or list(range(starts))
+    sols = [solve(z0 if k == 0 else z0 + np.random.default_rng(k).uniform(-2.0, 2.0, len(names))) for k in seeds]
     sol = min(sols, key=lambda x: x.cost)
     r = resid(sol.x)[:len(rows)] / scale
     jac = sol.jacobian[:len(rows)]
@@ -389,29 +400,31 @@ def fit_factors(rows: Sequence[Row], device: DeviceProfile, names: Sequence[str]
                 min(abs(math.log(values[t.name]) - t.lo), abs(math.log(values[t.name]) - t.hi)) < 0.01]
     return Fit(factors=values, sensitivity={n: float(x) for n, x in zip(names, sens)},
                determination={n: float(i / (i + lam)) if i + lam > 0 else 0.0 for n, i in zip(names, info)},
-               msle=float(np.mean(r ** 2)), iterations=sum(x.iterations for x in sols), at_bound=at_bound)
+               msle=float(np.mean(r ** 2)), cost=sol.cost, iterations=sum(x.iterations for x in sols),
+               at_bound=at_bound)
 
 
-_LOO: dict[str, Any] = {}
-"""What the leave-one-out workers read (set before the pool forks)."""
+_STATE: dict[str, Any] = {}
+"""What the pool's workers read: per generation its fitted rows, device, factor names, lam and
+(for leave-one-out) the full fit to start from. Set before the pool forks."""
 
 
-def _loo_one(i: int) -> tuple[float, dict[str, float]]:
-    s = _LOO
-    rows = [r for j, r in enumerate(s["fitted"]) if j != i]
-    f = fit_factors(rows, s["device"], s["names"], lam=s["lam"], start=s["start"])
-    return predict(s["fitted"][i], with_factors(s["device"], f.factors)), f.factors
+def _task(task: tuple[str, str, int]) -> Any:
+    kind, gen, i = task
+    g = _STATE[gen]
+    if kind == "start":  # one starting point of the generation's full fit
+        return fit_factors(g["fitted"], g["device"], g["names"], lam=g["lam"], perturbations=(i,))
+    rows = [r for j, r in enumerate(g["fitted"]) if j != i]  # leave row i out, warm-start at the full fit
+    f = fit_factors(rows, g["device"], g["names"], lam=g["lam"], start=g["start"], nm_evals=LOO_NM * len(g["names"]))
+    return predict(g["fitted"][i], with_factors(g["device"], f.factors)), f.factors
 
 
-def leave_one_out(fitted: list[Row], device: DeviceProfile, names: Sequence[str], lam: float,
-                  start: Mapping[str, float], jobs: int) -> list[tuple[float, dict[str, float]]]:
-    """Each fitted row predicted by the generation's fit without it (warm-started at the full fit)."""
-    _LOO.update(fitted=fitted, device=device, names=tuple(names), lam=lam, start=dict(start))
-    idx = list(range(len(fitted)))
-    if jobs > 1 and len(idx) > 1 and "fork" in multiprocessing.get_all_start_methods():
+def pmap(fn: Callable[[Any], Any], items: Sequence[Any], jobs: int) -> list[Any]:
+    """map over a fork pool of `jobs` processes (serially for one job or where fork is missing)."""
+    if jobs > 1 and len(items) > 1 and "fork" in multiprocessing.get_all_start_methods():
         with cf.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
-            return list(pool.map(_loo_one, idx))
-    return [_loo_one(i) for i in idx]
+            return list(pool.map(fn, items))
+    return [fn(x) for x in items]
 
 
 # --- the benchmark --------------------------------------------------------------------------
@@ -435,20 +448,34 @@ def run(*, factor_names: Mapping[str, Sequence[str]] | None = None, lam: float =
                               "clusters": meta["clusters"], "defaults": meta["defaults"],
                               "families": meta["families"]}
     by_id: dict[str, dict[str, Any]] = {}
+    _STATE.clear()
     for gen, ginfo in meta["generations"].items():
         device, _ = find_device(ginfo["profile"])
-        names = tuple((factor_names or {}).get(gen, default_factor_names()))
         grows = [r for r in rows if r.gen == gen]
         missing = {r.id: unrepresented(r, device) for r in grows}
         fitted = [r for r in grows if r.fit and not (r.needs_variant and missing[r.id])]
+        _STATE[gen] = {"device": device, "rows": grows, "missing": missing, "fitted": fitted, "lam": lam,
+                       "names": tuple((factor_names or {}).get(gen, default_factor_names()))}
+    fits: dict[str, list[Fit]] = {}
+    for (_, gen, _), f in zip(tasks := [("start", g, k) for g in _STATE for k in range(starts)],
+                              pmap(_task, tasks, jobs)):
+        fits.setdefault(gen, []).append(f)
+    for gen in _STATE:
+        _STATE[gen]["fit"] = min(fits[gen], key=lambda f: f.cost)
+        _STATE[gen]["start"] = _STATE[gen]["fit"].factors
+    loo_tasks = [("loo", g, i) for g in _STATE for i in range(len(_STATE[g]["fitted"]))] if loo else []
+    loo_out = dict(zip(loo_tasks, pmap(_task, loo_tasks, jobs)))
+    for gen, ginfo in meta["generations"].items():
+        st = _STATE[gen]
+        device, grows, missing, fitted, names, fit = (st[k] for k in ("device", "rows", "missing", "fitted", "names",
+                                                                      "fit"))
         fitted_ids = {r.id for r in fitted}
-        fit = fit_factors(fitted, device, names, lam=lam, starts=starts)
         after_dev = with_factors(device, fit.factors)
         loo_by_id: dict[str, float] = {}
         loo_factors: dict[str, dict[str, float]] = {}
-        if loo:
-            for r, (p, f) in zip(fitted, leave_one_out(fitted, device, names, lam, fit.factors, jobs)):
-                loo_by_id[r.id], loo_factors[r.id] = p, f
+        for i, r in enumerate(fitted):
+            if ("loo", gen, i) in loo_out:
+                loo_by_id[r.id], loo_factors[r.id] = loo_out[("loo", gen, i)]
         before_f = {n: factor_value(device, n) for n in names}
         report["generations"][gen] = {
             "profile": ginfo["profile"], "applies_to": ginfo["applies_to"], "why": ginfo["why"],
@@ -457,7 +484,7 @@ def run(*, factor_names: Mapping[str, Sequence[str]] | None = None, lam: float =
             "determination": fit.determination,
             "undetermined": [n for n, d in fit.determination.items() if d < 0.5 and n not in fit.at_bound],
             "at_bound": fit.at_bound,
-            "msle_fitted": fit.msle, "iterations": fit.iterations,
+            "msle_fitted": fit.msle, "iterations": sum(f.iterations for f in fits[gen]),
             "fitted_rows": [r.id for r in fitted],
             "loo_factor_range": {n: [min(f[n] for f in loo_factors.values()), max(f[n] for f in loo_factors.values())]
                                  for n in names} if loo_factors else {},
@@ -634,7 +661,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--lam", type=float, default=LAM, help=f"ridge weight toward the profile's values ({LAM:g})")
     ap.add_argument("--starts", type=int, default=STARTS, help=f"fit starting points per generation ({STARTS})")
     ap.add_argument("--no-loo", action="store_true", help="skip the leave-one-out refits")
-    ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="processes for leave-one-out")
+    ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                    help="processes for the fits' starting points and the leave-one-out refits")
     ap.add_argument("--out", type=Path, default=OUT)
     a = ap.parse_args(argv)
     names = {g: [n for n in v.split(",") if n] for g, v in _pairs(a.factors, "--factors").items()}
