@@ -45,7 +45,7 @@ allreduce_no_retain, which flattens up to this many elements into one temporary 
 
 PHASES = ("always", "grads", "backward", "step")
 ROLES = ("params", "grads", "optimizer", "buckets")
-BASES = ("psi", "small", "reduce_bucket", "fallback_bucket", "live_params", "sub_group", "owned", "hpz")
+BASES = ("psi", "small", "reduce_bucket", "fallback_bucket", "live_params", "sub_group", "owned", "hpz", "largest")
 LOCATIONS = ("device", "host", "nvme")
 
 
@@ -64,7 +64,8 @@ class Buffer:
     live_params: min(psi, plan.bucket_elements); sub_group: min(psi / dp, plan.bucket_elements);
     owned: the elements of the whole gradients ZeRO-1 keeps for this rank's partition
     (planner.cost.params.zero1_owned; psi / dp when the tensors are not known);
-    hpz: psi / hpz (ZeRO++'s secondary partition inside the hpZ group)."""
+    hpz: (psi - small) / hpz (ZeRO++'s secondary partition of the non-persistent weights);
+    largest: the model's largest parameter tensor (offload staging buffers)."""
     sharded: bool = False
     """Partitioned over the data-parallel group (divided by dp)."""
     count: int = 1
@@ -145,6 +146,8 @@ class Sizes:
     live: float = 0.0
     """ZeRO-3's stage3_max_live_parameters (0: bucket_elements)."""
     hpz: int = 1
+    largest: float = 0.0
+    """Elements of the largest parameter tensor (planner.cost.layers.LayerCosts.largest)."""
     resident: bool = False
     """Count only the pages a buffer touches, as a CPU's resident set does (a GPU's allocator
     counts what was allocated): DeepSpeed allocates its reduce buckets with torch.empty and
@@ -165,7 +168,9 @@ class Sizes:
         elif b.basis == "live_params":
             n = min(self.psi, self.live or self.bucket_elements)
         elif b.basis == "hpz":
-            n = self.psi / self.hpz
+            n = (self.psi - self.small) / self.hpz
+        elif b.basis == "largest":
+            n = self.largest
         else:  # sub_group
             n = min(self.psi / self.dp, self.bucket_elements)
         return n / self.dp if b.sharded else n
@@ -446,7 +451,7 @@ SRC_OFFLOAD = "runtime/zero/offload_config.py; stage_1_and_2.py / stage3.py with
 
 
 def _with_variants(engine: Engine, zero: int, e: float, offload_optimizer: str, offload_params: str, hpz: bool,
-                   qwz: bool) -> Engine:
+                   qwz: bool, accumulates: bool = False) -> Engine:
     """The engine with DeepSpeed's ZeRO variants applied to its buffers.
 
     Optimizer offload (ZeRO-Offload, Ren et al. 2021; ZeRO-Infinity for nvme): the fp32 master
@@ -470,12 +475,32 @@ def _with_variants(engine: Engine, zero: int, e: float, offload_optimizer: str, 
                                     source=SRC_OFFLOAD + ": the host fp32 partition's .grad, accumulated from the "
                                                          "reduce buckets every micro-batch (nvme: swapped out with "
                                                          "the optimizer states, partitioned_optimizer_swapper.py)")
-        elif opt and b.name in ("owned gradient partition", "gradient partition"):
-            continue  # the reduced gradients go straight to the host
+        elif opt and b.name == "owned gradient partition":
+            continue  # ZeRO-1/2: the reduced gradients go straight to the host fp32 gradient
+        elif opt and b.name == "gradient partition":
+            b = dataclasses.replace(b, location="host",
+                                    source=SRC_ZERO3 + " with offload_optimizer: grad_partitions_flat_buffer in host "
+                                                       "memory (measured: planner/executor/measure.py)")
         elif offload_params != "none" and b.name == "weight partition":
             b = dataclasses.replace(b, location="host" if offload_params == "cpu" else "nvme",
                                     source=b.source + f"; offload_param {offload_params}")
         out.append(b)
+    if opt and zero in (1, 2):
+        out += [
+            Buffer(name="device gradient staging buffer", role="optimizer", bytes=e, basis="largest",
+                   source=SRC_ZERO12 + " __init__ (cpu_offload): temp_grad_buffer_for_gpu_offload, the largest "
+                                       "parameter's size"),
+            Buffer(name="host gradient staging buffer", role="grads", bytes=e, basis="largest", location="host",
+                   source=SRC_ZERO12 + " __init__ (cpu_offload): temp_grad_buffer_for_cpu_offload"),
+            Buffer(name="16-bit partition for the copy back", role="optimizer", bytes=e, sharded=True,
+                   location="host",
+                   source=SRC_ZERO12 + " __init__ (cpu_offload): param_buffer_of_bit16_for_cpu_offload_groups"),
+        ]
+        if zero == 2 and accumulates:
+            out.append(Buffer(name="accumulated gradient partition", role="grads", bytes=e, sharded=True,
+                              location="host",
+                              source=SRC_ZERO12 + " async_accumulate_grad_in_cpu_via_gpu: accumulated_grads_in_cpu "
+                                                  "(gradient accumulation > 1)"))
     if offload_optimizer == "nvme":
         out.append(Buffer(name="optimizer swap buffer", role="optimizer", bytes=32, basis="sub_group",
                           location="host", source="runtime/swap_tensor/partitioned_optimizer_swapper.py: one "
@@ -502,9 +527,9 @@ def _with_variants(engine: Engine, zero: int, e: float, offload_optimizer: str, 
 
 @lru_cache(maxsize=256)
 def _engine(zero: int, precision: str, pipeline: bool, overlap_comm: bool, offload_optimizer: str = "none",
-            offload_params: str = "none", hpz: bool = False, qwz: bool = False) -> Engine:
+            offload_params: str = "none", hpz: bool = False, qwz: bool = False, accumulates: bool = False) -> Engine:
     return _with_variants(_base_engine(zero, precision, pipeline, overlap_comm), zero, _lp(precision),
-                          offload_optimizer, offload_params, hpz, qwz)
+                          offload_optimizer, offload_params, hpz, qwz, accumulates)
 
 
 def _base_engine(zero: int, precision: str, pipeline: bool, overlap_comm: bool) -> Engine:
@@ -524,13 +549,15 @@ def _base_engine(zero: int, precision: str, pipeline: bool, overlap_comm: bool) 
 def engine_for(plan: Plan) -> Engine:
     """The optimizer engine DeepSpeed 0.19.8 builds for this plan's ds_config."""
     return _engine(plan.zero, plan.precision, plan.pp > 1, plan.overlap_comm, plan.offload_optimizer,
-                   plan.offload_params, plan.hpz > 1, plan.quantized_weights)
+                   plan.offload_params, plan.hpz > 1, plan.quantized_weights,
+                   plan.zero == 2 and plan.offload_optimizer != "none" and plan.grad_accum > 1)
 
 
-def sizes(plan: Plan, psi: float, small: float, owned: float | None = None, resident: bool = False) -> Sizes:
+def sizes(plan: Plan, psi: float, small: float, owned: float | None = None, resident: bool = False,
+          largest: float = 0.0) -> Sizes:
     """A device's bases. ZeRO partitions over plan.zero_shard ranks (the DP group, or MiCS's shard group)."""
     return Sizes(psi=psi, small=small, dp=plan.zero_shard, bucket_elements=float(plan.bucket_elements), owned=owned,
-                 live=float(plan.live), hpz=plan.hpz, resident=resident)
+                 live=float(plan.live), hpz=plan.hpz, largest=largest, resident=resident)
 
 
 class Footprint:
@@ -542,7 +569,7 @@ class Footprint:
 
     __slots__ = ("linear_terms", "capped_terms", "owned_terms", "linear", "mins", "owned", "dp")
 
-    def __init__(self, engine: Engine, plan: Plan, resident: bool) -> None:
+    def __init__(self, engine: Engine, plan: Plan, resident: bool, largest: float = 0.0) -> None:
         d, bucket = plan.zero_shard, float(plan.bucket_elements)
         capped = {"fallback_bucket": (1, float(FALLBACK_BUCKET)), "live_params": (1, float(plan.live)),
                   "sub_group": (d, bucket)}
@@ -563,7 +590,7 @@ class Footprint:
                 capped_terms.append((group, role, k, *capped[buf.basis]))
             else:
                 coef = {"psi": (k, 0.0, 0.0), "small": (0.0, k, 0.0), "reduce_bucket": (0.0, 0.0, k * bucket),
-                        "hpz": (k / plan.hpz, 0.0, 0.0)}
+                        "hpz": (k / plan.hpz, -k / plan.hpz, 0.0), "largest": (0.0, 0.0, k * largest)}
                 linear_terms.append((group, role, *coef[buf.basis]))
         self.linear_terms, self.capped_terms = tuple(linear_terms), tuple(capped_terms)
         self.owned_terms = tuple(owned_terms)
@@ -605,18 +632,27 @@ _ENGINE_FIELDS = ("zero", "precision", "overlap_comm", "dp", "bucket_elements", 
 
 
 @lru_cache(maxsize=4096)
-def _footprint(key: tuple, pipeline: bool, resident: bool) -> Footprint:
-    plan = Plan(**dict(zip(_ENGINE_FIELDS, key)), pp=2 if pipeline else 1)
-    return Footprint(engine_for(plan), plan, resident)
+def _footprint(key: tuple, pipeline: bool, accumulates: bool, resident: bool, largest: float) -> Footprint:
+    plan = Plan(**dict(zip(_ENGINE_FIELDS, key)), pp=2 if pipeline else 1, grad_accum=2 if accumulates else 1)
+    return Footprint(engine_for(plan), plan, resident, largest)
 
 
-def footprint(plan: Plan, resident: bool = False) -> Footprint:
+def footprint(plan: Plan, resident: bool = False, largest: float = 0.0) -> Footprint:
     """The plan's engine, precompiled; `resident`: see Sizes.resident (a CPU device, whose host
-    buffers are its own memory: offloaded buffers count)."""
-    return _footprint(tuple(getattr(plan, f) for f in _ENGINE_FIELDS), plan.pp > 1, resident)
+    buffers are its own memory: offloaded buffers count); `largest`: see Sizes.largest."""
+    return _footprint(tuple(getattr(plan, f) for f in _ENGINE_FIELDS), plan.pp > 1, plan.grad_accum > 1, resident,
+                      float(largest))
 
 
-def host_bytes(plan: Plan, psi: float, small: float, location: str = "host") -> float:
+def host_bytes(plan: Plan, psi: float, small: float, location: str = "host", largest: float = 0.0) -> float:
     """Bytes one rank keeps in host memory (or on NVMe) for the plan's offloaded states."""
     eng = engine_for(plan)
-    return sum(eng.bytes_by_role(sizes(plan, psi, small), PHASES, location=location).values())
+    return sum(eng.bytes_by_role(sizes(plan, psi, small, largest=largest), PHASES, location=location).values())
+
+
+def state_bytes(plan: Plan, psi: float, small: float, location: str = "device", largest: float = 0.0) -> float:
+    """Model-state bytes one rank holds at the optimizer step in `location` (the buffers of the
+    "always" and "grads" phases): what the executor counts tensor by tensor after backward."""
+    eng = engine_for(plan)
+    return sum(eng.bytes_by_role(sizes(plan, psi, small, largest=largest), ("always", "grads"),
+                                 location=location).values())

@@ -70,6 +70,12 @@ class LayerCosts:
     first_stage_numels: tuple[int, ...] = ()
     last_stage_numels: tuple[int, ...] = ()
 
+    @property
+    def largest(self) -> int:
+        """Elements of the model's largest parameter tensor on one device (the size of
+        DeepSpeed's offload staging buffers)."""
+        return max(self.block_numels + self.first_stage_numels + self.last_stage_numels, default=0)
+
     def stage_psi(self, stage: int, pp: int, blocks: int) -> tuple[int, int]:
         """(parameters, small parameters) of one device of `stage` holding `blocks` blocks."""
         psi, small = blocks * self.block_psi, blocks * self.block_small

@@ -270,7 +270,7 @@ def resident_memory(device_kind: str) -> bool:
 def stage_memory(plan: Plan, lc: LayerCosts, layers: tuple[int, ...],
                  checkpointed: tuple[int, ...], fragmentation: float, resident: bool) -> list[MemoryBreakdown]:
     """Per-stage peak memory of one device from the shared layer costs."""
-    fp = engines.footprint(plan, resident)
+    fp = engines.footprint(plan, resident, lc.largest)
     out = []
     for i, (n, r) in enumerate(zip(layers, checkpointed)):
         pa, gr, op, ac, lo, bu, ov = stage_bytes(fp, plan, lc, i, n, r, fragmentation)

@@ -45,7 +45,7 @@ class StageModel:
         self.mb_overhead = f["microbatch_overhead_s"]
         self.capacity = cluster.memory_bytes
         self.fixed = lc.fixed_bytes
-        fp = engines.footprint(plan, resident_memory(cluster.device.kind))
+        fp = engines.footprint(plan, resident_memory(cluster.device.kind), lc.largest)
         self.mins = fp.mins
         self.owned = fp.owned  # ZeRO-1's owned gradients: not linear in the blocks
         self.dp = plan.dp

@@ -69,6 +69,9 @@ def variant_problems(cluster: ClusterSpec, plan: Plan) -> list[str]:
                    f"(zero_hpz_partition_size must stay inside a node): use a divisor of {g}")
     host = cluster.host
     gpu = cluster.device.kind != "cpu"
+    if not gpu and (plan.quantized_weights or plan.quantized_gradients):
+        out.append("ZeRO++ qwZ/qgZ need DeepSpeed's CUDA quantizer kernels (QuantizerBuilder has no CPU op): "
+                   "drop quantized_weights/quantized_gradients on a CPU cluster")
     offloads = {plan.offload_optimizer, plan.offload_params} - {"none"}
     if offloads and gpu and not host.can_offload:
         missing = [f for f, v in (("--cpu-mem-gb", host.cpu_memory_gb), ("host.pcie_gbps", host.pcie_gbps),

@@ -129,16 +129,32 @@ def test_optimizer_offload_moves_states_to_the_host_and_adam_to_the_cpu():
     part = PSI_T1 / 4
     # Adam over the partition, the node's 2 ranks sharing 1e9 params/s; the bf16 partition back over PCIe
     assert est.time.optimizer == pytest.approx(part * 2 / 1e9 + part * 2 / 10e9, rel=1e-12)
-    # host: fp32 master, two moments, the fp32 gradient: 16 bytes per element of the partition
-    assert est.host_memory_bytes == pytest.approx(16 * part, rel=1e-12)
+    # host: fp32 master, two moments, the fp32 gradient and the bf16 gradient partition: 18 bytes per element
+    assert est.host_memory_bytes == pytest.approx(18 * part, rel=1e-12)
     assert est.stage_memory[0].optimizer == 0.0
     # NVMe: the swap of 28 bytes per element for the node's 2 ranks at 5 GB/s is slower than Adam here? no:
     nv = run(z3(offload_optimizer="nvme"), c=cluster())
     swap = part * 28 * 2 / 5e9
     assert nv.time.optimizer == pytest.approx(max(part * 2 / 1e9, swap) + part * 2 / 10e9, rel=1e-12)
     assert nv.nvme_bytes == pytest.approx(16 * part, rel=1e-12)                 # master, moments, gradient
-    # the host keeps a double-buffered sub-group (min(partition, 1000) x 32 bytes)
-    assert nv.host_memory_bytes == pytest.approx(32 * 1000, rel=1e-12)
+    # the host keeps the bf16 gradient partition and a double-buffered sub-group (min(partition, 1000) x 32 bytes)
+    assert nv.host_memory_bytes == pytest.approx(2 * part + 32 * 1000, rel=1e-12)
+
+
+def test_zero12_offload_buffers():
+    # ZeRO-1/2 with optimizer offload, measured by the executor (tests/integration/test_zero_variants.py):
+    # device: the weights and a staging buffer of the largest tensor (63,936: embedding / output);
+    # host: fp32 master, moments and gradient, a 16-bit partition for the copy back, a staging
+    # buffer; ZeRO-2 accumulating over micro-batches also keeps a 16-bit accumulated partition
+    psi, largest = 1000.0, 63_936
+    for zero, accum, extra in ((1, 1, 0), (2, 1, 0), (2, 2, 2 * psi / 4)):
+        plan = Plan(dp=4, zero=zero, grad_accum=accum, offload_optimizer="cpu")
+        assert engines.state_bytes(plan, psi, 0.0, "device", largest) == pytest.approx(2 * psi + 2 * largest)
+        assert engines.state_bytes(plan, psi, 0.0, "host", largest) == pytest.approx(
+            (4 + 8 + 4 + 2) * psi / 4 + 2 * largest + extra)
+    z3 = Plan(dp=4, zero=3, offload_optimizer="cpu")
+    assert engines.state_bytes(z3, psi, 100.0, "host") == pytest.approx((4 + 8 + 4 + 2) * psi / 4)
+    assert engines.state_bytes(z3, psi, 100.0, "device") == pytest.approx(2 * psi / 4 + 2 * 100 + 2 * 50_000_000)
 
 
 def test_zero2_offload_copies_gradients_every_micro_batch():
@@ -162,7 +178,7 @@ def test_variant_memory_on_the_device():
     p = z3(hpz=2)
     held, back, _ = engines.footprint(p).evaluate(psi, small)
     plain, _, _ = engines.footprint(z3()).evaluate(psi, small)
-    assert held[0] - plain[0] == pytest.approx(2 * psi / 2)                 # the secondary partition
+    assert held[0] - plain[0] == pytest.approx(2 * (psi - small) / 2)       # the secondary partition (no small ones)
     q_back = engines.footprint(z3(quantized_weights=True)).evaluate(psi, small)[1]
     p_back = engines.footprint(z3()).evaluate(psi, small)[1]
     assert q_back[3] - p_back[3] == pytest.approx(1 * min(psi, 1000))       # int8 gathered weights
@@ -180,6 +196,11 @@ def test_variants_that_cannot_run_say_so():
     assert any("--nvme-gbps" in r for r in plan_problems(MODEL, cluster(host=dataclasses.replace(HOST, nvme_gbps=0)),
                                                          t, z3(offload_optimizer="nvme")))
     assert any("--cpu-mem-gb" in r for r in plan_problems(MODEL, cluster(dev=DEVICE), t, z3(offload_optimizer="cpu")))
+    from planner.specs import parse_cluster
+    cpu = parse_cluster("4xcpu")
+    assert any("quantizer" in r for r in plan_problems(MODEL, cpu, t, z3(quantized_weights=True)))
+    assert any("quantizer" in r for r in plan_problems(MODEL, cpu, t, z3(quantized_gradients=True)))
+    assert not any("quantizer" in r for r in plan_problems(MODEL, cpu, t, z3(hpz=2)))
     from planner.cost import estimate
     small = cluster(host=dataclasses.replace(HOST, cpu_memory_gb=1e-4))
     reasons = estimate(MODEL, small, t, z3(offload_optimizer="cpu")).reasons
