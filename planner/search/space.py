@@ -49,6 +49,7 @@ class ZeroVariant:
     """The ZeRO knobs of one outer point beyond the stage (planner.specs.plan field names)."""
 
     bucket_elements: int = BUCKETS[0]
+    overlap_comm: bool = True
     offload_optimizer: str = "none"
     offload_params: str = "none"
     hpz: int = 1
@@ -61,6 +62,8 @@ class ZeroVariant:
 
     def label(self) -> str:
         parts = [f"bucket {self.bucket_elements:.0e}".replace("e+0", "e")]
+        if not self.overlap_comm:
+            parts.append("no overlap")
         parts += Plan(zero=3, dp=max(self.hpz, self.mics_shard, 1), **{**self.plan_fields(), "bucket_elements": 1}).variants
         return ", ".join(parts)
 
@@ -161,7 +164,8 @@ class Space:
         """(ZeRO stage, variant) pairs to scan for a layout (README "ZeRO variants"):
 
         - every stage with the default buckets; stages 1-3 also with 4x larger buckets (fewer
-          collectives, more memory) when data parallel;
+          collectives, more memory) and with overlap_comm off (one reduce bucket instead of
+          two, the reduction no longer hidden) when data parallel;
         - optimizer offload to the host (stages 1-3; ZeRO-Offload) and, for ZeRO-3, optimizer
           and parameters on the host (ZeRO-Infinity), on NVMe too when the cluster has it --
           GPU clusters with known host numbers only;
@@ -180,6 +184,7 @@ class Space:
                 continue
             if dp > 1:
                 out.append((z, ZeroVariant(bucket_elements=BUCKETS[1])))
+                out.append((z, ZeroVariant(overlap_comm=False)))
             if offload:
                 out.append((z, ZeroVariant(offload_optimizer="cpu")))
             if z < 3:

@@ -133,7 +133,7 @@ def test_every_zero_variant_the_search_offers_is_accepted_as_written() -> None:
     options = space.zero_options(1, 16)
     kinds = {(v.offload_optimizer, v.offload_params, v.hpz > 1, v.quantized_weights, v.mics_shard > 0)
              for _, v in options}
-    assert len(kinds) == 8  # plain, optimizer on cpu, both on cpu, optimizer on nvme, both on nvme, hpZ, ZeRO++, MiCS
+    assert len(kinds) == 8  # (overlap on or off counts once) plain, optimizer on cpu, both on cpu, optimizer on nvme, both on nvme, hpZ, ZeRO++, MiCS
     for zero, v in options:
         plan = Plan(dp=16, zero=zero, micro_batch=1, grad_accum=4, **v.plan_fields())
         if v.mics_shard:   # DeepSpeed 0.19.8 removed MiCS: the parser refuses it, so the search never picks it
@@ -148,6 +148,7 @@ def test_every_zero_variant_the_search_offers_is_accepted_as_written() -> None:
         parsed = DeepSpeedConfig(json.loads(json.dumps(cfg)), mpu=_Mpu(plan.dp))
         z = parsed.zero_config
         assert parsed.zero_optimization_stage == zero and z.reduce_bucket_size == v.bucket_elements
+        assert z.overlap_comm == v.overlap_comm
         opt = z.offload_optimizer.device if z.offload_optimizer else "none"
         assert str(getattr(opt, "value", opt)) == v.offload_optimizer
         par = z.offload_param.device if z.offload_param else "none"

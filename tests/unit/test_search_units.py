@@ -576,10 +576,11 @@ def test_zero_options_offer_deepspeeds_variants_where_they_apply():
     m, t = preset("glm-10b"), TrainSpec(global_batch=64, seq_len=1024)
     two = Space(model=m, cluster=parse_cluster("2x8xA100", dev), train=t)
     big, off = ZeroVariant(bucket_elements=200_000_000), ZeroVariant(offload_optimizer="cpu")
-    # pipeline: ZeRO 0-1 only; ZeRO-1 with larger buckets or the optimizer on the host
-    assert two.zero_options(2, 8) == [(0, PLAIN), (1, PLAIN), (1, big), (1, off)]
+    serial = ZeroVariant(overlap_comm=False)
+    # pipeline: ZeRO 0-1 only; ZeRO-1 with larger buckets, without overlap, or the optimizer on the host
+    assert two.zero_options(2, 8) == [(0, PLAIN), (1, PLAIN), (1, big), (1, serial), (1, off)]
     z3 = [v for z, v in two.zero_options(1, 16) if z == 3]
-    assert z3 == [PLAIN, big, off, ZeroVariant(offload_optimizer="cpu", offload_params="cpu"), ZeroVariant(hpz=8),
+    assert z3 == [PLAIN, big, serial, off, ZeroVariant(offload_optimizer="cpu", offload_params="cpu"), ZeroVariant(hpz=8),
                   ZeroVariant(hpz=8, quantized_weights=True, quantized_gradients=True), ZeroVariant(mics_shard=8)]
     # TP 2 leaves 4 data-parallel ranks per node: hpZ and MiCS over those 4
     assert ZeroVariant(hpz=4) in [v for _, v in two.zero_options(1, 8, 2)]
