@@ -3,8 +3,9 @@ overlapped with the compute they run next to; ZeRO++ (hpZ, qwZ, qgZ), MiCS, and 
 
 ZeRO-3 (Rajbhandari et al. 2020, sec. 5.3; DeepSpeed 0.19.8 runtime/zero/
 partitioned_param_coordinator.py fetch_sub_module): each module's parameters are all-gathered
-just before it runs -- forward, again in backward, and again when a checkpointed block is
-recomputed -- one collective per parameter tensor (biases and norms below
+just before it runs -- forward, again in backward, and for the recompute of a checkpointed
+block, whose backward then gathers again only what was released in between (reuse_gathers:
+stage3_max_reuse_distance) -- one collective per parameter tensor (biases and norms below
 stage3_param_persistence_threshold stay gathered and are never fetched). While a module
 computes, the next module's parameters are already being gathered (prefetch: DeepSpeed
 always fetches at least the next tensor when stage3_prefetch_bucket_size > 0). Gradients are
@@ -148,6 +149,22 @@ def units(model: ModelSpec, plan: Plan, block_fwd: float, block_bwd: float, firs
     return tuple(out)
 
 
+def reuse_gathers(tensors: tuple[int, ...], reuse_distance: int) -> tuple[int, ...]:
+    """The tensors of a recomputed unit that backward must gather again. DeepSpeed keeps a
+    gathered parameter whose next use is at most stage3_max_reuse_distance parameter elements
+    away (partitioned_param_coordinator.py release_sub_module: the trace's reuse distance).
+    Recomputing runs the unit's tensors t_1..t_k forward, then backward runs t_k..t_1, so
+    between t_i's two uses the tensors after it are used twice: its distance is
+    2 x (t_(i+1) + ... + t_k). The last tensor is always reused."""
+    out = []
+    after = 0
+    for n in reversed(tensors):
+        if 2 * after > reuse_distance:
+            out.append(n)
+        after += n
+    return tuple(reversed(out))
+
+
 def zero3_time(cluster: ClusterSpec, plan: Plan, us: tuple[Unit, ...], f: dict[str, float], e: float) -> Zero3Time:
     """Exposed gather and gradient-reduction seconds per step of a ZeRO-3 plan (module docstring)."""
     eff, ls, hide = f["comm_efficiency"], f["latency_scale"], f["dp_overlap"]
@@ -191,15 +208,18 @@ def zero3_time(cluster: ClusterSpec, plan: Plan, us: tuple[Unit, ...], f: dict[s
     for u in us:
         g_f = sum(_gather(n * fwd_bytes, shard, main, eff, ls) + param_fetch(n) for n in u.tensors)
         g_b = sum(_gather(n * e, back_n, back_link, eff, ls) + param_fetch(n) for n in u.tensors)
-        passes = 3 if u.recomputed else 2
-        fetch = passes * len(u.tensors) * overhead
-        fetches += passes * len(u.tensors) * u.count
-        collectives += passes * len(u.tensors) * u.count
+        # a recomputed unit gathers for the recompute; its backward then gathers again only the
+        # tensors released in between (reuse_gathers)
+        regather = reuse_gathers(u.tensors, plan.live) if u.recomputed else ()
+        g_back = g_b + sum(_gather(n * e, back_n, back_link, eff, ls) + param_fetch(n) for n in regather)
+        passes = 2 * len(u.tensors) + len(regather)
+        fetch = passes * overhead
+        fetches += passes * u.count
+        collectives += passes * u.count
         # forward: the next unit's gathers run behind this one's compute
         exp_f = g_f - min(g_f, hide * u.forward)
         # backward (with the recompute's forward and its gathers): gathers and this unit's
         # share of the reduce-scatters share the network
-        g_back = g_b * (2 if u.recomputed else 1)
         r = u.elements * reduce_per_element
         work = u.backward + (u.forward if u.recomputed else 0.0)
         can_hide = g_back + (r if plan.overlap_comm else 0.0)

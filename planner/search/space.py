@@ -50,6 +50,8 @@ class ZeroVariant:
 
     bucket_elements: int = BUCKETS[0]
     overlap_comm: bool = True
+    live_elements: int = 0
+    """stage3_max_live_parameters and stage3_max_reuse_distance (0: the bucket size)."""
     offload_optimizer: str = "none"
     offload_params: str = "none"
     hpz: int = 1
@@ -64,11 +66,17 @@ class ZeroVariant:
         parts = [f"bucket {self.bucket_elements:.0e}".replace("e+0", "e")]
         if not self.overlap_comm:
             parts.append("no overlap")
+        if self.live_elements:
+            parts.append(f"live/reuse {self.live_elements:.0e}".replace("e+0", "e"))
         parts += Plan(zero=3, dp=max(self.hpz, self.mics_shard, 1), **{**self.plan_fields(), "bucket_elements": 1}).variants
         return ", ".join(parts)
 
 
 PLAIN = ZeroVariant()
+LIVE = 1_000_000_000
+"""The larger stage3_max_live_parameters / stage3_max_reuse_distance the search offers
+(DeepSpeed's default): more gathered weights kept, so a recomputed block's backward need not
+gather them again (planner.cost.zero.reuse_gathers)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -165,7 +173,8 @@ class Space:
 
         - every stage with the default buckets; stages 1-3 also with 4x larger buckets (fewer
           collectives, more memory) and with overlap_comm off (one reduce bucket instead of
-          two, the reduction no longer hidden) when data parallel;
+          two, the reduction no longer hidden) when data parallel; ZeRO-3 also with 1e9 live
+          parameters and reuse distance (fewer gathers under recompute, more memory);
         - optimizer offload to the host (stages 1-3; ZeRO-Offload) and, for ZeRO-3, optimizer
           and parameters on the host (ZeRO-Infinity), on NVMe too when the cluster has it --
           GPU clusters with known host numbers only;
@@ -189,6 +198,7 @@ class Space:
                 out.append((z, ZeroVariant(offload_optimizer="cpu")))
             if z < 3:
                 continue
+            out.append((z, ZeroVariant(live_elements=LIVE)))
             if offload:
                 out.append((z, ZeroVariant(offload_optimizer="cpu", offload_params="cpu")))
                 if host.nvme_gbps:

@@ -66,20 +66,27 @@ def test_fetch_overhead_is_per_fetched_tensor_and_never_hidden():
     t0 = run(z3(), c=cluster()).time.zero_gather
     t1 = run(z3(), c=cluster(dev=dev)).time.zero_gather
     assert t1 - t0 == pytest.approx(2 * FETCHED * 1e-3, rel=1e-9)
-    # checkpointed blocks are gathered a third time to recompute: 4 blocks x 4 tensors more
+    # a checkpointed block is gathered for its recompute, and its backward gathers again what was
+    # released in between: with a reuse distance of 1000 elements all but the FFN output (3 x 4 more)
     r0 = run(z3(recompute="full"), c=cluster()).time.zero_gather
     r1 = run(z3(recompute="full"), c=cluster(dev=dev)).time.zero_gather
-    assert r1 - r0 == pytest.approx((2 * FETCHED + 16) * 1e-3, rel=1e-9)
+    assert r1 - r0 == pytest.approx((2 * FETCHED + 12) * 1e-3, rel=1e-9)
 
 
-def test_recompute_gathers_the_blocks_again():
-    # the recompute's gathers (4 blocks x 49,152 elements) join backward's, whose window
-    # grows by the blocks' forward: with the network this slow nothing more hides than
-    # half of that forward
+def test_recompute_gathers_again_only_what_was_released():
+    # reuse distance (stage3_max_reuse_distance = the live elements): between a tensor's
+    # recompute and its backward the tensors after it run twice
+    assert zero.reuse_gathers(FETCHED_BLOCK, 1000) == (12_288, 4_096, 16_384)
+    assert zero.reuse_gathers(FETCHED_BLOCK, 32_768) == (12_288, 4_096)        # FFN in: 2 x 16,384 away
+    assert zero.reuse_gathers(FETCHED_BLOCK, 2 * 36_864) == ()
+    # the regathered 32,768 elements of each of the 4 blocks join backward's collectives, whose
+    # window grows by the blocks' forward: on this slow network only half of that forward hides
     from test_cost_terms import F_T1
     ag = 2 * (3 / 4) / INTER
     extra = comm_total(z3(recompute="full")) - comm_total(z3())
-    assert extra == pytest.approx(4 * (49_152 * ag - 0.5 * F_T1), rel=1e-9)
+    assert extra == pytest.approx(4 * (32_768 * ag - 0.5 * F_T1), rel=1e-9)
+    kept = comm_total(z3(recompute="full", live_elements=100_000)) - comm_total(z3(live_elements=100_000))
+    assert kept == pytest.approx(4 * (0 - 0.5 * F_T1), rel=1e-9)
 
 
 def test_qwz_gathers_forward_weights_in_int8():

@@ -580,7 +580,8 @@ def test_zero_options_offer_deepspeeds_variants_where_they_apply():
     # pipeline: ZeRO 0-1 only; ZeRO-1 with larger buckets, without overlap, or the optimizer on the host
     assert two.zero_options(2, 8) == [(0, PLAIN), (1, PLAIN), (1, big), (1, serial), (1, off)]
     z3 = [v for z, v in two.zero_options(1, 16) if z == 3]
-    assert z3 == [PLAIN, big, serial, off, ZeroVariant(offload_optimizer="cpu", offload_params="cpu"), ZeroVariant(hpz=8),
+    assert z3 == [PLAIN, big, serial, off, ZeroVariant(live_elements=1_000_000_000),
+                  ZeroVariant(offload_optimizer="cpu", offload_params="cpu"), ZeroVariant(hpz=8),
                   ZeroVariant(hpz=8, quantized_weights=True, quantized_gradients=True), ZeroVariant(mics_shard=8)]
     # TP 2 leaves 4 data-parallel ranks per node: hpZ and MiCS over those 4
     assert ZeroVariant(hpz=4) in [v for _, v in two.zero_options(1, 8, 2)]
@@ -592,7 +593,8 @@ def test_zero_options_offer_deepspeeds_variants_where_they_apply():
     # no host numbers (or a CPU cluster): no offload; one rank: no bucket choice
     bare = Space(model=m, cluster=parse_cluster("8xA100", dev, cpu_mem_gb=0), train=t)
     assert not any(v.offload_optimizer != "none" for _, v in bare.zero_options(1, 8))
-    assert bare.zero_options(1, 1) == [(0, PLAIN), (1, PLAIN), (2, PLAIN), (3, PLAIN)]
+    assert bare.zero_options(1, 1) == [(0, PLAIN), (1, PLAIN), (2, PLAIN), (3, PLAIN),
+                                       (3, ZeroVariant(live_elements=1_000_000_000))]
 
 
 def test_fp16_on_v100_and_selective_on_the_cpu_math_path():
