@@ -478,9 +478,11 @@ def _with_variants(engine: Engine, zero: int, e: float, offload_optimizer: str, 
         elif opt and b.name == "owned gradient partition":
             continue  # ZeRO-1/2: the reduced gradients go straight to the host fp32 gradient
         elif opt and b.name == "gradient partition":
-            b = dataclasses.replace(b, location="host",
+            b = dataclasses.replace(b, location="host" if opt == "host" else "nvme",
                                     source=SRC_ZERO3 + " with offload_optimizer: grad_partitions_flat_buffer in host "
-                                                       "memory (measured: planner/executor/measure.py)")
+                                                       "memory (measured: planner/executor/measure.py); with NVMe "
+                                                       "swapped like the rest (ZeRO-Infinity, Rajbhandari et al. "
+                                                       "2021, sec. 5: gradients offloaded to NVMe)")
         elif offload_params != "none" and b.name == "weight partition":
             b = dataclasses.replace(b, location="host" if offload_params == "cpu" else "nvme",
                                     source=b.source + f"; offload_param {offload_params}")

@@ -143,7 +143,8 @@ def test_published_glm130b_pipeline_traffic_is_a_per_gpu_share():
     m, c = preset("glm-130b"), parse_cluster("96x8xA100-40GB")
     plan = Plan(dp=24, tp=4, pp=8, zero=1, micro_batch=1, grad_accum=176, recompute="full")
     est = estimate(m, c, TrainSpec(global_batch=4224, seq_len=2048), plan)
-    one = 2048 * 12288 * 2 / (180e9 / 8) + 20e-6                       # b s h bf16 over 1/8 of 180 GB/s, + latency
+    eff = c.device.factors["comm_efficiency"]                               # fitted on DeepSpeed's runs
+    one = 2048 * 12288 * 2 / (180e9 / 8 * eff) + 20e-6                  # b s h bf16 over 1/8 of 180 GB/s, + latency
     assert est.time.pp_comm == pytest.approx(176 * 2 * one, rel=1e-12, abs=0)   # ~0.79 s
 
 
