@@ -36,7 +36,7 @@ WORKDIR = Path(os.environ.get("PLANNER_MUTATION_DIR", "/tmp/planner-mutation"))
 MUTATE = ["planner/cost/*", "planner/search/*"]
 TESTS = ["tests/unit/test_cost_terms.py", "tests/unit/test_cost_activations.py", "tests/unit/test_cost_runtime.py",
          "tests/unit/test_cost_units.py", "tests/unit/test_cost_published.py", "tests/unit/test_cost_behaviour.py",
-         "tests/unit/test_search.py", "tests/unit/test_search_units.py"]
+         "tests/unit/test_cost_zero.py", "tests/unit/test_search.py", "tests/unit/test_search_units.py"]
 DESELECT = ("not study_resumes and not cost_model_imports_no_heavy_libraries "
             "and not (a_fraction_of_the_shapes and glm130b)")
 """Left out of the mutation runs: a resumable Optuna study on SQLite and Optuna on GLM-130B's
