@@ -152,7 +152,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", action="store_true", help="prepare the work directory and run mutmut (long)")
     ap.add_argument("--children", type=int, default=2)
-    ap.add_argument("--timeout", type=float, default=3300.0, help="seconds for the whole mutmut run")
+    ap.add_argument("--resume", action="store_true",
+                    help="run mutmut again in the existing work directory: only the mutants not yet checked")
+    ap.add_argument("--timeout", type=float, default=5400.0, help="seconds for the whole mutmut run")
     ap.add_argument("--workdir", type=Path, default=WORKDIR)
     ap.add_argument("--write-todo", type=Path, default=None,
                     help="write the unexplained survivors as a JSON skeleton to fill in")
@@ -160,6 +162,7 @@ def main() -> int:
     work = args.workdir
     if args.run:
         prepare(work)
+    if args.run or args.resume:
         run(work, args.children, args.timeout)
     if not (work / "mutants").exists():
         print(f"no mutmut results in {work}: run with --run first")

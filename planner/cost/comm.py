@@ -84,12 +84,11 @@ def cross_node_boundaries(gpus_per_node: int, dp: int, tp: int, pp: int) -> tupl
 def allreduce_steps(n: int) -> int:
     """Latency steps of an all-reduce over n ranks: NCCL's tuner takes the cheaper of the ring
     (2(n-1) steps: reduce-scatter then all-gather round the ring) and the double binary tree
-    (2 ceil(log2 n): up the tree and down again), so large groups pay a logarithmic latency
-    (Sanders et al. 2009; NCCL 2.4 "Massively scale your deep learning training with NCCL
-    2.4"). All-gather and reduce-scatter have only the ring in NCCL: n - 1 steps."""
-    if n <= 1:
-        return 0
-    return min(2 * (n - 1), 2 * math.ceil(math.log2(n)))
+    (2 ceil(log2 n): up the tree and down again; Sanders et al. 2009; NCCL 2.4 "Massively
+    scale your deep learning training with NCCL 2.4"). The tree's count is never above the
+    ring's (equal for n = 2, 3), so large groups pay a logarithmic latency. All-gather and
+    reduce-scatter have only the ring in NCCL: n - 1 steps."""
+    return 2 * math.ceil(math.log2(n)) if n > 1 else 0
 
 
 def allreduce_time(nbytes: float, n: int, busbw: float, latency: float, efficiency: float) -> float:

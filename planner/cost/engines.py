@@ -382,7 +382,7 @@ def _zero12(stage: int, e: float, overlap: bool) -> Engine:
         ))
 
 
-def _zero3(e: float, overlap: bool) -> Engine:
+def _zero3(e: float) -> Engine:
     s = SRC_ZERO3
     return Engine(
         name="DeepSpeedZeroOptimizer_Stage3",
@@ -431,27 +431,15 @@ def _zero3(e: float, overlap: bool) -> Engine:
                 source=s + " step: _prepare_fp32_grad_for_sub_group (one sub_group_size sub-group at a time)",
             ),
         ),
-        collectives=(
-            Collective(
-                kind="all_gather", bytes=e, per="micro_batch", overlap=overlap,
-                source=s + ": parameters gathered for forward",
-            ),
-            Collective(
-                kind="all_gather", bytes=e, per="micro_batch", overlap=overlap,
-                source=s + ": and again for backward",
-            ),
-            Collective(
-                kind="reduce_scatter", bytes=e, per="micro_batch", overlap=overlap,
-                source=s + " __reduce_and_partition_ipg_grads",
-            ),
-        ))
+        # ZeRO-3's collectives are per fetched tensor and per bucket: planner/cost/zero.py
+        collectives=())
 
 
 SRC_OFFLOAD = "runtime/zero/offload_config.py; stage_1_and_2.py / stage3.py with offload_optimizer"
 
 
 def _with_variants(engine: Engine, zero: int, e: float, offload_optimizer: str, offload_params: str, hpz: bool,
-                   qwz: bool, accumulates: bool = False) -> Engine:
+                   qwz: bool, accumulates: bool) -> Engine:
     """The engine with DeepSpeed's ZeRO variants applied to its buffers.
 
     Optimizer offload (ZeRO-Offload, Ren et al. 2021; ZeRO-Infinity for nvme): the fp32 master
@@ -469,7 +457,9 @@ def _with_variants(engine: Engine, zero: int, e: float, offload_optimizer: str, 
     opt = {"cpu": "host", "nvme": "nvme"}.get(offload_optimizer)
     for b in engine.buffers:
         if opt and b.name in ("fp32 master partition", "Adam moments"):
-            b = dataclasses.replace(b, location=opt, source=b.source + f"; offload_optimizer {offload_optimizer}")
+            b = dataclasses.replace(
+                b, location=opt,
+                source=b.source + f"; offload_optimizer {offload_optimizer}")
         elif opt and b.name in ("fp32 gradient partition", "fp32 gradient sub-group"):
             b = dataclasses.replace(b, location=opt, phase="always", basis="psi", sharded=True,
                                     source=SRC_OFFLOAD + ": the host fp32 partition's .grad, accumulated from the "
@@ -484,41 +474,63 @@ def _with_variants(engine: Engine, zero: int, e: float, offload_optimizer: str, 
                                                        "swapped like the rest (ZeRO-Infinity, Rajbhandari et al. "
                                                        "2021, sec. 5: gradients offloaded to NVMe)")
         elif offload_params != "none" and b.name == "weight partition":
-            b = dataclasses.replace(b, location="host" if offload_params == "cpu" else "nvme",
-                                    source=b.source + f"; offload_param {offload_params}")
+            b = dataclasses.replace(
+                b, location="host" if offload_params == "cpu" else "nvme",
+                source=b.source + f"; offload_param {offload_params}")
         out.append(b)
     if opt and zero in (1, 2):
         out += [
-            Buffer(name="device gradient staging buffer", role="optimizer", bytes=e, basis="largest",
-                   source=SRC_ZERO12 + " __init__ (cpu_offload): temp_grad_buffer_for_gpu_offload, the largest "
-                                       "parameter's size"),
-            Buffer(name="host gradient staging buffer", role="grads", bytes=e, basis="largest", location="host",
-                   source=SRC_ZERO12 + " __init__ (cpu_offload): temp_grad_buffer_for_cpu_offload"),
-            Buffer(name="16-bit partition for the copy back", role="optimizer", bytes=e, sharded=True,
-                   location="host",
-                   source=SRC_ZERO12 + " __init__ (cpu_offload): param_buffer_of_bit16_for_cpu_offload_groups"),
+            Buffer(
+                name="device gradient staging buffer",
+                role="optimizer", bytes=e, basis="largest",
+                source=SRC_ZERO12 + " __init__ (cpu_offload): temp_grad_buffer_for_gpu_offload, the largest "
+                                    "parameter's size",
+            ),
+            Buffer(
+                name="host gradient staging buffer",
+                role="grads", bytes=e, basis="largest", location="host",
+                source=SRC_ZERO12 + " __init__ (cpu_offload): temp_grad_buffer_for_cpu_offload",
+            ),
+            Buffer(
+                name="16-bit partition for the copy back",
+                role="optimizer", bytes=e, sharded=True, location="host",
+                source=SRC_ZERO12 + " __init__ (cpu_offload): param_buffer_of_bit16_for_cpu_offload_groups",
+            ),
         ]
         if zero == 2 and accumulates:
-            out.append(Buffer(name="accumulated gradient partition", role="grads", bytes=e, sharded=True,
-                              location="host",
-                              source=SRC_ZERO12 + " async_accumulate_grad_in_cpu_via_gpu: accumulated_grads_in_cpu "
-                                                  "(gradient accumulation > 1)"))
+            out.append(Buffer(
+                name="accumulated gradient partition",
+                role="grads", bytes=e, sharded=True, location="host",
+                source=SRC_ZERO12 + " async_accumulate_grad_in_cpu_via_gpu: accumulated_grads_in_cpu "
+                                    "(gradient accumulation > 1)",
+            ))
     if offload_optimizer == "nvme":
-        out.append(Buffer(name="optimizer swap buffer", role="optimizer", bytes=32, basis="sub_group",
-                          location="host", source="runtime/swap_tensor/partitioned_optimizer_swapper.py: one "
-                          "sub-group's fp32 master, moments and gradient, double-buffered"))
+        out.append(Buffer(
+            name="optimizer swap buffer",
+            role="optimizer", bytes=32, basis="sub_group", location="host",
+            source="runtime/swap_tensor/partitioned_optimizer_swapper.py: one sub-group's fp32 master, moments and "
+                   "gradient, double-buffered",
+        ))
     if offload_params == "nvme":
-        out.append(Buffer(name="parameter swap buffer", role="params", bytes=e, basis="live_params",
-                          location="host", source="runtime/swap_tensor/partitioned_param_swapper.py: "
-                          "buffer_count x buffer_size pinned buffers (about the live parameters)"))
+        out.append(Buffer(
+            name="parameter swap buffer",
+            role="params", bytes=e, basis="live_params", location="host",
+            source="runtime/swap_tensor/partitioned_param_swapper.py: buffer_count x buffer_size pinned buffers "
+                   "(about the live parameters)",
+        ))
     if hpz:
-        out.append(Buffer(name="hpZ secondary partition", role="params", bytes=e, basis="hpz", held_by="module",
-                          source="runtime/zero/partition_parameters.py _partition_param_sec: ds_secondary_tensor"))
+        out.append(Buffer(
+            name="hpZ secondary partition",
+            role="params", bytes=e, basis="hpz", held_by="module",
+            source="runtime/zero/partition_parameters.py _partition_param_sec: ds_secondary_tensor",
+        ))
     if qwz:
-        out.append(Buffer(name="int8 gathered weights", role="buckets", bytes=1, basis="live_params",
-                          phase="backward",
-                          source="runtime/zero/partition_parameters.py all_gather_coalesced (quantize): int8 "
-                                 "buffers before dequantisation"))
+        out.append(Buffer(
+            name="int8 gathered weights",
+            role="buckets", bytes=1, basis="live_params", phase="backward",
+            source="runtime/zero/partition_parameters.py all_gather_coalesced (quantize): int8 buffers before "
+                   "dequantisation",
+        ))
     if not (opt or offload_params != "none" or hpz or qwz):
         return engine
     names = [v for v, on in ((f"optimizer offload to {offload_optimizer}", opt),
@@ -545,7 +557,7 @@ def _base_engine(zero: int, precision: str, pipeline: bool, overlap_comm: bool) 
     if zero in (1, 2):
         # the pipeline engine turns overlap_comm off (runtime/engine.py _configure_zero_optimizer)
         return _zero12(zero, e, overlap=overlap_comm and not pipeline)
-    return _zero3(e, overlap=overlap_comm)
+    return _zero3(e)
 
 
 def engine_for(plan: Plan) -> Engine:

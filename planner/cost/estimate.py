@@ -32,10 +32,11 @@ the 16-bit copy of the weight (2)."""
 
 
 def dp_comm(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[int, ...], f: dict[str, float],
-            mb_compute: tuple[float, ...], backward: tuple[float, ...]) -> tuple[float, float]:
-    """(exposed gradient-sync seconds, exposed ZeRO-3 gather seconds) per step: the slowest
+            mb_compute: tuple[float, ...], backward: tuple[float, ...]) -> float:
+    """Exposed gradient-sync seconds per step of ZeRO 0-2 (ZeRO-3: zero3_comm): the slowest
     stage's, from the engine's data-parallel collectives (planner.cost.engines) over each
-    stage's DP link (planner.cost.comm.group_links).
+    stage's DP link (planner.cost.comm.group_links), bucket by bucket, and an offloaded
+    optimizer's gradient copies to the host.
 
     A collective that DeepSpeed runs while backward still computes hides up to dp_overlap of
     itself behind that window (one micro-batch for per-micro-batch collectives, the last
@@ -45,41 +46,32 @@ def dp_comm(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[int, ..
     d = plan.dp
     offload = plan.offload_optimizer != "none"
     if d <= 1 and not offload:
-        return 0.0, 0.0
+        return 0.0
     links = comm.group_links(cluster, plan, "dp")
     eff, m, ls = f["comm_efficiency"], plan.grad_accum, f["latency_scale"]
     hide = f["dp_overlap"]  # the engine's collectives say whether they overlap (overlap_comm)
     # ZeRO-0 flattens up to FALLBACK_BUCKET elements per all-reduce; ZeRO-1/2 reduce and gather
     # reduce_bucket_size / allgather_bucket_size elements per collective
     bucket = engines.FALLBACK_BUCKET if plan.zero == 0 else plan.bucket_elements
-    worst = (0.0, 0.0)
+    worst = 0.0
     for i, n in enumerate(psi):
         bw, lat = links[i]
         nb = max(1, math.ceil(n / bucket))
         # collectives sharing one overlap window hide at most dp_overlap x that window together
-        windows: dict[tuple[str, bool], list[tuple[bool, float]]] = {}
+        windows: dict[tuple[str, bool], float] = {}
         for c in engine.collectives if d > 1 else ():
             t = nb * comm.COLLECTIVES[c.kind](n * c.bytes / nb, d, bw, lat * ls, eff)
-            windows.setdefault((c.per, c.overlap), []).append((c.kind == "all_gather" and c.per == "micro_batch", t))
+            windows[(c.per, c.overlap)] = windows.get((c.per, c.overlap), 0.0) + t
         if offload:
             # the reduced gradient partition crosses to the host (stage 2 every micro-batch,
             # stage 1 at the boundary), asynchronously while backward still computes
-            per = "micro_batch" if plan.zero == 2 else "step"
-            t = zero.host_copy(cluster, n * _act_bytes(plan.precision) / plan.zero_shard)
-            windows.setdefault((per, plan.overlap_comm and plan.pp == 1), []).append((False, t))
-        sync = gather = 0.0
-        for (per, overlap), items in windows.items():
-            total = sum(t for _, t in items)
+            key = ("micro_batch" if plan.zero == 2 else "step", plan.overlap_comm and plan.pp == 1)
+            windows[key] = windows.get(key, 0.0) + zero.host_copy(cluster, n * _act_bytes(plan.precision) / d)
+        sync = 0.0
+        for (per, overlap), total in windows.items():
             window = (mb_compute[i] if per == "micro_batch" else backward[i]) if overlap else 0.0
-            exposed = max(total - hide * min(total, window), 0.0) * (m if per == "micro_batch" else 1)
-            for is_gather, t in items:
-                share = exposed * t / total
-                if is_gather:
-                    gather += share
-                else:
-                    sync += share
-        if sync + gather > sum(worst):
-            worst = (sync, gather)
+            sync += max(total - hide * min(total, window), 0.0) * (m if per == "micro_batch" else 1)
+        worst = max(worst, sync)
     return worst
 
 
@@ -95,8 +87,8 @@ def optimizer_time(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[
     return n * per_param / (cluster.device.hbm_bandwidth_gbps * 1e9) * f["optimizer_scale"]
 
 
-def zero3_comm(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan, f: dict[str, float],
-               lc: LayerCosts, bt, recomputed: int) -> zero.Zero3Time:
+def zero3_comm(model: ModelSpec, cluster: ClusterSpec, plan: Plan, f: dict[str, float], lc: LayerCosts, bt,
+               recomputed: int) -> zero.Zero3Time:
     """ZeRO-3's exposed gathers and reductions per step (planner.cost.zero): the blocks'
     forward / backward compute and the embedding's and output layer's (1/3 forward, 2/3
     backward) are the windows its collectives hide behind."""
@@ -145,10 +137,10 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
     psi = tuple(lc.stage_psi(i, p, n)[0] for i, n in enumerate(layers))
     backward = tuple(n * (bt.backward + bt.tp_bwd) for n in layers)
     if plan.zero == 3:
-        z3 = zero3_comm(model, cluster, train, plan, f, lc, bt, ckpt[0])
+        z3 = zero3_comm(model, cluster, plan, f, lc, bt, ckpt[0])
         dp_sync, zero_gather = z3.sync, z3.gather
     else:
-        dp_sync, zero_gather = dp_comm(cluster, plan, engine, psi, f, tuple(times), backward)
+        dp_sync, zero_gather = dp_comm(cluster, plan, engine, psi, f, tuple(times), backward), 0.0
     opt = optimizer_time(cluster, plan, engine, psi, f)
 
     time = _breakdown(lc, bt, plan, layers[slow], ckpt[slow], slow == 0, slow == p - 1, m)

@@ -62,15 +62,6 @@ class ZeroVariant:
     def plan_fields(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
-    def label(self) -> str:
-        parts = [f"bucket {self.bucket_elements:.0e}".replace("e+0", "e")]
-        if not self.overlap_comm:
-            parts.append("no overlap")
-        if self.live_elements:
-            parts.append(f"live/reuse {self.live_elements:.0e}".replace("e+0", "e"))
-        parts += Plan(zero=3, dp=max(self.hpz, self.mics_shard, 1), **{**self.plan_fields(), "bucket_elements": 1}).variants
-        return ", ".join(parts)
-
 
 PLAIN = ZeroVariant()
 LIVE = 1_000_000_000

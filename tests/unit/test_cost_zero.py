@@ -50,27 +50,27 @@ def test_every_collective_pays_its_latency():
     plan = z3()
     base = comm_total(plan)
     slow = comm_total(plan, cluster(inter_lat=10.0))
-    assert slow - base == pytest.approx((2 * FETCHED + math.ceil(PSI_T1 / 1000)) * 3 * 10e-6, rel=1e-9)
+    assert slow - base == pytest.approx((2 * FETCHED + math.ceil(PSI_T1 / 1000)) * 3 * 10e-6, rel=1e-11)
     # latency_scale multiplies it
     scaled = dataclasses.replace(DEV, factors={**DEV.factors, "latency_scale": 0.5})
     half = comm_total(plan, cluster(dev=scaled, inter_lat=10.0))
-    assert half - base == pytest.approx((2 * FETCHED + 328) * 3 * 10e-6 * 0.5, rel=1e-9)
+    assert half - base == pytest.approx((2 * FETCHED + 328) * 3 * 10e-6 * 0.5, rel=1e-11)
     # a bigger reduce bucket means fewer reduce-scatters: 33 buckets of 10,000
     big = comm_total(dataclasses.replace(plan, bucket_elements=10_000), cluster(inter_lat=10.0))
     assert big - comm_total(dataclasses.replace(plan, bucket_elements=10_000)) == pytest.approx(
-        (2 * FETCHED + 33) * 3 * 10e-6, rel=1e-9)
+        (2 * FETCHED + 33) * 3 * 10e-6, rel=1e-11)
 
 
 def test_fetch_overhead_is_per_fetched_tensor_and_never_hidden():
     dev = dataclasses.replace(DEV, factors={**DEV.factors, "zero3_fetch_overhead_s": 1e-3})
     t0 = run(z3(), c=cluster()).time.zero_gather
     t1 = run(z3(), c=cluster(dev=dev)).time.zero_gather
-    assert t1 - t0 == pytest.approx(2 * FETCHED * 1e-3, rel=1e-9)
+    assert t1 - t0 == pytest.approx(2 * FETCHED * 1e-3, rel=1e-11)
     # a checkpointed block is gathered for its recompute, and its backward gathers again what was
     # released in between: with a reuse distance of 1000 elements all but the FFN output (3 x 4 more)
     r0 = run(z3(recompute="full"), c=cluster()).time.zero_gather
     r1 = run(z3(recompute="full"), c=cluster(dev=dev)).time.zero_gather
-    assert r1 - r0 == pytest.approx((2 * FETCHED + 12) * 1e-3, rel=1e-9)
+    assert r1 - r0 == pytest.approx((2 * FETCHED + 12) * 1e-3, rel=1e-11)
 
 
 def test_recompute_gathers_again_only_what_was_released():
@@ -84,16 +84,16 @@ def test_recompute_gathers_again_only_what_was_released():
     from test_cost_terms import F_T1
     ag = 2 * (3 / 4) / INTER
     extra = comm_total(z3(recompute="full")) - comm_total(z3())
-    assert extra == pytest.approx(4 * (32_768 * ag - 0.5 * F_T1), rel=1e-9)
+    assert extra == pytest.approx(4 * (32_768 * ag - 0.5 * F_T1), rel=1e-11)
     kept = comm_total(z3(recompute="full", live_elements=100_000)) - comm_total(z3(live_elements=100_000))
-    assert kept == pytest.approx(4 * (0 - 0.5 * F_T1), rel=1e-9)
+    assert kept == pytest.approx(4 * (0 - 0.5 * F_T1), rel=1e-11)
 
 
 def test_qwz_gathers_forward_weights_in_int8():
     ag = (3 / 4) / INTER
     diff = comm_total(z3()) - comm_total(z3(quantized_weights=True))
     # forward gathers: 2 bytes -> 1 + 4/2048 per element (int8 and one fp32 scale per 2048)
-    assert diff == pytest.approx(FETCHED_ELEMS * (2 - (1 + 4 / 2048)) * ag, rel=1e-9)
+    assert diff == pytest.approx(FETCHED_ELEMS * (2 - (1 + 4 / 2048)) * ag, rel=1e-11)
 
 
 def test_hpz_keeps_backward_gathers_inside_the_node():
@@ -105,7 +105,7 @@ def test_hpz_keeps_backward_gathers_inside_the_node():
     for elems, bw, count in units:
         across, inside = elems * 2 * (3 / 4) / INTER, elems * 2 * (1 / 2) / INTRA
         diff += count * ((across - min(across, 0.5 * bw)) - (inside - min(inside, 0.5 * bw)))
-    assert comm_total(z3()) - comm_total(z3(hpz=2)) == pytest.approx(diff, rel=1e-9)
+    assert comm_total(z3()) - comm_total(z3(hpz=2)) == pytest.approx(diff, rel=1e-11)
     # the embedding's backward is too short to hide even the node-local gather; the blocks' hides it
     assert 63_936 * 1e-11 > 0.5 * 2 * FIRST_C / 3 and 49_152 * 1e-11 < 0.5 * B_T1
 
@@ -117,7 +117,7 @@ def test_mics_shards_inside_the_node_and_all_reduces_across_replicas():
     t = run(z3(mics_shard=2, grad_accum=2), c=cluster()).time
     plain = run(z3(dp=2, grad_accum=2), c=cluster(nodes=1)).time     # the same shard group alone
     ar = PSI_T1 * 2 / 2 * 2 * (1 / 2) / (INTER / 2)
-    assert t.dp_sync + t.zero_gather == pytest.approx(plain.dp_sync + plain.zero_gather + ar, rel=1e-9)
+    assert t.dp_sync + t.zero_gather == pytest.approx(plain.dp_sync + plain.zero_gather + ar, rel=1e-11)
 
 
 def test_qgz_reduces_in_int4_inside_then_across_nodes():
@@ -127,7 +127,7 @@ def test_qgz_reduces_in_int4_inside_then_across_nodes():
     rs = PSI_T1 * q * (1 / 2) / INTRA + PSI_T1 / 2 * q * (1 / 2) / INTER
     plain = PSI_T1 * 2 * (3 / 4) / INTER
     # with overlap off and this little compute, the reduction is exposed in full either way
-    assert comm_total(z3()) - comm_total(z3(quantized_gradients=True)) == pytest.approx(plain - rs, rel=1e-9)
+    assert comm_total(z3()) - comm_total(z3(quantized_gradients=True)) == pytest.approx(plain - rs, rel=1e-11)
 
 
 def test_optimizer_offload_moves_states_to_the_host_and_adam_to_the_cpu():
@@ -168,14 +168,14 @@ def test_zero2_offload_copies_gradients_every_micro_batch():
     plan = Plan(dp=4, zero=2, micro_batch=1, grad_accum=2, bucket_elements=1000, overlap_comm=False)
     with_off = run(dataclasses.replace(plan, offload_optimizer="cpu"), c=cluster()).time.dp_sync
     without = run(plan, c=cluster()).time.dp_sync
-    assert with_off - without == pytest.approx(2 * PSI_T1 / 4 * 2 / 10e9, rel=1e-9)
+    assert with_off - without == pytest.approx(2 * PSI_T1 / 4 * 2 / 10e9, rel=1e-11)
 
 
 def test_parameter_offload_copies_each_partition_before_its_gather():
     # each fetched tensor's 1/4 partition crosses PCIe before each of its 2 gathers; compute is
     # too small to hide it
     diff = comm_total(z3(offload_params="cpu")) - comm_total(z3())
-    assert diff == pytest.approx(2 * FETCHED_ELEMS * 2 / 4 / 10e9, rel=1e-9)
+    assert diff == pytest.approx(2 * FETCHED_ELEMS * 2 / 4 / 10e9, rel=1e-11)
     est = run(z3(offload_params="cpu"), c=cluster())
     assert est.host_memory_bytes == pytest.approx(2 * PSI_T1 / 4, rel=1e-12)   # the bf16 partition
 
@@ -227,3 +227,198 @@ def test_units_of_a_zero3_model():
     us = zero.units(MODEL, z3(), 1.0, 2.0, (0.1, 0.2), (0.3, 0.6), 1, 640)
     assert [(u.tensors, u.count, u.recomputed) for u in us] == [
         ((63_936,), 1, False), (FETCHED_BLOCK, 3, False), (FETCHED_BLOCK, 1, True), ((63_936,), 1, False)]
+
+
+# --- what the mutation run found untested ---------------------------------------------------
+def test_engine_names_say_which_variants_apply():
+    base = engines.engine_for(z3()).name
+    assert base == "DeepSpeedZeroOptimizer_Stage3"
+    full = z3(offload_optimizer="cpu", offload_params="cpu", hpz=2, quantized_weights=True)
+    assert engines.engine_for(full).name == base + " + optimizer offload to cpu, parameter offload to cpu, hpZ, qwZ"
+    assert engines.engine_for(z3(offload_params="nvme")).name == base + " + parameter offload to nvme"
+
+
+def test_nvme_parameters_keep_a_host_swap_buffer_of_the_live_parameters():
+    # psi 10,000 > live 1000: the swap buffer is capped by the live parameters, on the host;
+    # the weight partition (10,000 / 4 x 2 bytes) on NVMe
+    plan = z3(offload_params="nvme")
+    assert engines.host_bytes(plan, 10_000.0, 0.0) == pytest.approx(2 * 1000)
+    assert engines.host_bytes(plan, 10_000.0, 0.0, location="nvme") == pytest.approx(2 * 10_000 / 4)
+    # on the device: the reduce bucket, the gradient partition and the optimizer states, no weights
+    assert engines.state_bytes(plan, 10_000.0, 0.0) == pytest.approx(2 * 1000 + 2 * 10_000 / 4 + 12 * 10_000 / 4)
+    # qwZ's int8 buffer is capped the same way (backward phase, buckets)
+    q = engines.footprint(z3(quantized_weights=True)).evaluate(10_000.0, 0.0)[1][3]
+    p = engines.footprint(z3()).evaluate(10_000.0, 0.0)[1][3]
+    assert q - p == pytest.approx(1 * 1000)
+
+
+def test_footprint_locations_and_staging_buffers():
+    # the search's precompiled footprint agrees with the buffers: a GPU leaves host and NVMe
+    # buffers out, a CPU device (resident) counts the host ones and never the NVMe ones
+    psi, small, largest = 10_000.0, 100.0, 4_000.0
+    for plan in (z3(offload_optimizer="cpu", hpz=2), z3(offload_optimizer="nvme", offload_params="nvme"),
+                 Plan(dp=4, zero=1, offload_optimizer="cpu"), Plan(dp=4, zero=2, grad_accum=2, offload_optimizer="cpu"),
+                 Plan(dp=4, zero=2, offload_optimizer="cpu")):
+        eng = engines.engine_for(plan)
+        for resident in (False, True):
+            held, back, step = engines.footprint(plan, resident, largest).evaluate(psi, small)
+            sz = engines.sizes(plan, psi, small, largest=largest)
+            want = sum(eng.bytes_by_role(sz, ("always", "grads"), location="device").values())
+            if resident:
+                want += sum(eng.bytes_by_role(sz, ("always", "grads"), location="host").values())
+            assert sum(held) == pytest.approx(want, rel=1e-12)
+    # ZeRO-1 offload: the device staging buffer is the largest tensor's size
+    held, _, _ = engines.footprint(Plan(dp=4, zero=1, offload_optimizer="cpu"), False, largest).evaluate(psi, 0.0)
+    assert held[2] == pytest.approx(2 * largest)                        # optimizer role on the device
+    # hpZ through the buffers' own sizes too
+    sz = engines.sizes(z3(hpz=2), psi, small)
+    assert engines.engine_for(z3(hpz=2)).bytes_by_role(sz)["params"] == pytest.approx(
+        2 * psi / 4 + 2 * small + 2 * (psi - small) / 2)
+    # the host bytes count the ZeRO-1/2 staging buffer of the largest tensor
+    assert engines.host_bytes(Plan(dp=4, zero=1, offload_optimizer="cpu"), psi, 0.0, largest=largest) == \
+        pytest.approx(18 * psi / 4 + 2 * largest)
+    assert engines.state_bytes(Plan(dp=4, zero=2), psi, 0.0) == pytest.approx(2 * psi + 2 * psi / 4 + 12 * psi / 4)
+
+
+def cpu_cluster():
+    from planner.specs import parse_cluster
+    return parse_cluster("2xcpu")
+
+
+def test_a_cpu_device_copies_and_steps_in_its_own_memory():
+    c = cpu_cluster()
+    f = dict(c.device.factors, optimizer_scale=2.0)
+    hbm = c.device.hbm_bandwidth_gbps * 1e9
+    assert zero.host_copy(c, 1e6) == pytest.approx(1e6 / hbm, rel=1e-12)
+    plan = Plan(dp=2, zero=2, offload_optimizer="cpu")
+    # no PCIe and no CPU Adam: the memory-bound step over the partition (28 bytes per element)
+    assert zero.offload_step_time(c, plan, 1e6, 2.0, f) == pytest.approx(1e6 / 2 * 28 / hbm * 2.0, rel=1e-12)
+
+
+def test_offload_step_time_on_a_node_of_one_gpu_and_its_scales():
+    one = cluster(nodes=1, per_node=1)
+    f = dict(DEV.factors, cpu_adam_scale=1.5, optimizer_scale=1.0)
+    plan = Plan(dp=1, zero=2, offload_optimizer="cpu")
+    assert zero.offload_step_time(one, plan, 1e6, 2.0, f) == pytest.approx(1e6 / 1e9 * 1.5 + 1e6 * 2 / 10e9,
+                                                                           rel=1e-12)
+    nv = Plan(dp=1, zero=3, offload_optimizer="nvme")
+    assert zero.offload_step_time(one, nv, 1e6, 4.0, f) == pytest.approx(
+        max(1e6 / 1e9 * 1.5, 1e6 * 28 / 5e9) + 1e6 * 4 / 10e9, rel=1e-12)
+    # TP 2 on the 2-GPU node leaves one rank per node sharing the CPU
+    tp = Plan(dp=2, tp=2, zero=2, offload_optimizer="cpu")
+    assert zero.offload_step_time(cluster(), tp, 1e6, 2.0, f) == pytest.approx(
+        1e6 / 2 / 1e9 * 1.5 + 1e6 / 2 * 2 / 10e9, rel=1e-12)
+
+
+def test_offload_in_fp32_moves_4_byte_gradients_and_weights():
+    # fp32: the gradient copies and the weights back are 4 bytes per element
+    t16 = run(z3(offload_optimizer="cpu"), c=cluster()).time
+    t32 = run(z3(offload_optimizer="cpu", precision="fp32"), c=cluster()).time
+    part = PSI_T1 / 4
+    assert t32.optimizer - t16.optimizer == pytest.approx(part * 2 / 10e9, rel=1e-11)
+    z2 = Plan(dp=4, zero=2, micro_batch=1, grad_accum=2, bucket_elements=1000, overlap_comm=False)
+    a = run(dataclasses.replace(z2, offload_optimizer="cpu", precision="fp32"), c=cluster()).time.dp_sync
+    b = run(dataclasses.replace(z2, precision="fp32"), c=cluster()).time.dp_sync
+    assert a - b == pytest.approx(2 * PSI_T1 / 4 * 4 / 10e9, rel=1e-12)
+
+
+def test_zero1_offload_copies_once_per_step_and_pipelines_do_not_overlap_it():
+    z1 = Plan(dp=4, zero=1, micro_batch=1, grad_accum=2, bucket_elements=1000, overlap_comm=False)
+    a = run(dataclasses.replace(z1, offload_optimizer="cpu"), c=cluster()).time.dp_sync
+    b = run(z1, c=cluster()).time.dp_sync
+    assert a - b == pytest.approx(PSI_T1 / 4 * 2 / 10e9, rel=1e-12)           # once per step
+    # one rank, no DP traffic: the copy is all there is (ZeRO-Offload on one GPU)
+    solo = Plan(dp=1, zero=2, micro_batch=1, grad_accum=2, overlap_comm=False, offload_optimizer="cpu")
+    assert run(solo, c=cluster(nodes=1, per_node=1)).time.dp_sync == pytest.approx(2 * PSI_T1 * 2 / 10e9, rel=1e-12)
+
+
+def test_zero12_latency_is_paid_per_bucket():
+    # ZeRO-2 DP 4 over 2 nodes, 10 us per step: per micro-batch 328 reduce-scatters of 1000 elements,
+    # per step 328 all-gathers, each (4 - 1) steps; with no overlap all of it is exposed
+    plan = Plan(dp=4, zero=2, micro_batch=1, grad_accum=2, bucket_elements=1000, overlap_comm=False)
+    slow = run(plan, c=cluster(inter_lat=10.0)).time.dp_sync
+    base = run(plan, c=cluster()).time.dp_sync
+    assert slow - base == pytest.approx((2 * 328 + 328) * 3 * 10e-6, rel=1e-11)
+    # one bucket when the model is smaller than the bucket; ZeRO-0's flat buffer holds 5e8 elements
+    big = dataclasses.replace(plan, bucket_elements=1_000_000)
+    assert run(big, c=cluster(inter_lat=10.0)).time.dp_sync - run(big, c=cluster()).time.dp_sync == \
+        pytest.approx((2 + 1) * 3 * 10e-6, rel=1e-11)
+    z0 = Plan(dp=4, zero=0, micro_batch=1, grad_accum=2, bucket_elements=1000, precision="fp32")
+    # one all-reduce over 4 ranks: 2 ceil(log2 4) = 4 latency steps
+    assert run(z0, c=cluster(inter_lat=10.0)).time.dp_sync - run(z0, c=cluster()).time.dp_sync == \
+        pytest.approx(4 * 10e-6, rel=1e-11)
+
+
+def test_zero3_counts_its_collectives_and_fetches():
+    from planner.cost.estimate import zero3_comm
+    from planner.cost.factors import cluster_factors
+    from planner.cost.model import _block_times, _layer_costs
+    c = cluster()
+    for plan, fetches, colls in ((z3(), 2 * FETCHED, 2 * FETCHED + 328),
+                                 (z3(quantized_gradients=True), 2 * FETCHED, 2 * FETCHED + 2 * 328),
+                                 (z3(recompute="full"), 2 * FETCHED + 12, 2 * FETCHED + 12 + 328)):
+        f = cluster_factors(c)
+        bt = _block_times(MODEL, c, train(plan), plan, f)
+        lc = _layer_costs(MODEL, c, train(plan), plan, f, bt)
+        ckpt = plan.checkpointed_per_stage(MODEL.layers)[0]
+        z = zero3_comm(MODEL, c, plan, f, lc, bt, ckpt)
+        assert (z.fetches, z.collectives) == (fetches, colls)
+
+
+def test_zero3_offload_copies_gradients_and_parameters_for_recompute():
+    # optimizer offload: the reduced partition crosses PCIe every micro-batch, behind backward with
+    # the reduce-scatters (here nothing more hides: the network is the bottleneck)
+    a = comm_total(z3(offload_optimizer="cpu"))
+    assert a - comm_total(z3()) == pytest.approx(PSI_T1 * 2 / 4 / 10e9, rel=1e-11)
+    # parameter offload under recompute: the regathered tensors (32,768 per block) are copied again
+    r = comm_total(z3(recompute="full", offload_params="cpu")) - comm_total(z3(recompute="full"))
+    assert r == pytest.approx((2 * FETCHED_ELEMS + 4 * 32_768) * 2 / 4 / 10e9, rel=1e-11)
+
+
+def test_units_at_the_threshold_and_a_tied_output_layer():
+    # a tensor of exactly the threshold stays whole (DeepSpeed: ds_numel <= threshold)
+    us = zero.units(MODEL, z3(), 1.0, 2.0, (0.1, 0.2), (0.3, 0.6), 0, 4_096)
+    assert us[1].tensors == (12_288, 16_384, 16_384)
+    assert us[0].tensors == (63_936,) and us[-1].tensors == (63_936,)
+    tied = dataclasses.replace(MODEL, tied_embeddings=True)
+    us = zero.units(tied, z3(), 1.0, 2.0, (0.1, 0.2), (0.3, 0.6), 0, 640)
+    assert us[-1].tensors == () and us[-1].elements == 128     # the output layer is the embedding
+
+
+def test_the_host_check_counts_every_rank_of_the_node():
+    from planner.cost import estimate
+    t = train(z3())
+    part = PSI_T1 / 4
+    need = 2 * 18 * part                                         # 2 ranks per node, 18 bytes per element
+    ok = cluster(host=dataclasses.replace(HOST, cpu_memory_gb=need / 0.9 / 1e9 * 1.01))
+    short = cluster(host=dataclasses.replace(HOST, cpu_memory_gb=need / 0.9 / 1e9 * 0.99))
+    assert not estimate(MODEL, ok, t, z3(offload_optimizer="cpu")).reasons
+    assert any("host memory per node" in r for r in estimate(MODEL, short, t, z3(offload_optimizer="cpu")).reasons)
+    # a CPU cluster is its own host: no separate host check
+    assert not any("host memory" in r for r in estimate(MODEL, cpu_cluster(), train(Plan(dp=2, zero=3)),
+                                                        Plan(dp=2, zero=3, offload_optimizer="cpu")).reasons)
+
+
+def test_headroom_is_the_fixed_allowance_inside_the_peak():
+    base = run(z3(), c=cluster())
+    assert base.headroom_bytes == 1e9
+    more = run(z3(), c=dataclasses.replace(cluster(), memory_headroom=2.5))
+    assert more.headroom_bytes == 2.5e9
+    assert more.peak_memory_bytes - base.peak_memory_bytes == pytest.approx(1.5e9, rel=1e-12)
+
+
+def test_qgz_inside_one_node_is_one_int4_reduce_scatter():
+    # DP 2 on one node of 2: no second hop, the reduce-scatter itself carries int4
+    one = cluster(nodes=1)
+    q = 0.5 + 4 / 2048
+    plain = comm_total(z3(dp=2), one)
+    quant = comm_total(z3(dp=2, quantized_gradients=True), one)
+    assert plain - quant == pytest.approx(PSI_T1 * (2 - q) * (1 / 2) / INTRA, rel=1e-11)
+
+
+def test_nvme_parameters_share_the_nodes_nvme():
+    # one GPU per node (DP 4 over 4 nodes): each fetched partition is read from the node's NVMe
+    # (5 GB/s, the node's only rank) and copied over PCIe, before each of its 2 gathers
+    four = cluster(nodes=4, per_node=1)
+    diff = comm_total(z3(offload_params="nvme"), four) - comm_total(z3(offload_params="cpu"), four)
+    assert diff == pytest.approx(2 * FETCHED_ELEMS * 2 / 4 / 5e9, rel=1e-11)

@@ -591,6 +591,17 @@ def test_zero_options_offer_deepspeeds_variants_where_they_apply():
     assert not any(v.hpz > 1 or v.mics_shard for v in z3)
     assert ZeroVariant(offload_optimizer="nvme", offload_params="nvme") in z3
     # no host numbers (or a CPU cluster): no offload; one rank: no bucket choice
+    # across nodes means a DP group larger than a node's ranks on more than one node
+    small = Space(model=m, cluster=parse_cluster("2x4xA100", dev), train=t)
+    assert not any(v.hpz > 1 for _, v in small.zero_options(1, 4))          # DP 4 = the node's 4 ranks
+    assert ZeroVariant(hpz=2) in [v for _, v in small.zero_options(1, 4, 2)]  # TP 2: 2 ranks per node
+    assert not any(v.hpz > 1 for _, v in one.zero_options(1, 16))            # one node: nothing crosses
+    assert (1, big) in one.zero_options(1, 2) and (1, big) not in one.zero_options(1, 1)
+    # a shape's outer point keeps the variant (None for plain ZeRO), and its plan carries it
+    shape = Shape(tp=1, pp=1, dp=16, recompute="none")
+    assert shape.outer(1, 1, zero=3, variant=PLAIN).variant is None
+    hp = shape.outer(1, 1, zero=3, variant=ZeroVariant(hpz=8, quantized_weights=True))
+    assert (hp.plan("bf16").hpz, hp.plan("bf16").quantized_weights) == (8, True)
     bare = Space(model=m, cluster=parse_cluster("8xA100", dev, cpu_mem_gb=0), train=t)
     assert not any(v.offload_optimizer != "none" for _, v in bare.zero_options(1, 8))
     assert bare.zero_options(1, 1) == [(0, PLAIN), (1, PLAIN), (2, PLAIN), (3, PLAIN),
