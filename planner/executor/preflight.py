@@ -172,6 +172,10 @@ def variant_problem(plan: Plan, cluster: ClusterSpec) -> tuple[str, str, str] | 
 
 
 def check_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> None:
+    variant = variant_problem(plan, cluster)  # first: the most specific words for what DeepSpeed cannot run
+    if variant:
+        field, why, fix = variant
+        raise ExecutionError(f"plan.json {field}", why, fix)
     problems = plan_problems(model, cluster, train, plan)
     if problems:
         raise SpecError(f"plan.json {_problem_field(problems[0])}", problems[0],
@@ -186,10 +190,6 @@ def check_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec, train: TrainS
     if unsupported:
         raise ExecutionError("plan.json", unsupported[0].split(" (")[0],
                              "plan without --megatron-features, or run it under Megatron-LM")
-    variant = variant_problem(plan, cluster)
-    if variant:
-        field, why, fix = variant
-        raise ExecutionError(f"plan.json {field}", why, fix)
     if cluster.nodes > 1:
         raise ExecutionError("cluster", f"{cluster.nodes} nodes: `planner run` launches on this machine only",
                              "use launch.sh with a hostfile (deepspeed launcher) for multi-node runs")
