@@ -422,3 +422,108 @@ def test_nvme_parameters_share_the_nodes_nvme():
     four = cluster(nodes=4, per_node=1)
     diff = comm_total(z3(offload_params="nvme"), four) - comm_total(z3(offload_params="cpu"), four)
     assert diff == pytest.approx(2 * FETCHED_ELEMS * 2 / 4 / 5e9, rel=1e-11)
+
+
+def test_zero3_windows_include_tp_and_reduce_scatters_hide_with_overlap():
+    # on a fast network (100x INTRA inside the node, DP 2 on one node) compute exceeds the
+    # gathers: with overlap_comm the reduce-scatters hide too, without it they are exposed
+    fast = cluster(nodes=1, per_node=2)
+    fast = dataclasses.replace(fast, intra_node=Link(name="i", busbw_gbps=INTRA / 1e9 * 100, latency_us=0))
+    on = comm_total(z3(dp=2, overlap_comm=True), fast)
+    off = comm_total(z3(dp=2, overlap_comm=False), fast)
+    assert on == pytest.approx(0.0, abs=1e-15) and off > 0
+    # TP 2 x DP 2 on 2 x 2: the blocks' TP collectives are part of the windows the gathers hide behind
+    from planner.cost.estimate import zero3_comm
+    from planner.cost.factors import cluster_factors
+    from planner.cost.model import _block_times, _layer_costs
+    plan = Plan(dp=2, tp=2, zero=3, micro_batch=1, grad_accum=1, bucket_elements=1000, overlap_comm=False)
+    c = cluster()
+    f = cluster_factors(c)
+    bt = _block_times(MODEL, c, train(plan), plan, f)
+    lc = _layer_costs(MODEL, c, train(plan), plan, f, bt)
+    seen = []
+    orig = zero.units
+    zero.units = lambda *a: seen.append(a) or orig(*a)
+    try:
+        zero3_comm(MODEL, c, plan, f, lc, bt, 0)
+    finally:
+        zero.units = orig
+    (_, _, fw, bw, first, last, _, _), = seen
+    assert bt.tp_fwd > 0 and fw == bt.forward + bt.tp_fwd and bw == bt.backward + bt.tp_bwd
+    one = lc.first_stage_time - lc.first_stage_tp
+    assert first == (one / 3, 2 * one / 3) and lc.first_stage_tp > 0
+    assert last[0] == pytest.approx((lc.last_stage_time - lc.last_stage_tp) / 3, rel=1e-15)
+
+
+def test_zero3_in_fp32_gathers_4_bytes_per_element():
+    # without any hiding (dp_overlap 0) the exposed communication is every byte on the wire:
+    # 2 gathers of every fetched tensor and the reduce-scatters of the whole model, 4 bytes each
+    none = dataclasses.replace(DEV, factors={**DEV.factors, "dp_overlap": 0.0})
+    c = cluster(dev=none)
+    assert comm_total(z3(precision="fp32"), c) == pytest.approx(
+        (2 * FETCHED_ELEMS + PSI_T1) * 4 * (3 / 4) / INTER, rel=1e-11)
+
+
+def test_more_counts_and_latencies():
+    from planner.cost.estimate import zero3_comm
+    from planner.cost.factors import cluster_factors
+    from planner.cost.model import _block_times, _layer_costs
+
+    def counts(plan, c):
+        f = cluster_factors(c)
+        bt = _block_times(MODEL, c, train(plan), plan, f)
+        lc = _layer_costs(MODEL, c, train(plan), plan, f, bt)
+        z = zero3_comm(MODEL, c, plan, f, lc, bt, 0)
+        return z.fetches, z.collectives
+    # MiCS adds no per-micro-batch collective (its replica all-reduce is per step); one bucket
+    # when the model is smaller than it
+    assert counts(z3(mics_shard=2), cluster()) == (2 * FETCHED, 2 * FETCHED + 328)
+    assert counts(z3(bucket_elements=1_000_000), cluster()) == (2 * FETCHED, 2 * FETCHED + 1)
+    base = comm_total(z3(bucket_elements=1_000_000))
+    assert comm_total(z3(bucket_elements=1_000_000), cluster(inter_lat=10.0)) - base == pytest.approx(
+        (2 * FETCHED + 1) * 3 * 10e-6, rel=1e-11)
+    # qgZ's two hops pay their own links' latency: 1 step inside the node, 1 across
+    q = z3(quantized_gradients=True)
+    lat = comm_total(q, cluster(inter_lat=10.0, intra_lat=1.0)) - comm_total(q)
+    assert lat == pytest.approx(2 * FETCHED * 3 * 10e-6 + 328 * (1e-6 + 10e-6), rel=1e-11)
+    # MiCS's replica all-reduce pays latency_scale too: 2 ranks, 2 steps of 10 us, halved
+    m = z3(mics_shard=2)
+    half = dataclasses.replace(DEV, factors={**DEV.factors, "latency_scale": 0.5})
+    mics_lat = comm_total(m, cluster(dev=half, inter_lat=10.0)) - comm_total(m, cluster(dev=half))
+    assert mics_lat == pytest.approx(2 * 10e-6 * 0.5, rel=1e-11)
+
+
+def test_estimate_host_bytes_and_message():
+    from planner.cost import estimate
+    z1 = Plan(dp=4, zero=1, micro_batch=1, grad_accum=1, offload_optimizer="cpu")
+    est = run(z1, c=cluster())
+    assert est.host_memory_bytes == pytest.approx(18 * PSI_T1 / 4 + 2 * 63_936, rel=1e-12)  # + staging buffer
+    # the reason names the node's need: every rank of the node, in GB
+    from planner.specs import parse_cluster, preset
+    from planner.specs import TrainSpec as T
+    m, t = preset("glm-10b"), T(global_batch=16, seq_len=1024)
+    c = parse_cluster("2x8xA100", cpu_mem_gb=80)
+    e = estimate(m, c, t, Plan(dp=16, zero=3, offload_optimizer="cpu"))
+    need = e.host_memory_bytes * 8 / 1e9
+    assert need > 72 and any(f"offloaded states need {need:.0f} GB of host memory per node > 72 GB usable of 80 GB"
+                             in r for r in e.reasons)
+    # a CPU cluster keeps offloaded states in its own memory: no host check even with --cpu-mem-gb
+    cpu = parse_cluster("2xcpu", cpu_mem_gb=1e-6)
+    assert not any("host memory" in r for r in estimate(MODEL, cpu, train(Plan(dp=2, zero=3)),
+                                                        Plan(dp=2, zero=3, offload_optimizer="cpu")).reasons)
+
+
+def test_pipeline_offload_copy_is_not_hidden_and_defaults():
+    # ZeRO-1 with a pipeline: DeepSpeed turns overlap_comm off, so the copy to the host is exposed
+    p = Plan(dp=2, pp=2, zero=1, micro_batch=1, grad_accum=2, bucket_elements=1000, overlap_comm=True)
+    a = run(dataclasses.replace(p, offload_optimizer="cpu"), c=cluster()).time.dp_sync
+    b = run(p, c=cluster()).time.dp_sync
+    from test_cost_terms import BLOCK_T1, HEAD_T1
+    psi_last = 2 * BLOCK_T1 + HEAD_T1          # the slowest stage's parameters (stage 1: 2 blocks + head)
+    assert a - b == pytest.approx(psi_last / 2 * 2 / 10e9, rel=1e-11)
+    # defaults: no largest-tensor buffer unless the size is given
+    z1 = Plan(dp=4, zero=1, offload_optimizer="cpu")
+    assert engines.state_bytes(z1, 1000.0, 0.0) == pytest.approx(2 * 1000)
+    assert engines.host_bytes(z1, 1000.0, 0.0) == pytest.approx(18 * 1000 / 4)
+    assert engines.footprint(z1).evaluate(1000.0, 0.0)[0][2] == 0.0
+    assert engines.engine_for(z3(hpz=2)).name == "DeepSpeedZeroOptimizer_Stage3 + hpZ"
