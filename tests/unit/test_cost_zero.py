@@ -527,3 +527,12 @@ def test_pipeline_offload_copy_is_not_hidden_and_defaults():
     assert engines.host_bytes(z1, 1000.0, 0.0) == pytest.approx(18 * 1000 / 4)
     assert engines.footprint(z1).evaluate(1000.0, 0.0)[0][2] == 0.0
     assert engines.engine_for(z3(hpz=2)).name == "DeepSpeedZeroOptimizer_Stage3 + hpZ"
+
+
+def test_live_parameters_bound_the_gathered_weights():
+    # stage3_max_live_parameters apart from the bucket: 5000 live of a 10,000-element device
+    plan = z3(live_elements=5_000)
+    back = engines.footprint(plan).evaluate(10_000.0, 0.0)[1]
+    assert back[3] == pytest.approx(2 * 5_000)                         # gathered weights, backward
+    sz = engines.sizes(plan, 10_000.0, 0.0)
+    assert engines.engine_for(plan).bytes_by_role(sz, ("backward",))["buckets"] == pytest.approx(2 * 5_000)
