@@ -50,27 +50,27 @@ def test_every_collective_pays_its_latency():
     plan = z3()
     base = comm_total(plan)
     slow = comm_total(plan, cluster(inter_lat=10.0))
-    assert slow - base == pytest.approx((2 * FETCHED + math.ceil(PSI_T1 / 1000)) * 3 * 10e-6, rel=1e-11)
+    assert slow - base == pytest.approx((2 * FETCHED + math.ceil(PSI_T1 / 1000)) * 3 * 10e-6, rel=1e-11, abs=0)
     # latency_scale multiplies it
     scaled = dataclasses.replace(DEV, factors={**DEV.factors, "latency_scale": 0.5})
     half = comm_total(plan, cluster(dev=scaled, inter_lat=10.0))
-    assert half - base == pytest.approx((2 * FETCHED + 328) * 3 * 10e-6 * 0.5, rel=1e-11)
+    assert half - base == pytest.approx((2 * FETCHED + 328) * 3 * 10e-6 * 0.5, rel=1e-11, abs=0)
     # a bigger reduce bucket means fewer reduce-scatters: 33 buckets of 10,000
     big = comm_total(dataclasses.replace(plan, bucket_elements=10_000), cluster(inter_lat=10.0))
     assert big - comm_total(dataclasses.replace(plan, bucket_elements=10_000)) == pytest.approx(
-        (2 * FETCHED + 33) * 3 * 10e-6, rel=1e-11)
+        (2 * FETCHED + 33) * 3 * 10e-6, rel=1e-11, abs=0)
 
 
 def test_fetch_overhead_is_per_fetched_tensor_and_never_hidden():
     dev = dataclasses.replace(DEV, factors={**DEV.factors, "zero3_fetch_overhead_s": 1e-3})
     t0 = run(z3(), c=cluster()).time.zero_gather
     t1 = run(z3(), c=cluster(dev=dev)).time.zero_gather
-    assert t1 - t0 == pytest.approx(2 * FETCHED * 1e-3, rel=1e-11)
+    assert t1 - t0 == pytest.approx(2 * FETCHED * 1e-3, rel=1e-11, abs=0)
     # a checkpointed block is gathered for its recompute, and its backward gathers again what was
     # released in between: with a reuse distance of 1000 elements all but the FFN output (3 x 4 more)
     r0 = run(z3(recompute="full"), c=cluster()).time.zero_gather
     r1 = run(z3(recompute="full"), c=cluster(dev=dev)).time.zero_gather
-    assert r1 - r0 == pytest.approx((2 * FETCHED + 12) * 1e-3, rel=1e-11)
+    assert r1 - r0 == pytest.approx((2 * FETCHED + 12) * 1e-3, rel=1e-11, abs=0)
 
 
 def test_recompute_gathers_again_only_what_was_released():
@@ -84,16 +84,16 @@ def test_recompute_gathers_again_only_what_was_released():
     from test_cost_terms import F_T1
     ag = 2 * (3 / 4) / INTER
     extra = comm_total(z3(recompute="full")) - comm_total(z3())
-    assert extra == pytest.approx(4 * (32_768 * ag - 0.5 * F_T1), rel=1e-11)
+    assert extra == pytest.approx(4 * (32_768 * ag - 0.5 * F_T1), rel=1e-11, abs=0)
     kept = comm_total(z3(recompute="full", live_elements=100_000)) - comm_total(z3(live_elements=100_000))
-    assert kept == pytest.approx(4 * (0 - 0.5 * F_T1), rel=1e-11)
+    assert kept == pytest.approx(4 * (0 - 0.5 * F_T1), rel=1e-11, abs=0)
 
 
 def test_qwz_gathers_forward_weights_in_int8():
     ag = (3 / 4) / INTER
     diff = comm_total(z3()) - comm_total(z3(quantized_weights=True))
     # forward gathers: 2 bytes -> 1 + 4/2048 per element (int8 and one fp32 scale per 2048)
-    assert diff == pytest.approx(FETCHED_ELEMS * (2 - (1 + 4 / 2048)) * ag, rel=1e-11)
+    assert diff == pytest.approx(FETCHED_ELEMS * (2 - (1 + 4 / 2048)) * ag, rel=1e-11, abs=0)
 
 
 def test_hpz_keeps_backward_gathers_inside_the_node():
@@ -105,7 +105,7 @@ def test_hpz_keeps_backward_gathers_inside_the_node():
     for elems, bw, count in units:
         across, inside = elems * 2 * (3 / 4) / INTER, elems * 2 * (1 / 2) / INTRA
         diff += count * ((across - min(across, 0.5 * bw)) - (inside - min(inside, 0.5 * bw)))
-    assert comm_total(z3()) - comm_total(z3(hpz=2)) == pytest.approx(diff, rel=1e-11)
+    assert comm_total(z3()) - comm_total(z3(hpz=2)) == pytest.approx(diff, rel=1e-11, abs=0)
     # the embedding's backward is too short to hide even the node-local gather; the blocks' hides it
     assert 63_936 * 1e-11 > 0.5 * 2 * FIRST_C / 3 and 49_152 * 1e-11 < 0.5 * B_T1
 
@@ -117,7 +117,7 @@ def test_mics_shards_inside_the_node_and_all_reduces_across_replicas():
     t = run(z3(mics_shard=2, grad_accum=2), c=cluster()).time
     plain = run(z3(dp=2, grad_accum=2), c=cluster(nodes=1)).time     # the same shard group alone
     ar = PSI_T1 * 2 / 2 * 2 * (1 / 2) / (INTER / 2)
-    assert t.dp_sync + t.zero_gather == pytest.approx(plain.dp_sync + plain.zero_gather + ar, rel=1e-11)
+    assert t.dp_sync + t.zero_gather == pytest.approx(plain.dp_sync + plain.zero_gather + ar, rel=1e-11, abs=0)
 
 
 def test_qgz_reduces_in_int4_inside_then_across_nodes():
@@ -127,7 +127,7 @@ def test_qgz_reduces_in_int4_inside_then_across_nodes():
     rs = PSI_T1 * q * (1 / 2) / INTRA + PSI_T1 / 2 * q * (1 / 2) / INTER
     plain = PSI_T1 * 2 * (3 / 4) / INTER
     # with overlap off and this little compute, the reduction is exposed in full either way
-    assert comm_total(z3()) - comm_total(z3(quantized_gradients=True)) == pytest.approx(plain - rs, rel=1e-11)
+    assert comm_total(z3()) - comm_total(z3(quantized_gradients=True)) == pytest.approx(plain - rs, rel=1e-11, abs=0)
 
 
 def test_optimizer_offload_moves_states_to_the_host_and_adam_to_the_cpu():
@@ -135,17 +135,17 @@ def test_optimizer_offload_moves_states_to_the_host_and_adam_to_the_cpu():
     est = run(plan, c=cluster())
     part = PSI_T1 / 4
     # Adam over the partition, the node's 2 ranks sharing 1e9 params/s; the bf16 partition back over PCIe
-    assert est.time.optimizer == pytest.approx(part * 2 / 1e9 + part * 2 / 10e9, rel=1e-12)
+    assert est.time.optimizer == pytest.approx(part * 2 / 1e9 + part * 2 / 10e9, rel=1e-12, abs=0)
     # host: fp32 master, two moments, the fp32 gradient and the bf16 gradient partition: 18 bytes per element
-    assert est.host_memory_bytes == pytest.approx(18 * part, rel=1e-12)
+    assert est.host_memory_bytes == pytest.approx(18 * part, rel=1e-12, abs=0)
     assert est.stage_memory[0].optimizer == 0.0
     # NVMe: the swap of 28 bytes per element for the node's 2 ranks at 5 GB/s is slower than Adam here? no:
     nv = run(z3(offload_optimizer="nvme"), c=cluster())
     swap = part * 28 * 2 / 5e9
-    assert nv.time.optimizer == pytest.approx(max(part * 2 / 1e9, swap) + part * 2 / 10e9, rel=1e-12)
-    assert nv.nvme_bytes == pytest.approx(18 * part, rel=1e-12)        # master, moments, both gradients
+    assert nv.time.optimizer == pytest.approx(max(part * 2 / 1e9, swap) + part * 2 / 10e9, rel=1e-12, abs=0)
+    assert nv.nvme_bytes == pytest.approx(18 * part, rel=1e-12, abs=0)        # master, moments, both gradients
     # the host keeps a double-buffered sub-group (min(partition, 1000) x 32 bytes)
-    assert nv.host_memory_bytes == pytest.approx(32 * 1000, rel=1e-12)
+    assert nv.host_memory_bytes == pytest.approx(32 * 1000, rel=1e-12, abs=0)
 
 
 def test_zero12_offload_buffers():
@@ -168,16 +168,16 @@ def test_zero2_offload_copies_gradients_every_micro_batch():
     plan = Plan(dp=4, zero=2, micro_batch=1, grad_accum=2, bucket_elements=1000, overlap_comm=False)
     with_off = run(dataclasses.replace(plan, offload_optimizer="cpu"), c=cluster()).time.dp_sync
     without = run(plan, c=cluster()).time.dp_sync
-    assert with_off - without == pytest.approx(2 * PSI_T1 / 4 * 2 / 10e9, rel=1e-11)
+    assert with_off - without == pytest.approx(2 * PSI_T1 / 4 * 2 / 10e9, rel=1e-11, abs=0)
 
 
 def test_parameter_offload_copies_each_partition_before_its_gather():
     # each fetched tensor's 1/4 partition crosses PCIe before each of its 2 gathers; compute is
     # too small to hide it
     diff = comm_total(z3(offload_params="cpu")) - comm_total(z3())
-    assert diff == pytest.approx(2 * FETCHED_ELEMS * 2 / 4 / 10e9, rel=1e-11)
+    assert diff == pytest.approx(2 * FETCHED_ELEMS * 2 / 4 / 10e9, rel=1e-11, abs=0)
     est = run(z3(offload_params="cpu"), c=cluster())
-    assert est.host_memory_bytes == pytest.approx(2 * PSI_T1 / 4, rel=1e-12)   # the bf16 partition
+    assert est.host_memory_bytes == pytest.approx(2 * PSI_T1 / 4, rel=1e-12, abs=0)   # the bf16 partition
 
 
 def test_variant_memory_on_the_device():
@@ -266,7 +266,7 @@ def test_footprint_locations_and_staging_buffers():
             want = sum(eng.bytes_by_role(sz, ("always", "grads"), location="device").values())
             if resident:
                 want += sum(eng.bytes_by_role(sz, ("always", "grads"), location="host").values())
-            assert sum(held) == pytest.approx(want, rel=1e-12)
+            assert sum(held) == pytest.approx(want, rel=1e-12, abs=0)
     # ZeRO-1 offload: the device staging buffer is the largest tensor's size
     held, _, _ = engines.footprint(Plan(dp=4, zero=1, offload_optimizer="cpu"), False, largest).evaluate(psi, 0.0)
     assert held[2] == pytest.approx(2 * largest)                        # optimizer role on the device
@@ -289,10 +289,10 @@ def test_a_cpu_device_copies_and_steps_in_its_own_memory():
     c = cpu_cluster()
     f = dict(c.device.factors, optimizer_scale=2.0)
     hbm = c.device.hbm_bandwidth_gbps * 1e9
-    assert zero.host_copy(c, 1e6) == pytest.approx(1e6 / hbm, rel=1e-12)
+    assert zero.host_copy(c, 1e6) == pytest.approx(1e6 / hbm, rel=1e-12, abs=0)
     plan = Plan(dp=2, zero=2, offload_optimizer="cpu")
     # no PCIe and no CPU Adam: the memory-bound step over the partition (28 bytes per element)
-    assert zero.offload_step_time(c, plan, 1e6, 2.0, f) == pytest.approx(1e6 / 2 * 28 / hbm * 2.0, rel=1e-12)
+    assert zero.offload_step_time(c, plan, 1e6, 2.0, f) == pytest.approx(1e6 / 2 * 28 / hbm * 2.0, rel=1e-12, abs=0)
 
 
 def test_offload_step_time_on_a_node_of_one_gpu_and_its_scales():
@@ -300,14 +300,14 @@ def test_offload_step_time_on_a_node_of_one_gpu_and_its_scales():
     f = dict(DEV.factors, cpu_adam_scale=1.5, optimizer_scale=1.0)
     plan = Plan(dp=1, zero=2, offload_optimizer="cpu")
     assert zero.offload_step_time(one, plan, 1e6, 2.0, f) == pytest.approx(1e6 / 1e9 * 1.5 + 1e6 * 2 / 10e9,
-                                                                           rel=1e-12)
+                                                                           rel=1e-12, abs=0)
     nv = Plan(dp=1, zero=3, offload_optimizer="nvme")
     assert zero.offload_step_time(one, nv, 1e6, 4.0, f) == pytest.approx(
-        max(1e6 / 1e9 * 1.5, 1e6 * 28 / 5e9) + 1e6 * 4 / 10e9, rel=1e-12)
+        max(1e6 / 1e9 * 1.5, 1e6 * 28 / 5e9) + 1e6 * 4 / 10e9, rel=1e-12, abs=0)
     # TP 2 on the 2-GPU node leaves one rank per node sharing the CPU
     tp = Plan(dp=2, tp=2, zero=2, offload_optimizer="cpu")
     assert zero.offload_step_time(cluster(), tp, 1e6, 2.0, f) == pytest.approx(
-        1e6 / 2 / 1e9 * 1.5 + 1e6 / 2 * 2 / 10e9, rel=1e-12)
+        1e6 / 2 / 1e9 * 1.5 + 1e6 / 2 * 2 / 10e9, rel=1e-12, abs=0)
 
 
 def test_offload_in_fp32_moves_4_byte_gradients_and_weights():
@@ -315,21 +315,21 @@ def test_offload_in_fp32_moves_4_byte_gradients_and_weights():
     t16 = run(z3(offload_optimizer="cpu"), c=cluster()).time
     t32 = run(z3(offload_optimizer="cpu", precision="fp32"), c=cluster()).time
     part = PSI_T1 / 4
-    assert t32.optimizer - t16.optimizer == pytest.approx(part * 2 / 10e9, rel=1e-11)
+    assert t32.optimizer - t16.optimizer == pytest.approx(part * 2 / 10e9, rel=1e-11, abs=0)
     z2 = Plan(dp=4, zero=2, micro_batch=1, grad_accum=2, bucket_elements=1000, overlap_comm=False)
     a = run(dataclasses.replace(z2, offload_optimizer="cpu", precision="fp32"), c=cluster()).time.dp_sync
     b = run(dataclasses.replace(z2, precision="fp32"), c=cluster()).time.dp_sync
-    assert a - b == pytest.approx(2 * PSI_T1 / 4 * 4 / 10e9, rel=1e-12)
+    assert a - b == pytest.approx(2 * PSI_T1 / 4 * 4 / 10e9, rel=1e-12, abs=0)
 
 
 def test_zero1_offload_copies_once_per_step_and_pipelines_do_not_overlap_it():
     z1 = Plan(dp=4, zero=1, micro_batch=1, grad_accum=2, bucket_elements=1000, overlap_comm=False)
     a = run(dataclasses.replace(z1, offload_optimizer="cpu"), c=cluster()).time.dp_sync
     b = run(z1, c=cluster()).time.dp_sync
-    assert a - b == pytest.approx(PSI_T1 / 4 * 2 / 10e9, rel=1e-12)           # once per step
+    assert a - b == pytest.approx(PSI_T1 / 4 * 2 / 10e9, rel=1e-12, abs=0)           # once per step
     # one rank, no DP traffic: the copy is all there is (ZeRO-Offload on one GPU)
     solo = Plan(dp=1, zero=2, micro_batch=1, grad_accum=2, overlap_comm=False, offload_optimizer="cpu")
-    assert run(solo, c=cluster(nodes=1, per_node=1)).time.dp_sync == pytest.approx(2 * PSI_T1 * 2 / 10e9, rel=1e-12)
+    assert run(solo, c=cluster(nodes=1, per_node=1)).time.dp_sync == pytest.approx(2 * PSI_T1 * 2 / 10e9, rel=1e-12, abs=0)
 
 
 def test_zero12_latency_is_paid_per_bucket():
@@ -338,15 +338,15 @@ def test_zero12_latency_is_paid_per_bucket():
     plan = Plan(dp=4, zero=2, micro_batch=1, grad_accum=2, bucket_elements=1000, overlap_comm=False)
     slow = run(plan, c=cluster(inter_lat=10.0)).time.dp_sync
     base = run(plan, c=cluster()).time.dp_sync
-    assert slow - base == pytest.approx((2 * 328 + 328) * 3 * 10e-6, rel=1e-11)
+    assert slow - base == pytest.approx((2 * 328 + 328) * 3 * 10e-6, rel=1e-11, abs=0)
     # one bucket when the model is smaller than the bucket; ZeRO-0's flat buffer holds 5e8 elements
     big = dataclasses.replace(plan, bucket_elements=1_000_000)
     assert run(big, c=cluster(inter_lat=10.0)).time.dp_sync - run(big, c=cluster()).time.dp_sync == \
-        pytest.approx((2 + 1) * 3 * 10e-6, rel=1e-11)
+        pytest.approx((2 + 1) * 3 * 10e-6, rel=1e-11, abs=0)
     z0 = Plan(dp=4, zero=0, micro_batch=1, grad_accum=2, bucket_elements=1000, precision="fp32")
     # one all-reduce over 4 ranks: 2 ceil(log2 4) = 4 latency steps
     assert run(z0, c=cluster(inter_lat=10.0)).time.dp_sync - run(z0, c=cluster()).time.dp_sync == \
-        pytest.approx(4 * 10e-6, rel=1e-11)
+        pytest.approx(4 * 10e-6, rel=1e-11, abs=0)
 
 
 def test_zero3_counts_its_collectives_and_fetches():
@@ -369,10 +369,10 @@ def test_zero3_offload_copies_gradients_and_parameters_for_recompute():
     # optimizer offload: the reduced partition crosses PCIe every micro-batch, behind backward with
     # the reduce-scatters (here nothing more hides: the network is the bottleneck)
     a = comm_total(z3(offload_optimizer="cpu"))
-    assert a - comm_total(z3()) == pytest.approx(PSI_T1 * 2 / 4 / 10e9, rel=1e-11)
+    assert a - comm_total(z3()) == pytest.approx(PSI_T1 * 2 / 4 / 10e9, rel=1e-11, abs=0)
     # parameter offload under recompute: the regathered tensors (32,768 per block) are copied again
     r = comm_total(z3(recompute="full", offload_params="cpu")) - comm_total(z3(recompute="full"))
-    assert r == pytest.approx((2 * FETCHED_ELEMS + 4 * 32_768) * 2 / 4 / 10e9, rel=1e-11)
+    assert r == pytest.approx((2 * FETCHED_ELEMS + 4 * 32_768) * 2 / 4 / 10e9, rel=1e-11, abs=0)
 
 
 def test_units_at_the_threshold_and_a_tied_output_layer():
@@ -404,7 +404,7 @@ def test_headroom_is_the_fixed_allowance_inside_the_peak():
     assert base.headroom_bytes == 1e9
     more = run(z3(), c=dataclasses.replace(cluster(), memory_headroom=2.5))
     assert more.headroom_bytes == 2.5e9
-    assert more.peak_memory_bytes - base.peak_memory_bytes == pytest.approx(1.5e9, rel=1e-12)
+    assert more.peak_memory_bytes - base.peak_memory_bytes == pytest.approx(1.5e9, rel=1e-12, abs=0)
 
 
 def test_qgz_inside_one_node_is_one_int4_reduce_scatter():
@@ -413,7 +413,7 @@ def test_qgz_inside_one_node_is_one_int4_reduce_scatter():
     q = 0.5 + 4 / 2048
     plain = comm_total(z3(dp=2), one)
     quant = comm_total(z3(dp=2, quantized_gradients=True), one)
-    assert plain - quant == pytest.approx(PSI_T1 * (2 - q) * (1 / 2) / INTRA, rel=1e-11)
+    assert plain - quant == pytest.approx(PSI_T1 * (2 - q) * (1 / 2) / INTRA, rel=1e-11, abs=0)
 
 
 def test_nvme_parameters_share_the_nodes_nvme():
@@ -421,7 +421,7 @@ def test_nvme_parameters_share_the_nodes_nvme():
     # (5 GB/s, the node's only rank) and copied over PCIe, before each of its 2 gathers
     four = cluster(nodes=4, per_node=1)
     diff = comm_total(z3(offload_params="nvme"), four) - comm_total(z3(offload_params="cpu"), four)
-    assert diff == pytest.approx(2 * FETCHED_ELEMS * 2 / 4 / 5e9, rel=1e-11)
+    assert diff == pytest.approx(2 * FETCHED_ELEMS * 2 / 4 / 5e9, rel=1e-11, abs=0)
 
 
 def test_zero3_windows_include_tp_and_reduce_scatters_hide_with_overlap():
@@ -461,7 +461,7 @@ def test_zero3_in_fp32_gathers_4_bytes_per_element():
     none = dataclasses.replace(DEV, factors={**DEV.factors, "dp_overlap": 0.0})
     c = cluster(dev=none)
     assert comm_total(z3(precision="fp32"), c) == pytest.approx(
-        (2 * FETCHED_ELEMS + PSI_T1) * 4 * (3 / 4) / INTER, rel=1e-11)
+        (2 * FETCHED_ELEMS + PSI_T1) * 4 * (3 / 4) / INTER, rel=1e-11, abs=0)
 
 
 def test_more_counts_and_latencies():
@@ -481,23 +481,23 @@ def test_more_counts_and_latencies():
     assert counts(z3(bucket_elements=1_000_000), cluster()) == (2 * FETCHED, 2 * FETCHED + 1)
     base = comm_total(z3(bucket_elements=1_000_000))
     assert comm_total(z3(bucket_elements=1_000_000), cluster(inter_lat=10.0)) - base == pytest.approx(
-        (2 * FETCHED + 1) * 3 * 10e-6, rel=1e-11)
+        (2 * FETCHED + 1) * 3 * 10e-6, rel=1e-11, abs=0)
     # qgZ's two hops pay their own links' latency: 1 step inside the node, 1 across
     q = z3(quantized_gradients=True)
     lat = comm_total(q, cluster(inter_lat=10.0, intra_lat=1.0)) - comm_total(q)
-    assert lat == pytest.approx(2 * FETCHED * 3 * 10e-6 + 328 * (1e-6 + 10e-6), rel=1e-11)
+    assert lat == pytest.approx(2 * FETCHED * 3 * 10e-6 + 328 * (1e-6 + 10e-6), rel=1e-11, abs=0)
     # MiCS's replica all-reduce pays latency_scale too: 2 ranks, 2 steps of 10 us, halved
     m = z3(mics_shard=2)
     half = dataclasses.replace(DEV, factors={**DEV.factors, "latency_scale": 0.5})
     mics_lat = comm_total(m, cluster(dev=half, inter_lat=10.0)) - comm_total(m, cluster(dev=half))
-    assert mics_lat == pytest.approx(2 * 10e-6 * 0.5, rel=1e-11)
+    assert mics_lat == pytest.approx(2 * 10e-6 * 0.5, rel=1e-11, abs=0)
 
 
 def test_estimate_host_bytes_and_message():
     from planner.cost import estimate
     z1 = Plan(dp=4, zero=1, micro_batch=1, grad_accum=1, offload_optimizer="cpu")
     est = run(z1, c=cluster())
-    assert est.host_memory_bytes == pytest.approx(18 * PSI_T1 / 4 + 2 * 63_936, rel=1e-12)  # + staging buffer
+    assert est.host_memory_bytes == pytest.approx(18 * PSI_T1 / 4 + 2 * 63_936, rel=1e-12, abs=0)  # + staging buffer
     # the reason names the node's need: every rank of the node, in GB
     from planner.specs import parse_cluster, preset
     from planner.specs import TrainSpec as T
@@ -520,7 +520,7 @@ def test_pipeline_offload_copy_is_not_hidden_and_defaults():
     b = run(p, c=cluster()).time.dp_sync
     from test_cost_terms import BLOCK_T1, HEAD_T1
     psi_last = 2 * BLOCK_T1 + HEAD_T1          # the slowest stage's parameters (stage 1: 2 blocks + head)
-    assert a - b == pytest.approx(psi_last / 2 * 2 / 10e9, rel=1e-11)
+    assert a - b == pytest.approx(psi_last / 2 * 2 / 10e9, rel=1e-11, abs=0)
     # defaults: no largest-tensor buffer unless the size is given
     z1 = Plan(dp=4, zero=1, offload_optimizer="cpu")
     assert engines.state_bytes(z1, 1000.0, 0.0) == pytest.approx(2 * 1000)
@@ -536,3 +536,10 @@ def test_live_parameters_bound_the_gathered_weights():
     assert back[3] == pytest.approx(2 * 5_000)                         # gathered weights, backward
     sz = engines.sizes(plan, 10_000.0, 0.0)
     assert engines.engine_for(plan).bytes_by_role(sz, ("backward",))["buckets"] == pytest.approx(2 * 5_000)
+
+
+def test_nvme_parameters_on_a_node_of_two():
+    # 2 ranks per node read their partitions through the node's one NVMe: twice the time each
+    two = cluster()
+    diff = comm_total(z3(offload_params="nvme"), two) - comm_total(z3(offload_params="cpu"), two)
+    assert diff == pytest.approx(2 * FETCHED_ELEMS * 2 / 4 * 2 / 5e9, rel=1e-11, abs=0)
