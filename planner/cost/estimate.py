@@ -158,9 +158,11 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
             reasons.append(f"stage {i} needs {mb.total / GB:.1f} GB > {cap / GB:.1f} GB: "
                            f"{_LABELS[big]} {parts[big]:.1f} GB")
             break
-    host = max(engines.host_bytes(plan, *lc.stage_psi(i, p, n), largest=lc.largest) for i, n in enumerate(layers))
-    nvme = max(engines.host_bytes(plan, *lc.stage_psi(i, p, n), location="nvme", largest=lc.largest)
-               for i, n in enumerate(layers))
+    host = nvme = 0.0
+    if plan.offload_optimizer != "none" or plan.offload_params != "none":  # nothing leaves the device otherwise
+        host = max(engines.host_bytes(plan, *lc.stage_psi(i, p, n), largest=lc.largest) for i, n in enumerate(layers))
+        nvme = max(engines.host_bytes(plan, *lc.stage_psi(i, p, n), location="nvme", largest=lc.largest)
+                   for i, n in enumerate(layers))
     ranks = cluster.gpus_per_node
     if host and cluster.device.kind != "cpu" and cluster.host.cpu_memory_gb and \
             host * ranks > cluster.host.cpu_memory_gb * 1e9 * HOST_USABLE:
