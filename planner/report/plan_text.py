@@ -11,31 +11,14 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from planner.specs.estimate import GB
+from planner.specs.estimate import GB, NEAR_LIMIT
 from planner.specs.plan import Plan
 
-NEAR_LIMIT = 0.02
-"""A plan whose peak device memory (its --memory-headroom allowance included) is within this
-fraction of the usable memory (ClusterSpec.usable_bytes) is flagged: the estimate's own error
-is of this order, so such a plan may not start."""
 
 
 def short_variants(plan: Plan) -> tuple[str, ...]:
     """ZeRO variants in a few letters: off-opt:cpu, off-par:nvme, hpZ8, qwZ, qgZ, MiCS16."""
-    out = []
-    if plan.offload_optimizer != "none":
-        out.append(f"off-opt:{plan.offload_optimizer}")
-    if plan.offload_params != "none":
-        out.append(f"off-par:{plan.offload_params}")
-    if plan.hpz > 1:
-        out.append(f"hpZ{plan.hpz}")
-    if plan.quantized_weights:
-        out.append("qwZ")
-    if plan.quantized_gradients:
-        out.append("qgZ")
-    if plan.mics_shard:
-        out.append(f"MiCS{plan.mics_shard}")
-    return tuple(out)
+    return tuple(short for _, short in plan.variant_labels())
 
 
 def headroom_gb(cluster: Any, est: Any = None) -> float | None:

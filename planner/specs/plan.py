@@ -159,23 +159,28 @@ class Plan:
         """Ranks ZeRO partitions the model states over: the MiCS shard group, else DP."""
         return self.mics_shard or self.dp
 
+    def variant_labels(self) -> tuple[tuple[str, str], ...]:
+        """(words, short label) of each of DeepSpeed's ZeRO variants the plan uses, e.g.
+        ("ZeRO++ hpZ 8", "hpZ8"); empty for plain ZeRO."""
+        out = []
+        if self.offload_optimizer != "none":
+            out.append((f"optimizer offload to {self.offload_optimizer}", f"off-opt:{self.offload_optimizer}"))
+        if self.offload_params != "none":
+            out.append((f"parameter offload to {self.offload_params}", f"off-par:{self.offload_params}"))
+        if self.hpz > 1:
+            out.append((f"ZeRO++ hpZ {self.hpz}", f"hpZ{self.hpz}"))
+        if self.quantized_weights:
+            out.append(("ZeRO++ qwZ", "qwZ"))
+        if self.quantized_gradients:
+            out.append(("ZeRO++ qgZ", "qgZ"))
+        if self.mics_shard:
+            out.append((f"MiCS shard {self.mics_shard}", f"MiCS{self.mics_shard}"))
+        return tuple(out)
+
     @property
     def variants(self) -> tuple[str, ...]:
         """DeepSpeed's ZeRO variants the plan uses, in words (empty: plain ZeRO)."""
-        out = []
-        if self.offload_optimizer != "none":
-            out.append(f"optimizer offload to {self.offload_optimizer}")
-        if self.offload_params != "none":
-            out.append(f"parameter offload to {self.offload_params}")
-        if self.hpz > 1:
-            out.append(f"ZeRO++ hpZ {self.hpz}")
-        if self.quantized_weights:
-            out.append("ZeRO++ qwZ")
-        if self.quantized_gradients:
-            out.append("ZeRO++ qgZ")
-        if self.mics_shard:
-            out.append(f"MiCS shard {self.mics_shard}")
-        return tuple(out)
+        return tuple(words for words, _ in self.variant_labels())
 
     @property
     def world_size(self) -> int:
