@@ -543,3 +543,9 @@ def test_nvme_parameters_on_a_node_of_two():
     two = cluster()
     diff = comm_total(z3(offload_params="nvme"), two) - comm_total(z3(offload_params="cpu"), two)
     assert diff == pytest.approx(2 * FETCHED_ELEMS * 2 / 4 * 2 / 5e9, rel=1e-11, abs=0)
+
+
+def test_a_plan_without_offload_keeps_nothing_off_the_device():
+    est = run(z3(hpz=2), c=cluster())
+    assert (est.host_memory_bytes, est.nvme_bytes) == (0.0, 0.0)
+    assert (est.to_json()["host_memory_gb"], est.to_json()["nvme_gb"]) == (0.0, 0.0)
