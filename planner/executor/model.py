@@ -3,7 +3,8 @@
 Faithful to the variants the presets name (ChatGLM/GLM-130B code, THUDM):
 - LayerNorm or RMSNorm; pre-LN, post-LN, or DeepNorm (post-LN with residual scaled by
   alpha = (2N)^(1/2), Wang et al. 2022 "DeepNet", as in GLM-130B);
-- rotary positions (Su et al. 2021; ChatGLM applies them to half of each head), learned
+- rotary positions (Su et al. 2021; ChatGLM and GLM rotate half of each head in interleaved
+  pairs, llama the whole head with rotate_half: ModelSpec.rotary_fraction, rope_interleaved), learned
   absolute positions, or ALiBi biases (Press et al. 2022);
 - GELU MLP or GeGLU/SwiGLU (Shazeer 2020), fused [gate | up] as ChatGLM2's dense_h_to_4h;
 - multi-head or grouped/multi-query attention (kv_groups), fused [q | k | v] projection;
@@ -97,7 +98,8 @@ class LayerNorm(nn.Module):
 
 
 def make_norm(spec: ModelSpec, tp: TPGroup, name: str) -> nn.Module:
-    return RMSNorm(spec.hidden, tp, name) if spec.norm == "rmsnorm" else LayerNorm(spec.hidden, tp, name)
+    norm = RMSNorm if spec.norm == "rmsnorm" else LayerNorm
+    return norm(spec.hidden, tp, name, eps=spec.norm_eps)
 
 
 # --- per-micro-batch tensors shared by a stage's blocks -------------------------------------------
@@ -109,8 +111,9 @@ def alibi_slopes(n: int) -> torch.Tensor:
 
 
 def rotary_dims(spec: ModelSpec) -> int:
-    """ChatGLM's 2D-RoPE rotates the first half of each head's dims."""
-    d = spec.dim_per_head // 2
+    """The first rotary_fraction of each head's dims, rounded down to even: ChatGLM's 2D-RoPE
+    and transformers' GlmForCausalLM rotate the first half, llama the whole head."""
+    d = int(spec.dim_per_head * spec.rotary_fraction)
     return d - d % 2
 
 
@@ -146,18 +149,24 @@ class StageCache:
         out = {"mask": bias.to(dtype).masked_fill(~allowed, float("-inf"))}
         rot = rotary_dims(spec)
         if spec.position == "rotary" and rot:
-            inv = 1.0 / (10000 ** (torch.arange(0, rot, 2, device=pos.device, dtype=torch.float32) / rot))
+            inv = 1.0 / (spec.rope_theta ** (torch.arange(0, rot, 2, device=pos.device, dtype=torch.float32) / rot))
             ang = pos.float()[..., None] * inv  # b s rot/2
             out["cos"], out["sin"] = ang.cos()[:, :, None, :], ang.sin()[:, :, None, :]
         return out
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first 2 * cos.shape[-1] dims of each head in fp32 (x: b s n d)."""
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
+    """Rotate the first r = 2 * cos.shape[-1] dims of each head in fp32 (x: b s n d); pair i
+    turns by angle i: pairs (2i, 2i+1) when interleaved (ChatGLM, GLM), else (i, i + r/2)
+    (llama's rotate_half)."""
     rot = 2 * cos.shape[-1]
     xr, xp = x[..., :rot].float(), x[..., rot:]
-    x1, x2 = xr[..., 0::2], xr[..., 1::2]
-    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., :rot // 2], xr[..., rot // 2:]
+        out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     return torch.cat((out.to(x.dtype), xp), dim=-1)
 
 
@@ -249,7 +258,8 @@ class SelfAttention(nn.Module):
              segments: torch.Tensor) -> torch.Tensor:
         shared = self.cache.get(pos, segments, q.dtype)
         if "cos" in shared:
-            q, k = rotary(q, shared["cos"], shared["sin"]), rotary(k, shared["cos"], shared["sin"])
+            il = self.spec.rope_interleaved
+            q, k = rotary(q, shared["cos"], shared["sin"], il), rotary(k, shared["cos"], shared["sin"], il)
             v = v.contiguous()  # else the saved v (a view) keeps the whole QKV output alive
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # b n s d
         p = self.spec.attention_dropout if self.training else 0.0

@@ -69,6 +69,20 @@ class _Config:
         """hidden_dropout / attention_dropout keyword arguments for ModelSpec."""
         return {"hidden_dropout": self.prob(*hidden), "attention_dropout": self.prob(*attention)}
 
+    def float(self, *keys: str, default: float) -> float:
+        """First present key among `keys` (a dotted key reads a nested object), as a positive number."""
+        for key in keys:
+            value: Any = self.data
+            for part in key.split("."):
+                value = value.get(part) if isinstance(value, Mapping) else None
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise SpecError(f"{self.where}: {key}", f"must be a positive number, got {value!r}",
+                                "fix the config.json")
+            return float(value)
+        return default
+
     def str(self, key: str, default: str) -> str:
         value = self.data.get(key)
         if value is None:
@@ -99,6 +113,15 @@ def _llama_like(cfg: _Config, name: str, family: str) -> ModelSpec:
     """llama, glm (GlmForCausalLM) and glm4 (Glm4ForCausalLM): SwiGLU, RMSNorm, rotary, GQA."""
     heads = cfg.int("num_attention_heads")
     bias = cfg.bool("attention_bias", family != "llama")   # GLM-4 has a QKV bias (GlmConfig default True)
+    llama = family == "llama"
+    # rotary: transformers 5 nests rope_theta / partial_rotary_factor in rope_parameters, older
+    # configs keep them at the top level; GLM rotates half of each head in interleaved pairs
+    # (GlmConfig default partial_rotary_factor 0.5), llama the whole head with rotate_half
+    rope = {"rope_theta": cfg.float("rope_parameters.rope_theta", "rope_theta", default=10000.0),
+            "rotary_fraction": min(1.0, cfg.float("rope_parameters.partial_rotary_factor",
+                                                  "partial_rotary_factor", default=1.0 if llama else 0.5)),
+            "rope_interleaved": not llama,
+            "norm_eps": cfg.float("rms_norm_eps", default=1e-6 if llama else 1.5625e-07)}
     return ModelSpec(
         name=name, model_type=family, hidden=cfg.int("hidden_size"), layers=cfg.int("num_hidden_layers"),
         heads=heads, kv_groups=_kv(cfg, heads, "num_key_value_heads"), ffn_hidden=cfg.int("intermediate_size"),
@@ -106,7 +129,7 @@ def _llama_like(cfg: _Config, name: str, family: str) -> ModelSpec:
         max_seq=cfg.int("max_position_embeddings", default=4096 if family == "llama" else 131072),
         norm="rmsnorm", norm_position="pre", position="rotary", qkv_bias=bias,
         linear_bias=cfg.bool("mlp_bias", False), tied_embeddings=cfg.bool("tie_word_embeddings", False),
-        head_dim=cfg.int("head_dim", default=None), **cfg.dropout((), ("attention_dropout",)))
+        head_dim=cfg.int("head_dim", default=None), **cfg.dropout((), ("attention_dropout",)), **rope)
 
 
 def _chatglm(cfg: _Config, name: str, family: str) -> ModelSpec:
@@ -125,6 +148,8 @@ def _chatglm(cfg: _Config, name: str, family: str) -> ModelSpec:
             norm_position="post" if cfg.bool("apply_residual_connection_post_layernorm", False) else "pre",
             position="rotary", qkv_bias=cfg.bool("add_qkv_bias", False), linear_bias=cfg.bool("add_bias_linear", False),
             tied_embeddings=False, head_dim=cfg.int("kv_channels", default=None),
+            norm_eps=cfg.float("layernorm_epsilon", default=1e-5),
+            rope_theta=10000.0 * cfg.float("rope_ratio", default=1.0),  # modeling_chatglm.py: base * rope_ratio
             **cfg.dropout(("hidden_dropout",), ("attention_dropout",)))
     # ChatGLM-6B (first generation)
     return ModelSpec(

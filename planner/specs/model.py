@@ -63,6 +63,17 @@ class ModelSpec:
     1-byte masks only where it is > 0 (Korthikanti et al. 2022, Table 2)."""
     attention_dropout: float = 0.0
     """Dropout probability on the attention probabilities (GLM-10B, GLM-130B: 0.1)."""
+    norm_eps: float = 1e-5
+    """Epsilon of every norm (ChatGLM2/3 layernorm_epsilon 1e-5; llama rms_norm_eps 1e-6;
+    transformers' GlmConfig 1.5625e-7). The executor uses it; the cost model does not."""
+    rope_theta: float = 10000.0
+    """Rotary base (llama, GLM: rope_theta; ChatGLM: 10000 x rope_ratio)."""
+    rotary_fraction: float = 0.5
+    """Share of each head's dims the rotary embedding rotates, the first ones (ChatGLM and GLM:
+    half; llama: all)."""
+    rope_interleaved: bool = True
+    """Rotated pairs: (2i, 2i+1) (ChatGLM, transformers' GlmForCausalLM) or, False, (i, i + r/2)
+    (llama's rotate_half)."""
 
     def __post_init__(self) -> None:
         for field in ("hidden", "layers", "heads", "ffn_hidden", "vocab", "max_seq"):
@@ -87,6 +98,17 @@ class ModelSpec:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
                 raise SpecError(f"model.{field}", f"must be a probability in [0, 1), got {value!r}",
                                 f"set {field} to e.g. 0.1, or 0 for none")
+        for field in ("norm_eps", "rope_theta"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise SpecError(f"model.{field}", f"must be a positive number, got {value!r}", "fix the model")
+        if (isinstance(self.rotary_fraction, bool) or not isinstance(self.rotary_fraction, (int, float))
+                or not 0.0 < self.rotary_fraction <= 1.0):
+            raise SpecError("model.rotary_fraction", f"must be in (0, 1], got {self.rotary_fraction!r}",
+                            "use 0.5 (ChatGLM, GLM) or 1 (llama)")
+        if not isinstance(self.rope_interleaved, bool):
+            raise SpecError("model.rope_interleaved", f"must be true or false, got {self.rope_interleaved!r}",
+                            "use true (ChatGLM, GLM) or false (llama)")
         for field, allowed in (("activation", ACTIVATIONS), ("norm", NORMS),
                                ("norm_position", NORM_POSITIONS), ("position", POSITIONS)):
             if getattr(self, field) not in allowed:
