@@ -22,10 +22,11 @@ from planner.cli.common import common_inputs, load_inputs
 from planner.errors import SpecError
 from planner.report.plan_text import (headroom_gb, headroom_text, host_bytes_per_rank, host_memory_text,
                                       plan_memory_flag, short_variants)
-from planner.search.outputs import write_outputs
+from planner.search.outputs import (MEASUREMENTS, SEARCH_FILES, set_aside, set_aside_line, write_estimate,
+                                    write_outputs)
 from planner.specs.estimate import GB, Estimate
 from planner.specs.plan import OFFLOAD, RECOMPUTE, Plan
-from planner.specs.validate import plan_problems
+from planner.specs.validate import plan_problems, runtime_problems
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$")
 _PLAN_DEFAULTS = Plan()
@@ -102,21 +103,32 @@ def _memory_lines(est: Estimate, cluster) -> list[str]:
     return out
 
 
-def _print_search(console: Console, result, cluster, run_dir: Path, written: list[str], top: int) -> None:
+def baseline_words(plan: Plan, est: Estimate, train) -> str:
+    """What the baseline is, in one sentence the CLI and verify share: the exact plan, its
+    global batch when it differs from the user's, and where the comparison comes from."""
+    from planner.search.baseline import baseline_note
+    note = baseline_note(plan, train)
+    return (f"baseline = the conventional plan: plain DP over every device, ZeRO-0, no recompute "
+            f"({plan.describe()}{'; ' + note if note else ''})")
+
+
+def _print_search(console: Console, result, cluster, run_dir: Path, written: list[str], top: int, train) -> None:
     base = result.baseline
+    vs_base = base.feasible                   # a speed-up needs a baseline that runs
     table = Table(title=f"Top plans ({result.method}: {result.distinct} distinct plans evaluated, "
                         f"{result.space_size} in the space, {result.wall_s:.2f} s)")
-    for col in ("#", "TPxPPxDP", "ZeRO", "ZeRO options", "micro x acc", "recompute", "SP", "schedule", "tokens/s",
-                "step s", "MFU", "GB/GPU", "vs base"):
+    cols = ["#", "TPxPPxDP", "ZeRO", "ZeRO options", "micro x acc", "recompute", "SP", "schedule", "tokens/s",
+            "step s", "MFU", "GB/GPU"] + (["vs base"] if vs_base else [])
+    for col in cols:
         table.add_column(col, justify="left" if col in ("ZeRO options", "recompute", "schedule") else "right")
     flagged = False
     for i, t in enumerate(result.ranked[:top], 1):
         e = t.estimate
-        speed = f"{e.tokens_per_s / base.tokens_per_s:.2f}x" if base.feasible else "-"
+        speed = [f"{e.tokens_per_s / base.tokens_per_s:.2f}x"] if vs_base else []
         mem = _mem_cell(e, cluster)
         flagged |= mem.endswith("!")
         table.add_row(str(i), *_plan_cells(t.plan), f"{e.tokens_per_s:,.0f}", f"{e.step_time_s:.2f}", f"{e.mfu:.1%}",
-                      mem, speed)
+                      mem, *speed)
     cells = _plan_cells(result.baseline_plan)
     if base.feasible:
         mem = _mem_cell(base, cluster)
@@ -125,7 +137,7 @@ def _print_search(console: Console, result, cluster, run_dir: Path, written: lis
                       mem, "1.00x")
     else:
         table.add_row("base", *cells, "does not fit", "-", "-",
-                      f"needs {_gb(base.peak_memory_bytes)}/{_gb(base.capacity_bytes)}", "-")
+                      f"needs {_gb(base.peak_memory_bytes)}/{_gb(base.capacity_bytes)}")
     console.print(table)
     if flagged:
         console.print(f"! = near the memory limit: peak within 2% of the {_gb(cluster.usable_bytes)} GB usable "
@@ -143,12 +155,14 @@ def _print_search(console: Console, result, cluster, run_dir: Path, written: lis
                   f"{_gb(cluster.usable_bytes)}): {mem}")
     for line in _memory_lines(best.estimate, cluster):
         console.print(line)
+    console.print(baseline_words(result.baseline_plan, base, train))
     if base.feasible:
-        console.print(f"baseline (plain DP, ZeRO-0, no recompute): {base.tokens_per_s:,.0f} tokens/s, "
-                      f"{_gb(base.peak_memory_bytes)} GB per GPU")
+        console.print(f"baseline: {base.tokens_per_s:,.0f} tokens/s, {_gb(base.peak_memory_bytes)} GB per GPU; "
+                      f"the chosen plan: {best.estimate.tokens_per_s / base.tokens_per_s:.2f}x the tokens/s, "
+                      f"{best.estimate.peak_memory_bytes / base.peak_memory_bytes:.2f}x the memory")
     else:
-        console.print(f"baseline (plain DP, ZeRO-0, no recompute) does not fit: needs "
-                      f"{_gb(base.peak_memory_bytes)} GB per GPU")
+        console.print(f"baseline does not fit: needs {_gb(base.peak_memory_bytes)} GB per GPU > "
+                      f"{_gb(base.capacity_bytes)} GB, so no plan is compared with it (no \"vs base\" column)")
     console.print(f"wrote {run_dir}/: {', '.join(written)}")
 
 
@@ -216,6 +230,7 @@ def search(ctx: click.Context, **kw: Any) -> None:
     finally:
         if bar:
             bar.stop()
+    moved = set_aside_line(*set_aside(run_dir))
     try:
         written = write_outputs(run_dir, result, model, cluster, train, scale=scale, model_arg=model_arg,
                                  command=command, top=kw["top"])
@@ -229,7 +244,9 @@ def search(ctx: click.Context, **kw: Any) -> None:
     report = _write_report(run_dir, err)
     if report:
         written.append(report)
-    _print_search(_console(), result, cluster, run_dir, written, kw["top"])
+    _print_search(_console(), result, cluster, run_dir, written, kw["top"], train)
+    if moved:
+        _console().print(moved)
     if kw["refine_k"]:
         _refine(run_dir, kw["refine_k"], kw["refine_steps"], err)
 
@@ -371,9 +388,18 @@ def _int_list(text: str | None, flag: str) -> tuple[int, ...]:
 @click.option("--persistence-elements", type=int, default=0, show_default=True,
               help="ZeRO-3 stage3_param_persistence_threshold in elements; 0 = 10 x hidden.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def estimate(**kw: Any) -> None:
+@click.option("--write", "write_dir", default=None, metavar="DIR", type=click.Path(path_type=Path),
+              help="Also write DIR as a run directory for this plan (plan.json, estimate.json with the baseline, "
+                   "ds_config.json, launch.sh, hostfile on several nodes), the files `planner search` writes "
+                   "for its pick; then `planner run DIR` or `planner export DIR`.")
+@click.pass_context
+def estimate(ctx: click.Context, **kw: Any) -> None:
     """Predict step time, throughput and per-GPU memory of a plan you give."""
     from planner.cost import estimate as cost_estimate
+    command = _command_line(ctx)
+    scale, model_arg, write_dir = kw["scale"], kw["model_arg"], kw["write_dir"]
+    if write_dir is not None and write_dir.exists() and not write_dir.is_dir():
+        raise SpecError("--write", f"{write_dir} is not a directory", "give a directory path (it is created)")
     model, cluster, train = load_inputs(kw)
     tp, pp, mb = kw["tp"], kw["pp"], kw["micro_batch"]
     for flag, v in (("--tp", tp), ("--pp", pp), ("--micro-batch", mb), ("--interleave", kw["interleave"])):
@@ -405,6 +431,19 @@ def estimate(**kw: Any) -> None:
                         f"batch {train.global_batch}", "choose --micro-batch and --global-batch so that "
                         "global batch = micro-batch x accumulation x dp")
     est = cost_estimate(model, cluster, train, plan)
+    runtime = runtime_problems(plan)
+    written: list[str] = []
+    moved = None
+    if write_dir is not None:
+        if runtime:
+            raise SpecError("--write", f"DeepSpeed cannot run this plan ({runtime[0]})",
+                            "drop --interleave / --mics-shard to write a run directory; estimate it without --write")
+        if not est.feasible:
+            raise SpecError("--write", f"the plan does not fit: {'; '.join(est.reasons)}",
+                            "write a plan that fits (less micro-batch, more recompute, ZeRO or TP/PP)")
+        moved = set_aside_line(*set_aside(write_dir, MEASUREMENTS + SEARCH_FILES))
+        written = write_estimate(write_dir, plan, est, model, cluster, train, scale=scale, model_arg=model_arg,
+                                 command=command)
     if kw["as_json"]:
         doc = est.to_json()
         flag = plan_memory_flag(est, cluster)
@@ -413,10 +452,18 @@ def estimate(**kw: Any) -> None:
                    variants=list(plan.variants), memory_headroom_gb=headroom_gb(cluster, est),
                    usable_memory_gb=cluster.usable_bytes / GB, memory_warning=flag.text() if flag else None,
                    host_memory_per_node_gb=host * cluster.gpus_per_node / GB,
-                   host_memory_capacity_gb=cluster.host.cpu_memory_gb)
+                   host_memory_capacity_gb=cluster.host.cpu_memory_gb, runtime_warnings=runtime,
+                   written=[str(write_dir / n) for n in written])
         click.echo(json.dumps(doc))
         return
-    _print_estimate(_console(), plan, est, cluster)
+    out = _console()
+    _print_estimate(out, plan, est, cluster)
+    for problem in runtime:
+        out.print(f"warning: {problem}; this estimate is for comparison with Megatron-LM only")
+    if write_dir is not None:
+        out.print(f"wrote {write_dir}/: {', '.join(written)}")
+        if moved:
+            out.print(moved)
 
 
 def _print_estimate(console: Console, plan: Plan, est: Estimate, cluster) -> None:

@@ -1,12 +1,53 @@
-"""What `planner search` writes into a run directory (one writer for the CLI, the sample
-report and the benchmarks, so what they start is what a user would start)."""
+"""What `planner search` and `planner estimate --write` write into a run directory (one
+writer for the CLI, the sample report and the benchmarks, so what they start is what a user
+would start).
+
+A run directory holds one plan. Measurements of an earlier plan (metrics.json, verify.json,
+checkpoints, ...) are moved to RUN_DIR/previous/<timestamp>/ before a new plan is written,
+so the report never shows one plan's measurements as another's (`set_aside`).
+"""
 from __future__ import annotations
 
+import datetime as _dt
+import os
 from pathlib import Path
 from typing import Any
 
 from planner.rundir import atomic_write_json, atomic_write_text, plan_document
 from planner.specs.estimate import Estimate
+from planner.specs.plan import Plan
+
+MEASUREMENTS = ("metrics.json", "verify.json", "verify", ".ranks", "checkpoints", "debug", "logs",
+                "refine.json", "refine", "profile-calibrated.json")
+"""What running a plan leaves in its run directory (planner run / verify / search --refine)."""
+SEARCH_FILES = ("trials.csv", "study.db", "report.html")
+"""What a search leaves that a plan given by hand (`planner estimate --write`) does not replace."""
+PREVIOUS = "previous"
+
+
+def set_aside(run_dir: Path, names: tuple[str, ...] = MEASUREMENTS) -> tuple[Path | None, list[str]]:
+    """Move the `names` present in run_dir into run_dir/previous/<UTC timestamp>/ (a rename
+    each: nothing is copied or lost). Returns (that directory or None, the names moved)."""
+    present = [n for n in names if (run_dir / n).exists() or (run_dir / n).is_symlink()]
+    if not present:
+        return None, []
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    dest = run_dir / PREVIOUS / stamp
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = run_dir / PREVIOUS / f"{stamp}-{n}"
+    dest.mkdir(parents=True)
+    for name in present:
+        os.replace(run_dir / name, dest / name)
+    return dest, present
+
+
+def set_aside_line(dest: Path | None, moved: list[str]) -> str | None:
+    """The one line a command prints after set_aside (None when nothing moved)."""
+    if dest is None:
+        return None
+    return f"moved {', '.join(moved)} of the previous plan to {dest}/ (they measured another plan)"
 
 
 def estimate_summary(est: Estimate) -> dict[str, Any]:
@@ -16,18 +57,32 @@ def estimate_summary(est: Estimate) -> dict[str, Any]:
     return {k: j[k] for k in keys}
 
 
-def write_outputs(run_dir: Path, result, model, cluster, train, *, scale: str | None, model_arg: str,
-                  command: str, top: int) -> list[str]:
-    """A search's run directory, every file through a temporary file and a rename: plan.json
-    (the pick, with the inputs that reproduce it), estimate.json (its estimate, the
-    conventional baseline, the top plans and the Pareto front), ds_config.json, launch.sh,
-    the hostfile for several nodes, and trials.csv (every evaluated point). Returns the names
-    written. Used by `planner search`, report/sample.py and benchmarks/plans_start.py."""
+def baseline_section(plan: Plan, est: Estimate, train) -> dict[str, Any]:
+    """estimate.json "baseline": the exact plan, its global batch, and its estimate or why it does not fit."""
+    from planner.search.baseline import baseline_note
+    out: dict[str, Any] = {"plan": plan.to_dict(), "description": plan.describe(),
+                           "global_batch": plan.global_batch}
+    note = baseline_note(plan, train)
+    if note:
+        out["note"] = note
+    if est.feasible:
+        out["estimate"] = est.to_json()
+    else:
+        out.update(fits=False, needs_gb=est.peak_memory_gb, reasons=list(est.reasons))
+    return out
+
+
+def write_plan_files(run_dir: Path, plan: Plan, est: Estimate, model, cluster, train, *, baseline_plan: Plan,
+                     baseline: Estimate, scale: str | None, model_arg: str, command: str,
+                     extra: dict[str, Any] | None = None) -> list[str]:
+    """The files of one plan, each through a temporary file and a rename: plan.json (the plan,
+    with the inputs that reproduce it), estimate.json (its estimate, the conventional baseline,
+    and `extra`), ds_config.json, launch.sh, and the hostfile for several nodes (a stale one
+    is removed on one node). Moves earlier measurements aside first (set_aside). Returns the
+    names written."""
     from planner import dsconfig
-    from planner.search.trials import write_trials
-    best = result.best
-    plan, est = best.plan, best.estimate
-    written = []
+    set_aside(run_dir)
+    written: list[str] = []
 
     def put(name: str, data: Any, mode: int | None = None) -> None:
         if isinstance(data, str):
@@ -37,31 +92,66 @@ def write_outputs(run_dir: Path, result, model, cluster, train, *, scale: str | 
         written.append(name)
 
     put("plan.json", plan_document(plan, model, cluster, train, scale=scale, model_arg=model_arg, command=command))
-    base = result.baseline
-    baseline: dict[str, Any] = {"plan": result.baseline_plan.to_dict(), "description": result.baseline_plan.describe()}
-    if base.feasible:
-        baseline["estimate"] = base.to_json()
-    else:
-        baseline.update(fits=False, needs_gb=base.peak_memory_gb, reasons=list(base.reasons))
-    put("estimate.json", {
-        "plan": plan.to_dict(), "description": plan.describe(), "estimate": est.to_json(), "baseline": baseline,
-        "search": {"method": result.method, "trials": result.distinct, "rows": len(result.trials),
-                   "space_size": result.space_size,
-                   "wall_s": result.wall_s, "study_name": result.study_name},
-        "top": [{"plan": t.plan.to_dict(), "description": t.plan.describe(), "estimate": estimate_summary(t.estimate)}
-                for t in result.ranked[:top]],
-        "pareto_front": [{"plan": t.plan.to_dict(), "tokens_per_s": t.tokens_per_s, "peak_memory_gb": t.needs_gb}
-                         for t in result.front]})
+    put("estimate.json", {"plan": plan.to_dict(), "description": plan.describe(), "estimate": est.to_json(),
+                          "baseline": baseline_section(baseline_plan, baseline, train), **(extra or {})})
     put("ds_config.json", dsconfig.ds_config(plan, model, train, cluster))
     put("launch.sh", dsconfig.launch_script(plan, model, train, cluster, str(run_dir)), 0o755)
     host = dsconfig.hostfile(cluster)
     if host:
         put("hostfile", host)
+    else:
+        (run_dir / "hostfile").unlink(missing_ok=True)
+    return written
+
+
+def write_outputs(run_dir: Path, result, model, cluster, train, *, scale: str | None, model_arg: str,
+                  command: str, top: int) -> list[str]:
+    """A search's run directory: write_plan_files for the pick (estimate.json also holds the
+    search's counts, the top plans and the Pareto front) and trials.csv (every evaluated
+    point, then the baseline). Returns the names written. Used by `planner search`,
+    report/sample.py and benchmarks/plans_start.py."""
     from planner.search.evaluate import Trial
+    from planner.search.trials import write_trials
+    best = result.best
+    extra = {
+        "search": {"method": result.method, "trials": result.distinct, "rows": len(result.trials),
+                   "space_size": result.space_size, "wall_s": result.wall_s, "study_name": result.study_name},
+        "top": [{"plan": t.plan.to_dict(), "description": t.plan.describe(), "estimate": estimate_summary(t.estimate)}
+                for t in result.ranked[:top]],
+        "pareto_front": [{"plan": t.plan.to_dict(), "tokens_per_s": t.tokens_per_s, "peak_memory_gb": t.needs_gb}
+                         for t in result.front]}
+    written = write_plan_files(run_dir, best.plan, best.estimate, model, cluster, train,
+                               baseline_plan=result.baseline_plan, baseline=result.baseline, scale=scale,
+                               model_arg=model_arg, command=command, extra=extra)
+    base = result.baseline
     base_trial = Trial(outer=best.outer, plan=result.baseline_plan, estimate=base, feasible=base.feasible,
                        reason="; ".join(base.reasons), needs_bytes=base.peak_memory_bytes,
                        capacity_bytes=base.capacity_bytes, source="baseline")
     rows = list(enumerate(result.trials)) + [(len(result.trials), base_trial)]
+    write_trials(run_dir / "trials.csv", rows)
+    written.append("trials.csv")
+    return written
+
+
+def write_estimate(run_dir: Path, plan: Plan, est: Estimate, model, cluster, train, *, scale: str | None,
+                   model_arg: str, command: str) -> list[str]:
+    """`planner estimate --write`: the run directory of a plan the user gave, with the same
+    files a search writes for its pick (write_plan_files) and a two-row trials.csv (the plan
+    and the baseline, so the report's table compares them). A previous search's trials.csv,
+    study.db and report.html are moved aside with the measurements: they explain another pick."""
+    from planner.search.baseline import conventional_baseline
+    from planner.search.evaluate import Trial
+    from planner.search.trials import write_trials
+    set_aside(run_dir, MEASUREMENTS + SEARCH_FILES)
+    bplan, base = conventional_baseline(model, cluster, train)
+    written = write_plan_files(run_dir, plan, est, model, cluster, train, baseline_plan=bplan, baseline=base,
+                               scale=scale, model_arg=model_arg, command=command)
+    rows = [(0, Trial(outer=None, plan=plan, estimate=est, feasible=est.feasible,  # type: ignore[arg-type]
+                      reason="; ".join(est.reasons), needs_bytes=est.peak_memory_bytes,
+                      capacity_bytes=est.capacity_bytes, source="estimate")),
+            (1, Trial(outer=None, plan=bplan, estimate=base, feasible=base.feasible,  # type: ignore[arg-type]
+                      reason="; ".join(base.reasons), needs_bytes=base.peak_memory_bytes,
+                      capacity_bytes=base.capacity_bytes, source="baseline"))]
     write_trials(run_dir / "trials.csv", rows)
     written.append("trials.csv")
     return written

@@ -10,6 +10,7 @@ import pytest
 from planner.cost import estimate, layer_costs
 from planner.errors import SpecError
 from planner.search import Evaluator, Space, conventional_baseline, pareto_front, rank
+from planner.search.baseline import baseline_note
 from planner.search.checkpoint import StageModel
 from planner.search.exhaustive import exhaustive
 from planner.search.heuristic import heuristic
@@ -32,8 +33,11 @@ def test_baseline_when_the_batch_does_not_split_over_every_device():
     m, c = preset("chatglm3-6b"), parse_cluster("8xA100")
     t = TrainSpec(global_batch=20, seq_len=128)
     plan, est = conventional_baseline(m, c, t, precision="fp32")
-    assert plan == Plan(dp=8, micro_batch=1, grad_accum=2, precision="fp32")
-    assert not est.feasible and any("not the global batch 20" in r for r in est.reasons)
+    # 20 does not split over 8 ranks: plain DP trains the next multiple, 24 = 8 x 1 x 3 (a legal plan)
+    assert plan == Plan(dp=8, micro_batch=1, grad_accum=3, precision="fp32")
+    assert not est.feasible and not any("global batch" in r for r in est.reasons)
+    assert "GB >" in est.reasons[0]                                           # 6B in fp32 + Adam: no fit
+    assert baseline_note(plan, t).startswith("the baseline trains a global batch of 24 sequences: 20 does not")
     assert est.stage_memory[0].params == 2 * est.stage_memory[0].optimizer / 4     # fp32: 4 vs 8 bytes
 
 
@@ -516,7 +520,7 @@ def test_solver_balances_unequal_stages_optimally():
 def test_baseline_micro_batch_and_accumulation_when_the_batch_does_not_split():
     m, c = preset("chatglm3-6b"), parse_cluster("8xA100")
     plan, _ = conventional_baseline(m, c, TrainSpec(global_batch=12, seq_len=128))
-    assert (plan.micro_batch, plan.grad_accum) == (1, 1)
+    assert (plan.dp, plan.micro_batch, plan.grad_accum) == (8, 1, 2)        # global batch 16, the next multiple of 8
 
 
 def test_a_runtime_problem_and_a_no_fit_are_joined_into_one_reason():
