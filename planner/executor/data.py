@@ -1,5 +1,20 @@
-"""Training data: a seeded synthetic corpus (or a user's token file) and two batching modes.
+"""Training data: a seeded synthetic corpus or a user's corpus, and two batching modes.
 
+Sources (`DataSpec.token_file`, the `--data` path; docs/data.md):
+- empty: the synthetic corpus -- log-normal document lengths, tokens from one seeded Markov
+  chain over the vocabulary (Zipfian successors), so a small model can learn it;
+- PREFIX (with PREFIX.idx / PREFIX.bin beside it): a Megatron indexed dataset (planner/data/indexed.py);
+- a .npy 1-D integer array: documents split at the eos id;
+- a .txt without a tokenizer: one document of whitespace-separated token ids per line;
+- a .txt or .jsonl with a tokenizer (`DataSpec.tokenizer`): raw text (planner/data/text.py),
+  tokenized when the corpus is opened (`planner prepare-data` does it once for large corpora).
+
+Held-out split: with eval_fraction f, document k of a finite corpus is held out when
+floor((k + 1) f) > floor(k f) -- evenly spaced, 1 in 20 for f = 0.05 (documents 19, 39, ...).
+The synthetic corpus draws its held-out documents from their own seeds. split="train" never
+yields a held-out document; split="eval" yields only those.
+
+Batching modes:
 - static: one document chunk per row, padded to seq_len (the conventional baseline).
 - dynamic: token-budget batching with packing -- chunks are packed first-fit-decreasing
   into rows of seq_len inside a shuffle buffer, so a micro-batch carries up to
@@ -14,6 +29,7 @@ padding and at each chunk's last token (no prediction across documents).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +38,13 @@ from planner.errors import SpecError
 
 IGNORE = -100
 BATCHING = ("static", "dynamic")
+SPLITS = ("train", "eval")
+CHAIN_SUCCESSORS = 8
+"""Synthetic corpus: each token has this many possible successors (Zipfian odds among them)."""
+CHAIN_ZIPF = 1.1
+"""Synthetic corpus: Zipf exponent of how often each token is chosen as a successor."""
+NOISE = 0.1
+"""Synthetic corpus: share of tokens drawn uniformly instead of from the chain."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -36,67 +59,191 @@ class DataSpec:
     """Log-normal shape: spread of document lengths."""
     min_len: int = 8
     token_file: str = ""
-    """A .npy 1-D int array (documents split at eos_id) or a .txt with one document of
-    whitespace-separated token ids per line; empty = synthetic."""
+    """The --data path: a Megatron PREFIX (PREFIX.bin/.idx), a .npy 1-D int array (documents
+    split at the eos id), a .txt of token ids (one document per line) or, with a tokenizer, a
+    .txt / .jsonl of raw text; empty = synthetic."""
+    tokenizer: str = ""
+    """A local Hugging Face tokenizer directory: makes .txt/.jsonl raw text, gives the eos id,
+    and its vocabulary must fit the model's."""
+    eval_fraction: float = 0.05
+    """Held-out share of documents (deterministic, evenly spaced); 0 = no held-out split."""
     eos_id: int = 0
+    """End-of-document id splitting a .npy (the tokenizer's eos when a tokenizer is given)."""
     buffer: int = 64
     """Packing window: chunks considered together by first-fit-decreasing."""
 
     def __post_init__(self) -> None:
         if self.sigma < 0 or self.min_len < 2 or self.buffer < 1:
             raise SpecError("data", "sigma >= 0, min_len >= 2 and buffer >= 1 are required", "fix the data options")
+        if not 0 <= self.eval_fraction < 1:
+            raise SpecError("data", f"eval_fraction {self.eval_fraction} is outside [0, 1)",
+                            "hold out a share of documents below 1, e.g. 0.05")
+
+
+def is_eval_doc(k: np.ndarray | int, fraction: float):
+    """Document k is held out when floor((k + 1) f) > floor(k f), in exact integer arithmetic."""
+    f = round(fraction * 1_000_000)
+    k = np.asarray(k, dtype=np.int64)
+    return (k + 1) * f // 1_000_000 > k * f // 1_000_000
+
+
+@lru_cache(maxsize=8)
+def _chain(seed: int, vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The synthetic corpus's Markov chain, shared by every document of a seed: successors
+    [vocab, CHAIN_SUCCESSORS] drawn Zipfian over a seeded ranking of ids 1..vocab-1 (0 is eos),
+    the odds of picking each successor column, and the ranking (for first tokens)."""
+    rng = np.random.default_rng((seed, 0, 2))
+    ids = rng.permutation(np.arange(1, vocab))
+    zipf = 1.0 / np.arange(1, vocab) ** CHAIN_ZIPF
+    succ = ids[rng.choice(vocab - 1, size=(vocab, CHAIN_SUCCESSORS), p=zipf / zipf.sum())]
+    odds = 1.0 / np.arange(1, CHAIN_SUCCESSORS + 1)
+    return succ, odds / odds.sum(), ids
 
 
 class Corpus:
-    """An endless deterministic stream of documents (token id arrays)."""
+    """An endless deterministic stream of documents (token id arrays) of one split."""
 
-    def __init__(self, spec: DataSpec) -> None:
-        self.spec = spec
-        self._docs: list[np.ndarray] | None = None
-        if spec.token_file:
-            self._docs = _read_token_file(spec.token_file, spec.vocab, spec.eos_id)
+    def __init__(self, spec: DataSpec, split: str = "train") -> None:
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}")
+        self.spec, self.split = spec, split
+        self.source = open_source(spec) if spec.token_file else None
+        self.ids: np.ndarray | None = None
+        if self.source is not None:
+            ks = np.arange(len(self.source), dtype=np.int64)
+            held = is_eval_doc(ks, spec.eval_fraction)
+            self.ids = ks[held] if split == "eval" else ks[~held]
+            if not len(self.ids):
+                name = "held-out" if split == "eval" else "training"
+                raise SpecError("--data", f"{spec.token_file} has {len(ks)} documents, none for the {name} split "
+                                f"(1 in {1 / spec.eval_fraction:.0f} is held out)" if spec.eval_fraction else
+                                f"{spec.token_file} has no document for the {name} split",
+                                "give a corpus with more documents")
 
     def doc(self, i: int) -> np.ndarray:
-        if self._docs is not None:
-            return self._docs[i % len(self._docs)]
+        if self.source is not None:
+            return self.source.doc(int(self.ids[i % len(self.ids)]))
         s = self.spec
-        rng = np.random.default_rng((s.seed, i))
+        key = (s.seed, i) if self.split == "train" else (s.seed, i, 1)
+        rng = np.random.default_rng(key)
         median = s.mean_len or s.seq_len / 3
         n = int(np.clip(rng.lognormal(np.log(median), s.sigma), s.min_len, 4 * s.seq_len))
-        # a learnable signal: a noisy affine walk over the vocabulary
-        a, b = 1 + 2 * int(rng.integers(1, 8)), int(rng.integers(0, s.vocab))
-        toks = np.empty(n, dtype=np.int64)
-        toks[0] = rng.integers(1, s.vocab)
-        noise = rng.random(n) < 0.1
+        # a learnable signal shared by all documents: one Markov chain with Zipfian successors
+        succ, odds, ranked = _chain(s.seed, s.vocab)
+        pick = rng.choice(CHAIN_SUCCESSORS, size=n, p=odds)
+        noise = rng.random(n) < NOISE
         rand = rng.integers(1, s.vocab, size=n)
+        toks = np.empty(n, dtype=np.int64)
+        toks[0] = ranked[pick[0]]
         for t in range(1, n):
-            toks[t] = rand[t] if noise[t] else (a * toks[t - 1] + b) % s.vocab
+            toks[t] = rand[t] if noise[t] else succ[toks[t - 1], pick[t]]
         return toks
 
+    def doc_lengths(self) -> np.ndarray:
+        """Token counts of this split's documents (a finite corpus only)."""
+        assert self.source is not None and self.ids is not None
+        return self.source.lengths()[self.ids]
 
-def _read_token_file(path: str, vocab: int, eos: int) -> list[np.ndarray]:
+
+class _Docs:
+    """Documents held in memory."""
+
+    def __init__(self, docs: list[np.ndarray]) -> None:
+        self.docs = docs
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def doc(self, k: int) -> np.ndarray:
+        return self.docs[k]
+
+    def lengths(self) -> np.ndarray:
+        return np.array([len(d) for d in self.docs], dtype=np.int64)
+
+
+class _Indexed:
+    def __init__(self, ds) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def doc(self, k: int) -> np.ndarray:
+        return self.ds.doc(k)
+
+    def lengths(self) -> np.ndarray:
+        return (self.ds._doc_end - self.ds._doc_start).astype(np.int64)
+
+
+def open_source(spec: DataSpec):
+    """The finite corpus `spec.token_file` names, checked against the model's vocabulary."""
+    from planner.data import indexed
+    path, vocab = spec.token_file, spec.vocab
+    eos = spec.eos_id
+    if spec.tokenizer:
+        from planner.data.text import load_tokenizer, vocab_size
+        tok = load_tokenizer(spec.tokenizer)
+        n = vocab_size(tok)
+        if n > vocab:
+            raise SpecError("--tokenizer", f"the tokenizer in {spec.tokenizer} has {n} tokens, more than the "
+                            f"model's vocabulary of {vocab}",
+                            f"train one with `planner prepare-data ... --train-tokenizer N` with N <= {vocab}, "
+                            f"or use a model whose vocab is at least {n}")
+        eos = tok.eos_token_id
     p = Path(path)
+    if indexed.is_indexed(p) and p.suffix not in (".npy", ".txt", ".jsonl", ".json"):
+        ds = indexed.IndexedDataset(p)
+        if len(ds) == 0:
+            raise SpecError("--data", f"{ds.idx_path} holds no document", "give a non-empty corpus")
+        _check_range(ds.min_token(), ds.max_token(), vocab, str(ds.bin_path), spec.tokenizer)
+        return _Indexed(ds)
     if not p.exists():
-        raise SpecError("--data", f"{p} does not exist", "give a .npy or .txt token file")
+        raise SpecError("--data", f"{p} does not exist",
+                        "give a Megatron PREFIX (PREFIX.bin/.idx), a .npy, a .txt or a .jsonl corpus")
+    if spec.tokenizer and p.suffix != ".npy":
+        docs = _tokenized(str(p.resolve()), p.stat().st_mtime_ns, str(Path(spec.tokenizer).resolve()))
+    elif p.suffix in (".jsonl", ".json"):
+        raise SpecError("--tokenizer", f"{p} is raw text and no tokenizer was given",
+                        "give --tokenizer DIR (a Hugging Face tokenizer directory)")
+    else:
+        docs = _read_token_file(p, eos)
+    if not docs:
+        raise SpecError("--data", f"{p} holds no document of 2+ tokens", "give a non-empty corpus")
+    _check_range(min(int(d.min()) for d in docs), max(int(d.max()) for d in docs), vocab, str(p), spec.tokenizer)
+    return _Docs(docs)
+
+
+def _check_range(lo: int, hi: int, vocab: int, where: str, tokenizer: str) -> None:
+    if hi >= vocab or lo < 0:
+        bad = hi if hi >= vocab else lo
+        raise SpecError("--data", f"token id {bad} in {where} is outside the model's vocabulary of {vocab}",
+                        "tokenize with a tokenizer whose vocabulary fits the model's"
+                        if not tokenizer else "re-tokenize the corpus with this tokenizer")
+
+
+@lru_cache(maxsize=4)
+def _tokenized(path: str, mtime_ns: int, tokenizer: str) -> list[np.ndarray]:
+    """A raw-text corpus tokenized once per process (train and eval splits share it)."""
+    from planner.data.text import load_tokenizer, read_documents, tokenize
+    tok = load_tokenizer(tokenizer)
+    docs = list(read_documents(path))
+    return [a for a in (np.array(ids, dtype=np.int64) for ids in tokenize(tok, docs)) if len(a) >= 2]
+
+
+def _read_token_file(p: Path, eos: int) -> list[np.ndarray]:
     try:
         if p.suffix == ".npy":
-            arr = np.load(p)
+            arr = np.load(p, allow_pickle=False)
             if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
                 raise SpecError("--data", f"{p} must hold a 1-D integer array", "save token ids with np.save")
             cuts = np.flatnonzero(arr == eos)
-            docs = [d for d in np.split(arr.astype(np.int64), cuts + 1) if len(d) >= 2]
-        else:
-            docs = [np.array([int(t) for t in line.split()], dtype=np.int64)
-                    for line in p.read_text().splitlines() if len(line.split()) >= 2]
-    except ValueError as exc:
-        raise SpecError("--data", f"cannot read {p}: {exc}", "one document of integer token ids per line") from None
-    if not docs:
-        raise SpecError("--data", f"{p} holds no document of 2+ tokens", "give a non-empty token file")
-    top = max(int(d.max()) for d in docs)
-    if top >= vocab or min(int(d.min()) for d in docs) < 0:
-        raise SpecError("--data", f"token id {top} outside the model's vocabulary of {vocab}",
-                        "tokenize with the model's tokenizer")
-    return docs
+            return [d for d in np.split(arr.astype(np.int64), cuts + 1) if len(d) >= 2]
+        return [np.array([int(t) for t in line.split()], dtype=np.int64)
+                for line in p.read_text().splitlines() if len(line.split()) >= 2]
+    except (ValueError, OSError, UnicodeDecodeError) as exc:
+        raise SpecError("--data", f"cannot read {p}: {exc}",
+                        "a .npy of token ids, or a .txt with one document of integer token ids per line "
+                        "(raw text needs --tokenizer)") from None
 
 
 def _chunks(corpus: Corpus, seq_len: int):
@@ -114,11 +261,15 @@ def _chunks(corpus: Corpus, seq_len: int):
 class Rows:
     """The row stream of one batching mode, materialised on demand (deterministic)."""
 
-    def __init__(self, spec: DataSpec, batching: str) -> None:
+    def __init__(self, spec: DataSpec, batching: str, split: str = "train") -> None:
         if batching not in BATCHING:
             raise SpecError("--batching", f"unknown mode {batching!r}", "use static or dynamic")
-        self.spec, self.batching = spec, batching
-        self._chunks = _chunks(Corpus(spec), spec.seq_len)
+        if split not in SPLITS:
+            raise SpecError("split", f"unknown split {split!r}", "use train or eval")
+        if split == "eval" and spec.eval_fraction == 0:
+            raise SpecError("--data", "no held-out documents: eval_fraction is 0", "hold out a share, e.g. 0.05")
+        self.spec, self.batching, self.split = spec, batching, split
+        self._chunks = _chunks(Corpus(spec, split), spec.seq_len)
         self._rows: list[list[np.ndarray]] = []
 
     def _grow(self) -> None:
@@ -198,3 +349,23 @@ def batches_for_tokens(rows: Rows, layout: Layout, tokens: int) -> int:
         got += sum(rows.real_tokens(i) for i in range(b * layout.rows_per_step, (b + 1) * layout.rows_per_step))
         b += 1
     return b
+
+
+def check_data(spec: DataSpec, layout: Layout) -> None:
+    """Preflight of the run's data: the corpus opens (files present and intact, the tokenizer
+    loads and fits the model's vocabulary, token ids in range) and its training split can fill
+    one global batch without repeating a document. Raises SpecError naming --data/--tokenizer."""
+    corpus = Corpus(spec, "train")
+    if corpus.source is None:
+        return  # the synthetic corpus is endless
+    lengths = corpus.doc_lengths()
+    s = spec.seq_len
+    rem = lengths % s
+    sequences = int((lengths // s).sum() + (rem >= 2).sum())  # as _chunks cuts them
+    need = layout.rows_per_step
+    if sequences < need:
+        raise SpecError("--data", f"{spec.token_file}'s training split has {len(lengths)} documents, "
+                        f"{int(lengths.sum())} tokens, {sequences} sequences of at most {s} tokens; one global "
+                        f"batch needs {need} rows (micro-batch {layout.micro_batch} x grad-accum "
+                        f"{layout.grad_accum} x dp {layout.dp})",
+                        "give a larger corpus, or a plan with a smaller global batch")

@@ -1,0 +1,1 @@
+"""Reading and preparing training corpora: text, JSON lines, Megatron indexed datasets, tokenizers."""
