@@ -121,6 +121,7 @@ def train_tokenizer(inputs: list[str | Path], vocab: int, out: str | Path) -> Pa
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     try:
         fast.save_pretrained(str(tmp))
+        tmp.chmod(0o755)  # mkdtemp makes 0700; a tokenizer directory is an ordinary folder
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
