@@ -125,6 +125,35 @@ def ds_config(plan: Plan, model: ModelSpec, train: TrainSpec, cluster: ClusterSp
     return cfg
 
 
+LR_SCHEDULES = ("cosine", "constant")
+"""`--lr-schedule`: warmup then cosine decay (DeepSpeed's WarmupCosineLR), or warmup then constant
+(DeepSpeed's WarmupLR)."""
+COS_MIN_RATIO = 0.1
+"""Cosine floor as a share of the peak learning rate (GLM-130B decayed to 10%; Zeng et al. 2022, sec. 3)."""
+
+
+def lr_scheduler(schedule: str, lr: float, warmup_steps: int, total_steps: int) -> dict[str, Any]:
+    """The ds_config "scheduler" block for a run of `total_steps` optimizer steps (DeepSpeed
+    0.19.8, deepspeed/runtime/lr_schedules.py). Both schedulers warm up linearly over
+    max(2, warmup_steps) steps (DeepSpeed's own floor); with `warmup_steps` 0 the constant
+    schedule starts and stays at `lr` (min = max). WarmupCosineLR scales the optimizer's own
+    learning rate, so the executor builds the optimizer with `lr` (planner/executor/train.py).
+
+    DeepSpeed steps the scheduler after each optimizer step: the step with index k (from 0)
+    uses the rate of scheduler iteration k - 1, and iteration -1 is the warmup's start (0 for
+    cosine, the floor for WarmupLR); metrics.json records the rate each step used."""
+    if schedule == "cosine":
+        return {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": int(total_steps), "warmup_min_ratio": 0.0,
+            "warmup_num_steps": max(1, int(warmup_steps)), "cos_min_ratio": COS_MIN_RATIO,
+            "warmup_type": "linear"}}
+    if schedule == "constant":
+        return {"type": "WarmupLR", "params": {
+            "warmup_min_lr": 0.0 if warmup_steps > 0 else float(lr), "warmup_max_lr": float(lr),
+            "warmup_num_steps": max(1, int(warmup_steps)), "warmup_type": "linear"}}
+    raise ValueError(f"unknown learning-rate schedule {schedule!r}")
+
+
 def hostfile(cluster: ClusterSpec) -> str | None:
     """A DeepSpeed hostfile for multi-node clusters (None on one node); edit the host names."""
     if cluster.nodes == 1:
@@ -145,7 +174,10 @@ def launch_script(plan: Plan, model: ModelSpec, train: TrainSpec, cluster: Clust
     lines = ["#!/usr/bin/env bash",
              f"# {model.name}: {plan.describe()}",
              f"# {cluster.world_size} processes; config: ds_config.json; plan: plan.json (run dir {shlex.quote(str(run_dir))})",
-             "# extra arguments go to the training entry, e.g. --steps 20 --warmup 3 --resume",
+             "# extra arguments go to the training entry, e.g. --steps 20 --warmup 3 --resume, or a trainer's:",
+             "#   --data corpus.txt --tokenizer TOK_DIR --lr 3e-4 --lr-warmup-steps 100 --lr-schedule cosine",
+             "#   --eval-every 50 --checkpoint-every 200 --metrics-port 9400 --init-hf HF_DIR --save-hf OUT_DIR",
+             "# rank 0 prints one progress line per step and writes metrics.json here at the end",
              "set -euo pipefail",
              'cd "$(dirname "$0")"',
              *env,

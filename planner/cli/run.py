@@ -43,10 +43,31 @@ def _err(e) -> str:
               help="Packed token-budget batches, or one padded sequence per row.")
 @click.option("--checkpoint-every", type=int, default=0, show_default=True,
               help="Save a DeepSpeed checkpoint every K steps (0: never); needed for NaN rollback.")
-@click.option("--data", default="", metavar="TOKENS.npy|TOKENS.txt", help="A token file instead of the synthetic corpus.")
+@click.option("--data", default="", metavar="CORPUS",
+              help="A corpus instead of the synthetic one: token ids (.npy, .txt) or, with --tokenizer, text.")
 @click.option("--seed", type=int, default=1234, show_default=True, help="Seeds the model and the synthetic corpus.")
 @click.option("--data-workers", type=int, default=1, show_default=True, help="DataLoader worker processes per rank.")
+@click.option("--tokenizer", default="", metavar="DIR",
+              help="A local Hugging Face tokenizer directory: --data is then raw text (.txt / .jsonl).")
+@click.option("--eval-every", type=int, default=0, show_default=True,
+              help="Held-out loss every K steps (0: never); metrics.json eval_loss.")
+@click.option("--eval-batches", type=int, default=2, show_default=True, help="Global batches per evaluation.")
+@click.option("--lr", type=float, default=None, help="Peak learning rate [default: 3e-4, planner.dsconfig.OPTIMIZER].")
+@click.option("--lr-warmup-steps", type=int, default=0, show_default=True,
+              help="Linear warmup steps (DeepSpeed warms up over at least 2).")
+@click.option("--lr-schedule", type=click.Choice(["cosine", "constant"]), default=None,
+              help="Warmup then cosine decay to 10% (DeepSpeed WarmupCosineLR) or warmup then constant "
+                   "(WarmupLR) over --steps [default: a scheduler block in ds_config.json, else constant].")
+@click.option("--metrics-port", type=int, default=0, show_default=True,
+              help="Serve Prometheus metrics from rank 0 on this port (0: off); writes "
+                   "prometheus-alerts.yml and grafana-dashboard.json into RUN_DIR.")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True,
+              help="Address of the metrics endpoint (0.0.0.0 to let a Prometheus on another host scrape it).")
+@click.option("--init-hf", default="", metavar="DIR", help="Start from this Hugging Face checkpoint directory.")
+@click.option("--save-hf", default="", metavar="DIR", help="Save the trained weights here in Hugging Face format.")
 @click.option("--inject-nan", type=int, default=-1, hidden=True, help="Poison the batch of this step (testing).")
+@click.option("--step-sleep", type=float, default=0.0, hidden=True, help="Pause after each step (testing).")
+@click.option("--save-sleep", type=float, default=0.0, hidden=True, help="Pause after each checkpoint file (testing).")
 @click.option("--ignore-host-checks", is_flag=True,
               help="Launch even if this host looks too small for the plan (no CUDA / too few GPUs / too "
                    "little memory / too many ranks per core). Bad plan.json or ds_config.json is still refused.")
@@ -65,6 +86,13 @@ def run(run_dir: str, **kw) -> None:
                f"(predicted {_fmt(p['peak_memory_gb'], ' GB')}, error {_err(e['peak_memory_gb'])}; {m['memory_method']})")
     click.echo(f"model states  {', '.join(f'{g * 1e3:.1f}' for g in m['model_state_gb_per_rank'])} MB per rank")
     click.echo(f"loss          {m['loss'][0]:.4f} -> {m['loss'][-1]:.4f} over {len(m['loss'])} steps")
+    if m.get("eval_loss"):
+        ev = m["eval_loss"]
+        click.echo(f"eval loss     {ev[0]['loss']:.4f} (step {ev[0]['step']}) -> {ev[-1]['loss']:.4f} (step {ev[-1]['step']})")
+    if m.get("lr"):
+        sch = m.get("lr_schedule") or {}
+        click.echo(f"lr            {sch.get('schedule', '?')}: {m['lr'][0]:.3g} -> {m['lr'][-1]:.3g} "
+                   f"(peak {sch.get('lr', 0):.3g}, warmup {sch.get('warmup_steps', 0)})")
     for ev in m["events"]:
         if ev["kind"] != "checkpoint":
             click.echo(f"event         step {ev['step']}: {ev['kind']}: {ev['message']}")

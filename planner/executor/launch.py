@@ -26,6 +26,7 @@ from planner.errors import ExecutionError
 from planner.executor import preflight
 from planner.executor.metrics import build_metrics, failure_metrics
 from planner.executor.files import CKPT_DIR, RANKS_DIR
+from planner.executor.observability import ALERTS_FILE, DASHBOARD_FILE, format_progress
 from planner.rundir import atomic_write_json, load_run, read_json
 
 
@@ -71,13 +72,20 @@ def _pick_failed(run_dir: Path, failed: dict[int, int]) -> int:
 def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: bool = False,
              timeout: float = 600.0, batching: str = "dynamic", checkpoint_every: int = 0,
              inject_nan: int = -1, data: str = "", seed: int = 1234, data_workers: int = 1,
-             ignore_host_checks: bool = False,
+             ignore_host_checks: bool = False, tokenizer: str = "", eval_every: int = 0, eval_batches: int = 2,
+             lr: float | None = None, lr_warmup_steps: int = 0, lr_schedule: str | None = None,
+             metrics_port: int = 0, metrics_host: str = "127.0.0.1", init_hf: str = "", save_hf: str = "",
+             step_sleep: float = 0.0, save_sleep: float = 0.0,
              echo: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Run the plan in `run_dir` for `steps` optimizer steps; returns (and writes) metrics.json.
 
     Refuses first, starting nothing, what cannot run here (planner.executor.preflight): bad
-    plan.json, a ds_config.json that disagrees with it, and, unless `ignore_host_checks`, a plan
-    this host lacks the GPUs, memory or cores for."""
+    plan.json, a ds_config.json that disagrees with it, unless `ignore_host_checks` a plan this
+    host lacks the GPUs, memory or cores for, and bad trainer input (the corpus and tokenizer,
+    a busy metrics port, a missing Hugging Face directory, bad schedule values). While the ranks
+    train, rank 0's progress lines (DIR/.ranks/progress.jsonl) go to `echo`; rank 0 writes
+    metrics.json at the end (the launcher rebuilds it from result.json if it did not).
+    `step_sleep` and `save_sleep` are test hooks (a pause after each step / checkpoint file)."""
     run = Path(run_dir).resolve()
     if steps < 1 or warmup < 0 or warmup >= steps:
         raise ExecutionError("--steps/--warmup", f"need steps >= 1 and 0 <= warmup < steps, got {steps}/{warmup}",
@@ -85,6 +93,10 @@ def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: b
     plan, model, cluster, train, doc = load_run(run)
     # every refusal comes before the run directory is touched (planner/executor/preflight.py)
     missing_cfg = preflight.check(run, plan, model, cluster, train, doc, ignore_host=ignore_host_checks)
+    preflight.check_trainer(run, plan, model, train, data=data, tokenizer=tokenizer, seed=seed, batching=batching,
+                            eval_every=eval_every, eval_batches=eval_batches, checkpoint_every=checkpoint_every,
+                            lr=lr, lr_warmup_steps=lr_warmup_steps, lr_schedule=lr_schedule,
+                            metrics_port=metrics_port, metrics_host=metrics_host, init_hf=init_hf, save_hf=save_hf)
     if missing_cfg is not None:
         atomic_write_json(run / "ds_config.json", missing_cfg)
         echo("ds_config.json was missing: written from plan.json")
@@ -97,6 +109,7 @@ def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: b
     for f in ranks.glob("rank*.json"):
         f.unlink()
     (ranks / "result.json").unlink(missing_ok=True)
+    (run / "metrics.json").unlink(missing_ok=True)  # rank 0 writes this run's at the end
     world = plan.world_size
     cpu = cluster.device.kind == "cpu"
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
@@ -110,9 +123,30 @@ def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: b
            "--seed", str(seed), "--data-workers", str(data_workers)]
     if data:
         cmd += ["--data", str(Path(data).resolve())]
+    if tokenizer:
+        cmd += ["--tokenizer", str(Path(tokenizer).resolve())]
+    if eval_every:
+        cmd += ["--eval-every", str(eval_every), "--eval-batches", str(eval_batches)]
+    if lr is not None:
+        cmd += ["--lr", repr(float(lr))]
+    if lr_schedule is not None:
+        cmd += ["--lr-schedule", lr_schedule]
+    cmd += ["--lr-warmup-steps", str(lr_warmup_steps), "--warmup", str(warmup)]
+    if metrics_port:
+        cmd += ["--metrics-port", str(metrics_port), "--metrics-host", metrics_host]
+    if init_hf:
+        cmd += ["--init-hf", str(Path(init_hf).resolve())]
+    if save_hf:
+        cmd += ["--save-hf", str(Path(save_hf).resolve())]
+    if step_sleep:
+        cmd += ["--step-sleep", str(step_sleep)]
+    if save_sleep:
+        cmd += ["--save-sleep", str(save_sleep)]
     if resume:
         cmd.append("--resume")
     echo(f"launching {world} rank(s): {plan.describe()}")
+    if metrics_port:
+        echo(f"metrics: http://{metrics_host}:{metrics_port}/metrics (rules {ALERTS_FILE}, dashboard {DASHBOARD_FILE})")
     import threading
     if threading.current_thread() is threading.main_thread():
         # SIGTERM to the launcher still runs the cleanup below (ranks are in their own group)
@@ -130,7 +164,9 @@ def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: b
                                           stdout=log, stderr=subprocess.STDOUT, **kw))
             if r == 0:
                 pgid = procs[0].pid
-        failure = _watch(run, procs, start, timeout)
+        follow = _Follower(ranks / "progress.jsonl", echo)
+        failure = _watch(run, procs, start, timeout, follow)
+        follow()
     finally:
         _cleanup(procs, pgid)
         for log in logs:
@@ -142,10 +178,36 @@ def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: b
         atomic_write_json(run / "metrics.json", metrics)
         raise ExecutionError(f"rank {rank}" if rank is not None else "run", cause,
                              f"see {ranks}/rank{rank if rank is not None else 0}.log; metrics.json records the failure")
+    if (run / "metrics.json").exists():  # written by rank 0 (planner/executor/train.py)
+        return read_json(run / "metrics.json", "metrics.json")
     result = read_json(ranks / "result.json", "result.json")
     metrics = build_metrics(result, plan, model, warmup, steps, estimate, run)
     atomic_write_json(run / "metrics.json", metrics)
     return metrics
+
+
+class _Follower:
+    """Echo the progress records rank 0 appends to progress.jsonl (complete lines only)."""
+
+    def __init__(self, path: Path, echo: Callable[[str], None]) -> None:
+        self.path, self.echo, self.offset = path, echo, 0
+
+    def __call__(self) -> None:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                chunk = fh.read()
+        except OSError:
+            return
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            return
+        self.offset += end + 1
+        for line in chunk[:end].decode(errors="replace").splitlines():
+            try:
+                self.echo(format_progress(json.loads(line)))
+            except (ValueError, KeyError, TypeError):
+                continue
 
 
 def _terminated(*_) -> None:
@@ -153,8 +215,10 @@ def _terminated(*_) -> None:
     raise KeyboardInterrupt
 
 
-def _watch(run: Path, procs: list[subprocess.Popen], start: float, timeout: float) -> tuple[int | None, str] | None:
+def _watch(run: Path, procs: list[subprocess.Popen], start: float, timeout: float,
+           tick: Callable[[], None] = lambda: None) -> tuple[int | None, str] | None:
     while True:
+        tick()
         codes = {r: p.poll() for r, p in enumerate(procs)}
         failed = {r: c for r, c in codes.items() if c not in (None, 0)}
         if failed:

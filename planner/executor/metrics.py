@@ -75,6 +75,11 @@ def build_metrics(result: dict, plan, model, warmup: int, steps: int, estimate_d
         "predicted": predicted,
         "relative_error": {k: relative_error(measured[k], predicted[k]) for k in measured},
         "events": result["events"],
+        # the trainer's figures (planner/executor/train.py): the rate each step used, the schedule
+        # DeepSpeed ran (its ds_config "scheduler" block), held-out losses, time in all-reduce
+        "lr": result.get("lr", []), "lr_schedule": result.get("lr_schedule"),
+        "eval_loss": result.get("eval_loss", []),
+        "allreduce_s_per_step": result.get("allreduce_s"),
     })
     if any(r.get("activations") is not None for r in ranks):
         # worker --measure-activations: per rank, the bytes each block ("activation_bytes_per_block",
@@ -99,7 +104,8 @@ def failure_metrics(run: Path, plan, model, world: int, cluster, warmup: int, st
               "memory_method": None, "padding_fraction": None,
               "predicted": _predicted(_read_json(run / "estimate.json")),
               "relative_error": {"step_time_s": None, "tokens_per_s": None, "peak_memory_gb": None},
-              "events": [{"step": None, "kind": "failure", "message": cause}]})
+              "events": [{"step": None, "kind": "failure", "message": cause}],
+              "lr": [], "lr_schedule": None, "eval_loss": [], "allreduce_s_per_step": None})
     return m
 
 

@@ -356,3 +356,80 @@ def check_run(run_dir: str | Path, *, ignore_host: bool = False) -> None:
     from planner.rundir import load_run
     plan, model, cluster, train, doc = load_run(run_dir)
     check(run_dir, plan, model, cluster, train, doc, ignore_host=ignore_host)
+
+
+# --- 4. the trainer's inputs (issue 10) ----------------------------------------------------------
+
+def check_trainer(run_dir: str | Path, plan: Plan, model: ModelSpec, train: TrainSpec, *, data: str = "",
+                  tokenizer: str = "", seed: int = 1234, batching: str = "dynamic", eval_every: int = 0,
+                  eval_batches: int = 2, checkpoint_every: int = 0, lr: float | None = None,
+                  lr_warmup_steps: int = 0, lr_schedule: str | None = None, metrics_port: int = 0,
+                  metrics_host: str = "127.0.0.1", init_hf: str = "", save_hf: str = "") -> None:
+    """The flags of `planner run` that the ranks would otherwise trip over after start-up: the
+    schedule's numbers, the corpus and tokenizer (planner.executor.data.check_data: corpus at
+    least one global batch, tokenizer present and its vocabulary within the model's), the
+    metrics port (a bind test on the address rank 0 will serve), and the Hugging Face
+    directories. Raises the first problem; touches nothing."""
+    import math
+
+    from planner.dsconfig import LR_SCHEDULES
+    for name, value, low in (("--eval-every", eval_every, 0), ("--eval-batches", eval_batches, 1),
+                             ("--checkpoint-every", checkpoint_every, 0), ("--lr-warmup-steps", lr_warmup_steps, 0),
+                             ("--metrics-port", metrics_port, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise SpecError(name, f"must be an integer >= {low}, got {value!r}", f"give {name} {max(low, 1)} or more")
+    if lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise SpecError("--lr", f"must be a positive number, got {lr!r}", "e.g. --lr 3e-4")
+    if lr_schedule is not None and lr_schedule not in LR_SCHEDULES:
+        raise SpecError("--lr-schedule", f"unknown schedule {lr_schedule!r}", f"use one of {', '.join(LR_SCHEDULES)}")
+    if tokenizer and not data:
+        raise SpecError("--tokenizer", "given without --data", "add --data CORPUS (a .txt or .jsonl of text)")
+    if data:
+        _check_data(data, tokenizer, seed, model, train, plan, batching)
+    for name, path in (("--init-hf", init_hf),):
+        if path:
+            p = Path(path)
+            if not p.is_dir():
+                raise SpecError(name, f"{p} is not a directory", "give a Hugging Face checkpoint directory "
+                                "(config.json and *.safetensors)")
+            if not (p / "config.json").is_file():
+                raise SpecError(name, f"{p} has no config.json", "give a Hugging Face checkpoint directory "
+                                "(config.json and *.safetensors)")
+    if save_hf:
+        p = Path(save_hf)
+        if p.exists() and not p.is_dir():
+            raise SpecError("--save-hf", f"{p} exists and is not a directory", "give a directory path")
+        parent = p.resolve().parent
+        while not parent.exists():
+            parent = parent.parent
+        if not os.access(parent, os.W_OK):
+            raise SpecError("--save-hf", f"cannot write under {parent}", "give a writable directory")
+    if metrics_port:
+        from planner.executor.prom import port_problem
+        problem = port_problem(metrics_port, metrics_host)
+        if problem:
+            raise ExecutionError("--metrics-port", problem, "pick a free port (e.g. --metrics-port 9400) or stop "
+                                 "what listens there")
+
+
+def _check_data(data: str, tokenizer: str, seed: int, model: ModelSpec, train: TrainSpec, plan: Plan,
+                batching: str) -> None:
+    """The corpus as the ranks will read it (data.check_data, when the data layer has it)."""
+    from planner.executor import data as datamod
+    if not Path(data).exists():
+        raise SpecError("--data", f"{data} does not exist", "give a corpus file (.txt, .jsonl, .npy, .bin/.idx)")
+    if tokenizer and not Path(tokenizer).is_dir():
+        raise SpecError("--tokenizer", f"{tokenizer} is not a directory", "give a local Hugging Face tokenizer "
+                        "directory (tokenizer.json)")
+    kw: dict[str, Any] = {"token_file": str(data)}
+    if tokenizer:
+        kw["tokenizer"] = str(tokenizer)
+    try:
+        spec = datamod.DataSpec(seq_len=train.seq_len, vocab=model.vocab, seed=seed, **kw)
+    except TypeError:
+        raise SpecError("--tokenizer", "this build's data layer takes no tokenizer",
+                        "give --data as token ids (.npy/.txt) without --tokenizer") from None
+    layout = datamod.Layout(plan.micro_batch, plan.grad_accum, plan.dp)
+    check = getattr(datamod, "check_data", None)
+    if check is not None:
+        check(spec, layout)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -35,14 +36,80 @@ def _grad_norm(engine) -> float | None:
     return float(g.item() if isinstance(g, torch.Tensor) else g)
 
 
+def _make_loader(rows, layout: Layout, batch_ids: list[int], dp_rank: int, device: str, workers: int):
+    """The DataLoader of planner.executor.loading (LoaderSettings) when present, else build.loader."""
+    try:
+        from planner.executor.loading import LoaderSettings, loader as make
+    except ImportError:
+        return loader(rows, layout, batch_ids, dp_rank, device, workers)
+    settings = LoaderSettings(workers=workers, pin_memory=device == "cuda", prefetch_factor=2)
+    return make(rows, layout, batch_ids, dp_rank, device, settings)
+
+
+def data_spec(args, trainspec, spec, cls=DataSpec) -> DataSpec:
+    """The DataSpec of a run's flags (the worker and the launcher's preflight build the same)."""
+    kw = {"token_file": args.data}
+    if getattr(args, "tokenizer", ""):
+        kw["tokenizer"] = args.tokenizer
+    return cls(seq_len=trainspec.seq_len, vocab=spec.vocab, seed=args.seed, **kw)
+
+
+def configure_lr(cfg: dict, args, steps: int) -> dict:
+    """Put the learning-rate schedule of the flags into `cfg` (in memory; ds_config.json on disk
+    is left as search wrote it). --lr-schedule unset keeps a "scheduler" block the user put into
+    ds_config.json, else it is the constant rate. Returns what metrics.json records."""
+    from planner import dsconfig
+    lr = args.lr if args.lr is not None else (cfg.get("optimizer", {}).get("params", {}).get("lr")
+                                             or dsconfig.OPTIMIZER["lr"])
+    if "optimizer" in cfg:
+        cfg["optimizer"].setdefault("params", {})["lr"] = lr
+    else:  # the client torch AdamW (planner/executor/build.py) reads dsconfig.OPTIMIZER in this process
+        dsconfig.OPTIMIZER = {**dsconfig.OPTIMIZER, "lr": lr}
+    if args.lr_schedule is None and isinstance(cfg.get("scheduler"), dict):
+        source = "ds_config.json"
+    else:
+        cfg["scheduler"] = dsconfig.lr_scheduler(args.lr_schedule or "constant", lr, args.lr_warmup_steps, steps)
+        source = "flags"
+    return {"schedule": args.lr_schedule or ("ds_config.json" if source == "ds_config.json" else "constant"),
+            "lr": lr, "warmup_steps": args.lr_warmup_steps, "total_steps": steps, "source": source,
+            "scheduler": cfg["scheduler"]}
+
+
+def latest_tag(ckpt: Path) -> str | None:
+    """The checkpoint tag `latest` names, if that tag directory exists. `latest` is written by
+    us, atomically, only after every rank has finished saving the tag (see `save` in train), so
+    a tag it names is complete; a kill mid-save leaves it naming the previous one."""
+    try:
+        tag = (ckpt / "latest").read_text().strip()
+    except OSError:
+        return None
+    return tag if tag and (ckpt / tag).is_dir() else None
+
+
 def train(args, run_dir: Path, rank: int, status) -> None:
     rss_before = rss_bytes()
     import deepspeed
     import deepspeed.comm as dist
 
+    from planner.errors import ExecutionError
+    from planner.executor.metrics import build_metrics
+    from planner.executor.observability import ALERTS_FILE, DASHBOARD_FILE, AllReduceTimer, alert_rules, \
+        dashboard, format_progress
+    from planner.rundir import atomic_write_text
+
+    if args.steps < 1 or args.warmup < 0 or args.warmup >= args.steps:
+        raise ExecutionError("--steps/--warmup", f"need steps >= 1 and 0 <= warmup < steps, got "
+                             f"{args.steps}/{args.warmup}", "e.g. --steps 10 --warmup 2")
     plan, spec, cluster, trainspec, _ = load_run(run_dir)
     cfg = read_json(run_dir / "ds_config.json", "ds_config.json")
     device = "cuda" if cluster.device.kind != "cpu" and torch.cuda.is_available() else "cpu"
+    exporter = None
+    if rank == 0 and args.metrics_port:
+        from planner.executor.prom import Exporter
+        exporter = Exporter(args.metrics_port, args.metrics_host)  # first: a busy port fails before the model
+        atomic_write_text(run_dir / ALERTS_FILE, alert_rules())
+        atomic_write_json(run_dir / DASHBOARD_FILE, dashboard(f"planner: {spec.name} {plan.describe()}"))
+    timer = AllReduceTimer(cuda=device == "cuda").install() if args.metrics_port else None
     deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
     world = dist.get_world_size()
     if world != plan.world_size:
@@ -50,11 +117,17 @@ def train(args, run_dir: Path, rank: int, status) -> None:
     torch.manual_seed(args.seed)
     status.write(phase="init")
     os.chdir(run_dir)  # the monitor's relative output paths land in the run directory
-    engine, groups = build_engine(plan, spec, cfg, attention=trainspec.attention, seed=args.seed)
+    lr_info = configure_lr(cfg, args, args.steps)
+    build_kw = {}
+    if args.init_hf:
+        build_kw["init_weights"] = _init_from_hf(Path(args.init_hf), spec, plan)
+    engine, groups = build_engine(plan, spec, cfg, attention=trainspec.attention, seed=args.seed, **build_kw)
     check_topology(engine, groups, plan, rank)
     pp_i, dp_i, tp_i = rank_coords(rank, plan)
     if args.dump_grads:
         _dump_first_grads(engine, Path(args.dump_grads), rank, (pp_i, dp_i, tp_i))
+    if args.save_sleep:
+        _slow_saves(engine, args.save_sleep)
     pipe = plan.pp > 1
     last_stage = pp_i == plan.pp - 1
     # --measure-activations: what each layer keeps for backward in the first micro-batch of the
@@ -64,25 +137,43 @@ def train(args, run_dir: Path, rank: int, status) -> None:
     if recorder is not None and pipe:
         _record_first_forward(engine, recorder)
 
-    data = DataSpec(seq_len=trainspec.seq_len, vocab=spec.vocab, seed=args.seed, token_file=args.data)
+    data = data_spec(args, trainspec, spec)
     rows = Rows(data, args.batching)
     layout = Layout(plan.micro_batch, plan.grad_accum, plan.dp)
+    eval_loader = None
+    if args.eval_every:
+        eval_rows = Rows(data, args.batching, split="eval")
+        eval_ids = list(range(args.eval_batches))
     ckpt = run_dir / CKPT_DIR
     monitor = StabilityMonitor()
-    state = {"step": 0, "cursor": 0, "skip": [], "loss": [], "events": [], "times": [], "tokens": 0, "padding": 0}
-    if args.resume and (ckpt / "latest").exists():
-        _, client = engine.load_checkpoint(str(ckpt))
+    state = {"step": 0, "cursor": 0, "skip": [], "loss": [], "events": [], "times": [], "tokens": 0, "padding": 0,
+             "lr": [], "eval": [], "allreduce_s": []}
+    tag = latest_tag(ckpt) if args.resume else None
+    if tag is not None:
+        _, client = engine.load_checkpoint(str(ckpt), tag=tag)
         state.update(client["planner"])
         state["events"].append({"step": state["step"], "kind": "resume",
-                                "message": f"resumed from checkpoint step {state['step']}"})
+                                "message": f"resumed from checkpoint {tag} (step {state['step']})"})
     resumed_at = state["step"]
+    saved = {"step": state["step"] if tag is not None else None}
 
     def save(step: int) -> None:
-        engine.save_checkpoint(str(ckpt), tag=f"step{step}", client_state={"planner": dict(state)})
+        tag = f"step{step}"
+        if rank == 0 and (ckpt / tag).exists() and latest_tag(ckpt) != tag:
+            shutil.rmtree(ckpt / tag)  # a partial save of an earlier, killed run
+        # every rank writes its files, then DeepSpeed's closing barrier; only then does rank 0
+        # name the tag in `latest` (atomic rename). DeepSpeed's own `latest` (save_latest=True)
+        # is written by rank 0 before the other ranks are done, with a plain open("w").
+        engine.save_checkpoint(str(ckpt), tag=tag, client_state={"planner": dict(state)}, save_latest=False)
+        dist.barrier()
         if rank == 0:
-            progress(run_dir, {"step": step, "kind": "checkpoint"})
+            atomic_write_text(ckpt / "latest", tag)
+            rec = {"step": step, "kind": "checkpoint", "tag": tag}
+            progress(run_dir, rec)
+            print(format_progress(rec), flush=True)
+        saved["step"] = step
 
-    if args.checkpoint_every and not (ckpt / "latest").exists():
+    if args.checkpoint_every and latest_tag(ckpt) is None:
         save(0)  # a good state to roll back to before the first checkpoint interval
     reset_peak(device)
     status.write(phase="train")
@@ -91,6 +182,8 @@ def train(args, run_dir: Path, rank: int, status) -> None:
     stream = None
     states = None
     rollbacks = 0
+    if timer is not None:
+        timer.take()
     while state["step"] < args.steps:
         step = state["step"]
         if stream is None:  # (re)started after init or a rollback: one DataLoader for the rest of the run
@@ -99,7 +192,7 @@ def train(args, run_dir: Path, rank: int, status) -> None:
                 c = _next_batch(c, set(state["skip"]))
                 ids_left.append(c)
                 c += 1
-            stream = iter(loader(rows, layout, ids_left, dp_i, device, args.data_workers))
+            stream = iter(_make_loader(rows, layout, ids_left, dp_i, device, args.data_workers))
             pending = list(ids_left)
         b = pending.pop(0)
         micro = [next(stream) for _ in range(plan.grad_accum)]
@@ -110,6 +203,7 @@ def train(args, run_dir: Path, rank: int, status) -> None:
         record = recorder is not None and step == measure_step and recorder.result is None
         if record and pipe:
             recorder.armed = True
+        lr = float(engine.get_lr()[0])  # the rate this step's optimizer update uses
         t0 = time.perf_counter()
         if pipe:
             it = iter(((ids.to(device), pos.to(device), seg.to(device)), lab.to(device)) for ids, pos, seg, lab in micro)
@@ -131,15 +225,22 @@ def train(args, run_dir: Path, rank: int, status) -> None:
         dt = time.perf_counter() - t0
         gnorm = _grad_norm(engine)
         set_poison(engine, False)
-        # one collective per step: loss (from ranks holding it), bad flag, real/padded tokens
+        ar_s, ar_n = timer.take() if timer is not None else (0.0, 0)
+        # one collective per step: loss (from ranks holding it), bad flag, real/padded tokens, and
+        # each rank's own slot: step time, peak memory, time and calls in all-reduce, GPU utilisation
         holds_loss = (last_stage or not pipe) and tp_i == 0
         reads = pp_i == 0 and tp_i == 0
         real = sum(rows.real_tokens(i) for m in range(plan.grad_accum) for i in layout.rows(b, m, dp_i)) if reads else 0
         total = plan.grad_accum * plan.micro_batch * trainspec.seq_len if reads else 0
         bad = 0.0 if (math.isfinite(loss) and (gnorm is None or math.isfinite(gnorm))) else 1.0
-        vec = torch.tensor([loss if (holds_loss and not bad) else 0.0, 1.0 if holds_loss else 0.0, bad,
-                            float(real), float(total)], dtype=torch.float64)
+        vec = torch.zeros(5 + PER_RANK * world, dtype=torch.float64)
+        vec[:5] = torch.tensor([loss if (holds_loss and not bad) else 0.0, 1.0 if holds_loss else 0.0, bad,
+                                float(real), float(total)], dtype=torch.float64)
+        vec[5 + PER_RANK * rank:5 + PER_RANK * (rank + 1)] = torch.tensor(
+            [dt, float(peak_bytes(device)), ar_s, float(ar_n), _gpu_util(device)], dtype=torch.float64)
         dist.all_reduce(vec)
+        if timer is not None:
+            timer.take()  # not the step's own traffic
         step_loss = vec[0].item() / max(vec[1].item(), 1.0)
         if vec[2].item() > 0:
             rollbacks += 1
@@ -148,29 +249,65 @@ def train(args, run_dir: Path, rank: int, status) -> None:
             _rollback(engine, run_dir, rank, state, step, b, loss, gnorm, ckpt, layout)
             stream = None
             continue
+        per_rank = [dict(zip(("time_s", "peak_memory_bytes", "allreduce_seconds", "allreduce_calls",
+                              "gpu_utilization_percent"), vec[5 + PER_RANK * r:5 + PER_RANK * (r + 1)].tolist()))
+                    for r in range(world)]
+        for m in per_rank:
+            if m["gpu_utilization_percent"] < 0:
+                m["gpu_utilization_percent"] = None
         times[step] = dt
         rollbacks = 0
-        state["tokens"] += int(vec[3].item())
+        step_tokens = int(vec[3].item())
+        state["tokens"] += step_tokens
         state["padding"] += int(vec[4].item() - vec[3].item())
         state["loss"] = state["loss"][:step] + [step_loss]
-        state["step_tokens"] = state.get("step_tokens", [])[:step] + [int(vec[3].item())]
+        state["lr"] = state.get("lr", [])[:step] + [lr]
+        state["step_tokens"] = state.get("step_tokens", [])[:step] + [step_tokens]
+        state["allreduce_s"] = state.get("allreduce_s", [])[:step] + [
+            max(m["allreduce_seconds"] for m in per_rank) if timer is not None else None]
         for ev in monitor.observe(step, step_loss, gnorm):
             state["events"].append(ev)
         state["step"], state["cursor"] = step + 1, b + 1
         state["times_by_step"] = {str(k): v for k, v in times.items()}
+        eval_loss = None
+        if args.eval_every and (step + 1) % args.eval_every == 0:
+            if eval_loader is None:
+                eval_loader = _make_loader(eval_rows, layout, eval_ids, dp_i, device, 0)
+            eval_loss = _evaluate(engine, eval_loader, plan, device, holds_loss, pipe)
+            state["eval"] = [e for e in state.get("eval", []) if e["step"] <= step] + [
+                {"step": step + 1, "loss": eval_loss}]
+        slowest = max(m["time_s"] for m in per_rank)
+        rec = {"step": step + 1, "total": args.steps, "kind": "step", "loss": step_loss, "lr": lr,
+               "time_s": slowest, "tokens_per_s": step_tokens / slowest if slowest > 0 else None,
+               "grad_norm": gnorm, "peak_memory_bytes": max(m["peak_memory_bytes"] for m in per_rank),
+               "eval_loss": eval_loss}
         if rank == 0 and getattr(engine, "monitor", None) is not None and engine.monitor.enabled:
             # DeepSpeed's own monitor (tensorboard/csv in ds_config.json) logs what we measure
-            engine.monitor.write_events([("Train/planner/loss", step_loss, step + 1),
-                                         ("Train/planner/step_time_s", dt, step + 1),
-                                         ("Train/planner/peak_memory_gb", peak_bytes(device) / 1e9, step + 1)])
+            events = [("Train/planner/loss", step_loss, step + 1), ("Train/planner/step_time_s", dt, step + 1),
+                      ("Train/planner/peak_memory_gb", peak_bytes(device) / 1e9, step + 1),
+                      ("Train/planner/lr", lr, step + 1)]
+            if eval_loss is not None:
+                events.append(("Train/planner/eval_loss", eval_loss, step + 1))
+            engine.monitor.write_events(events)
         if rank == 0:
-            progress(run_dir, {"step": step + 1, "kind": "step", "loss": step_loss, "time_s": dt,
-                               "grad_norm": gnorm})
+            progress(run_dir, rec)
+            print(format_progress(rec), flush=True)
+            if exporter is not None:
+                exporter.step(rec, per_rank)
         status.write(step=step + 1)
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
             save(step + 1)
             state["events"].append({"step": step + 1, "kind": "checkpoint", "message": f"saved step{step + 1}"})
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
 
+    if args.checkpoint_every and saved["step"] != args.steps:
+        save(args.steps)  # the final state, whatever K is
+        state["events"].append({"step": args.steps, "kind": "checkpoint", "message": f"saved step{args.steps}"})
+    if args.save_hf:
+        status.write(phase="save-hf")
+        from planner.executor.weights import save_hf_weights
+        save_hf_weights(engine, args.save_hf, spec, plan, groups, source=args.init_hf or None)
     status.write(phase="measure")
     if states is None or pipe:  # pipeline: after the last step (train_batch has freed the gradients)
         states = model_states(engine.module, engine.optimizer, device)
@@ -188,14 +325,96 @@ def train(args, run_dir: Path, rank: int, status) -> None:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if rank == 0:
-        atomic_write_json(run_dir / RANKS_DIR / "result.json", {
+        result = {
             "device": device, "world_size": world, "resumed_at": resumed_at, "batching": args.batching,
             "memory_method": GPU_METHOD if device == "cuda" else CPU_METHOD,
             "loss": state["loss"], "events": state["events"], "skipped_batches": state["skip"],
             "real_tokens": state["tokens"], "padding_tokens": state["padding"],
             "step_tokens": state.get("step_tokens", []),
-            "ranks": gathered})
+            "lr": state.get("lr", []), "lr_schedule": lr_info, "eval_loss": state.get("eval", []),
+            "allreduce_s": state.get("allreduce_s", []) if timer is not None else None,
+            "ranks": gathered}
+        atomic_write_json(run_dir / RANKS_DIR / "result.json", result)
+        estimate = (read_json(run_dir / "estimate.json", "estimate.json")
+                    if (run_dir / "estimate.json").exists() else {})
+        # metrics.json from rank 0 itself, so a launch.sh (deepspeed launcher) run has one too
+        atomic_write_json(run_dir / "metrics.json",
+                          build_metrics(result, plan, spec, args.warmup, args.steps, estimate, run_dir))
     dist.barrier()
+    if exporter is not None:
+        exporter.close()
+
+
+PER_RANK = 5
+"""Values each rank contributes to the per-step collective (see the step loop)."""
+
+
+def _gpu_util(device: str) -> float:
+    """torch.cuda.utilization() (needs pynvml / amdsmi); -1 where unavailable (CPU runs)."""
+    if device != "cuda":
+        return -1.0
+    try:
+        return float(torch.cuda.utilization())
+    except Exception:  # no NVML in this environment
+        return -1.0
+
+
+def _evaluate(engine, eval_loader, plan, device: str, holds_loss: bool, pipe: bool) -> float:
+    """Held-out loss over the eval batches, averaged over micro-batches, batches and DP ranks
+    (counted on the ranks that hold a loss, like the training loss). No gradients, no update."""
+    import deepspeed.comm as dist
+    total = 0.0
+    n = 0
+    stream = iter(eval_loader)
+    batches = len(eval_loader) // plan.grad_accum
+    for _ in range(batches):
+        micro = [next(stream) for _ in range(plan.grad_accum)]
+        if pipe:
+            it = iter(((ids.to(device), pos.to(device), seg.to(device)), lab.to(device)) for ids, pos, seg, lab in micro)
+            total += float(engine.eval_batch(data_iter=it))
+            n += 1
+        else:
+            engine.eval()
+            try:
+                with torch.no_grad():
+                    for ids, pos, seg, lab in micro:
+                        logits = engine(ids.to(device), pos.to(device), seg.to(device))
+                        total += float(engine.module.loss_fn(logits, lab.to(device)))
+                        n += 1
+            finally:
+                engine.train()
+    if pipe:
+        engine.train()
+    mean = total / max(n, 1)
+    vec = torch.tensor([mean if holds_loss else 0.0, 1.0 if holds_loss else 0.0], dtype=torch.float64)
+    dist.all_reduce(vec)
+    return vec[0].item() / max(vec[1].item(), 1.0)
+
+
+def _init_from_hf(path: Path, spec, plan):
+    """init_weights for build_engine: load a Hugging Face checkpoint into this rank's shard.
+    load_hf_weights needs this rank's coordinates before build_engine returns its groups, so a
+    second Groups of the same layout is made here (every rank makes it, in the same order)."""
+    from planner.executor.parallel.groups import Groups
+    from planner.executor.weights import load_hf_weights
+    groups = Groups(plan.pp, plan.dp, plan.tp, sequence_parallel=plan.sequence_parallel)
+
+    def init(module: torch.nn.Module) -> None:
+        load_hf_weights(module, path, spec, groups)
+    return init
+
+
+def _slow_saves(engine, seconds: float) -> None:
+    """Test hook (worker --save-sleep S): sleep after each checkpoint file DeepSpeed writes, so a
+    kill lands in the middle of a save."""
+    ce = engine.checkpoint_engine
+    save = ce.save
+
+    def slow(state_dict, path):
+        out = save(state_dict, path)
+        time.sleep(seconds)
+        return out
+    ce.save = slow
 
 
 def _record_first_forward(engine, recorder: ActivationRecorder) -> None:
@@ -253,10 +472,11 @@ def _rollback(engine, run_dir: Path, rank: int, state: dict, step: int, batch: i
             "skipped_before": state["skip"]})
     events = state["events"] + [{"step": step, "kind": "nan", "message": f"non-finite {reason} at step {step} "
                                  f"(batch {batch}); snapshot debug/nan_step{step}.json"}]
-    if not (ckpt / "latest").exists():
+    tag = latest_tag(ckpt)
+    if tag is None:
         raise RuntimeError(f"non-finite {reason} at step {step} and no checkpoint to roll back to "
                            "(run with --checkpoint-every K)")
-    _, client = engine.load_checkpoint(str(ckpt))
+    _, client = engine.load_checkpoint(str(ckpt), tag=tag)
     engine.optimizer.zero_grad()
     good = client["planner"]
     skip = sorted(set(good["skip"]) | set(state["skip"]) | {batch})

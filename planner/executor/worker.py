@@ -4,7 +4,8 @@ Started by planner.executor.launch (or by launch.sh through the deepspeed launch
 plan.json and ds_config.json from the run directory, trains, and writes per-rank state under
 DIR/.ranks/: rank<r>.json (pid, phase, step, error; the launcher reads it to name a failing
 rank), progress.jsonl (rank 0: one line per step and event) and result.json (rank 0: every
-rank's measurements, gathered at the end). Checkpoints go to DIR/checkpoints/.
+rank's measurements, gathered at the end). Checkpoints go to DIR/checkpoints/. Rank 0 prints
+a progress line per step and writes DIR/metrics.json at the end (launch.sh runs get it too).
 """
 from __future__ import annotations
 
@@ -29,6 +30,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--checkpoint-every", type=int, default=0)
     ap.add_argument("--inject-nan", type=int, default=-1, help="poison the batch of this step (test)")
     ap.add_argument("--data", default="")
+    ap.add_argument("--tokenizer", default="", help="local Hugging Face tokenizer directory for a text corpus")
+    ap.add_argument("--eval-every", type=int, default=0, help="held-out loss every K steps (0: never)")
+    ap.add_argument("--eval-batches", type=int, default=2, help="global batches per evaluation")
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: planner.dsconfig.OPTIMIZER)")
+    ap.add_argument("--lr-warmup-steps", type=int, default=0)
+    ap.add_argument("--lr-schedule", choices=["cosine", "constant"], default="constant")
+    ap.add_argument("--metrics-port", type=int, default=0, help="rank 0 serves Prometheus metrics here (0: off)")
+    ap.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoint listens on")
+    ap.add_argument("--init-hf", default="", help="Hugging Face checkpoint directory to start from")
+    ap.add_argument("--save-hf", default="", help="write the trained weights here in Hugging Face format")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--data-workers", type=int, default=1)
     ap.add_argument("--measure-activations", action="store_true",
@@ -36,6 +47,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="record the bytes each layer keeps for backward (one micro-batch; costs hooks)")
     # test hook (tests/integration/test_parity.py): gradients before the first optimizer step
     ap.add_argument("--dump-grads", default=os.environ.get("PLANNER_DUMP_GRADS", ""), help=argparse.SUPPRESS)
+    # test hooks: sleep after each step / after each checkpoint file (a kill lands mid-save)
+    ap.add_argument("--step-sleep", type=float, default=0.0, help=argparse.SUPPRESS)
+    ap.add_argument("--save-sleep", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--local_rank", type=int, default=None)  # passed by the deepspeed launcher
     return ap.parse_args(argv)
 

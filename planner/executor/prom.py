@@ -1,0 +1,61 @@
+"""The Prometheus endpoint of a run (`planner run --metrics-port P`): rank 0 serves the
+series of planner.executor.observability.SERIES on http://HOST:P/metrics (prometheus_client's
+own HTTP server, a daemon thread), updated once per optimizer step."""
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+from planner.executor.observability import SERIES
+
+LOCAL = "127.0.0.1"
+PER_RANK = ("planner_peak_memory_bytes", "planner_allreduce_seconds", "planner_allreduce_calls",
+            "planner_allreduce_latency_seconds", "planner_gpu_utilization_percent")
+
+
+def port_problem(port: int, host: str = LOCAL) -> str:
+    """Why `port` cannot be served on `host`, or "" (bind test; the socket is closed again)."""
+    if not 1 <= port <= 65535:
+        return f"{port} is not a TCP port (1-65535)"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return ""
+
+
+class Exporter:
+    """Gauges in their own registry (no process/GC collectors: the series are the run's)."""
+
+    def __init__(self, port: int, host: str = LOCAL) -> None:
+        from prometheus_client import CollectorRegistry, Gauge, start_http_server
+        self.registry = CollectorRegistry()
+        self.gauges: dict[str, Any] = {
+            name: Gauge(name, doc, ["rank"] if name in PER_RANK else [], registry=self.registry)
+            for name, doc in SERIES.items()}
+        self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
+
+    def step(self, rec: dict[str, Any], per_rank: list[dict[str, float | None]]) -> None:
+        """rec: the step's progress record; per_rank: {peak_memory_bytes, allreduce_seconds,
+        allreduce_calls, gpu_utilization_percent} of every rank, in rank order."""
+        g = self.gauges
+        g["planner_step"].set(rec["step"])
+        for key, name in (("tokens_per_s", "planner_tokens_per_second"), ("time_s", "planner_step_time_seconds"),
+                          ("loss", "planner_loss"), ("grad_norm", "planner_grad_norm"),
+                          ("lr", "planner_learning_rate"), ("eval_loss", "planner_eval_loss")):
+            if rec.get(key) is not None:
+                g[name].set(rec[key])
+        for r, m in enumerate(per_rank):
+            lab = str(r)
+            g["planner_peak_memory_bytes"].labels(lab).set(m["peak_memory_bytes"])
+            g["planner_allreduce_seconds"].labels(lab).set(m["allreduce_seconds"])
+            g["planner_allreduce_calls"].labels(lab).set(m["allreduce_calls"])
+            g["planner_allreduce_latency_seconds"].labels(lab).set(
+                m["allreduce_seconds"] / m["allreduce_calls"] if m["allreduce_calls"] else 0.0)
+            if m.get("gpu_utilization_percent") is not None:
+                g["planner_gpu_utilization_percent"].labels(lab).set(m["gpu_utilization_percent"])
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
