@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import copy
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -56,9 +56,12 @@ def mark_norm_owners(module: torch.nn.Module, tp_rank: int) -> None:
             p.model_parallel = getattr(p, "tp_split", None) is not None or tp_rank == 0
 
 
-def build_engine(plan: Plan, spec: ModelSpec, cfg: dict[str, Any], *, attention: str = "flash", seed: int = 1234):
+def build_engine(plan: Plan, spec: ModelSpec, cfg: dict[str, Any], *, attention: str = "flash", seed: int = 1234,
+                 init_weights: Callable[[torch.nn.Module], None] | None = None):
     """deepspeed.initialize with the saved config; a client torch AdamW when the config names
-    no optimizer (CPU; planner/dsconfig.py explains why). Returns (engine, groups)."""
+    no optimizer (CPU; planner/dsconfig.py explains why). `init_weights(module)` runs on the
+    built (TP- and PP-sharded) module before deepspeed.initialize, so ZeRO-3 partitions what it
+    loaded (planner/executor/weights.py load_hf_weights). Returns (engine, groups)."""
     import deepspeed
     ac = cfg.get("activation_checkpointing", {})
     deepspeed.checkpointing.configure(None, partition_activations=ac.get("partition_activations", False),
@@ -72,6 +75,8 @@ def build_engine(plan: Plan, spec: ModelSpec, cfg: dict[str, Any], *, attention:
     except ValueError as exc:
         raise ExecutionError("plan.json", f"the model cannot be split as planned: {exc}",
                              "re-plan with `planner search`") from None
+    if init_weights is not None:
+        init_weights(module)
     seed_dropout(seed, groups.pp_rank, groups.tp_rank)  # after the build: PipelineModule may reseed
     mark_norm_owners(module, groups.tp_rank)
     if plan.zero == 3 and plan.pp == 1 and spec.tied_embeddings:
