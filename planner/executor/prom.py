@@ -18,6 +18,9 @@ def port_problem(port: int, host: str = LOCAL) -> str:
     if not 1 <= port <= 65535:
         return f"{port} is not a TCP port (1-65535)"
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # as prometheus_client's server does (HTTPServer.allow_reuse_address): a port left in
+        # TIME_WAIT by an earlier run is free, one something listens on is not
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as exc:
