@@ -126,8 +126,8 @@ class IndexedDataset:
     def doc(self, k: int) -> np.ndarray:
         return np.asarray(self._bin[self._doc_start[k]:self._doc_end[k]], dtype=np.int64)
 
-    def doc_len(self, k: int) -> int:
-        return int(self._doc_end[k] - self._doc_start[k])
+    def doc_lengths(self) -> np.ndarray:
+        return (self._doc_end - self._doc_start).astype(np.int64)
 
     def max_token(self) -> int:
         return int(self._bin.max()) if self.tokens else -1

@@ -30,10 +30,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 
+from planner.data.sources import open_source
 from planner.errors import SpecError
 
 IGNORE = -100
@@ -108,6 +108,8 @@ class Corpus:
             raise ValueError(f"split must be one of {SPLITS}")
         self.spec, self.split = spec, split
         self.source = open_source(spec) if spec.token_file else None
+        self._cache: dict[int, np.ndarray] = {}
+        self._lengths: np.ndarray | None = None
         self.ids: np.ndarray | None = None
         if self.source is not None:
             ks = np.arange(len(self.source), dtype=np.int64)
@@ -120,14 +122,34 @@ class Corpus:
                                 f"{spec.token_file} has no document for the {name} split",
                                 "give a corpus with more documents")
 
+    def _synthetic_rng(self, i: int) -> tuple[np.random.Generator, int]:
+        """The document's generator after its first draw, and its length (that draw)."""
+        s = self.spec
+        rng = np.random.default_rng((s.seed, i) if self.split == "train" else (s.seed, i, 1))
+        median = s.mean_len or s.seq_len / 3
+        return rng, int(np.clip(rng.lognormal(np.log(median), s.sigma), s.min_len, 4 * s.seq_len))
+
+    def doc_len(self, i: int) -> int:
+        """Tokens in document i, without producing them (packing plans on lengths only)."""
+        if self.source is not None:
+            if self._lengths is None:
+                self._lengths = self.source.lengths()[self.ids]
+            return int(self._lengths[i % len(self.ids)])
+        return self._synthetic_rng(i)[1]
+
     def doc(self, i: int) -> np.ndarray:
         if self.source is not None:
             return self.source.doc(int(self.ids[i % len(self.ids)]))
+        got = self._cache.get(i)
+        if got is None:
+            if len(self._cache) >= 64:  # a long document is cut into several chunks, read one after another
+                self._cache.clear()
+            got = self._cache[i] = self._synthetic(i)
+        return got
+
+    def _synthetic(self, i: int) -> np.ndarray:
         s = self.spec
-        key = (s.seed, i) if self.split == "train" else (s.seed, i, 1)
-        rng = np.random.default_rng(key)
-        median = s.mean_len or s.seq_len / 3
-        n = int(np.clip(rng.lognormal(np.log(median), s.sigma), s.min_len, 4 * s.seq_len))
+        rng, n = self._synthetic_rng(i)
         # a learnable signal shared by all documents: one Markov chain with Zipfian successors
         succ, odds, ranked = _chain(s.seed, s.vocab)
         pick = rng.choice(CHAIN_SUCCESSORS, size=n, p=odds)
@@ -144,122 +166,21 @@ class Corpus:
         assert self.source is not None and self.ids is not None
         return self.source.lengths()[self.ids]
 
+    def __getstate__(self):
+        return {"spec": self.spec, "split": self.split, "source": self.source, "ids": self.ids}
 
-class _Docs:
-    """Documents held in memory."""
-
-    def __init__(self, docs: list[np.ndarray]) -> None:
-        self.docs = docs
-
-    def __len__(self) -> int:
-        return len(self.docs)
-
-    def doc(self, k: int) -> np.ndarray:
-        return self.docs[k]
-
-    def lengths(self) -> np.ndarray:
-        return np.array([len(d) for d in self.docs], dtype=np.int64)
+    def __setstate__(self, state) -> None:
+        self.__dict__.update(state, _cache={}, _lengths=None)
 
 
-class _Indexed:
-    def __init__(self, ds) -> None:
-        self.ds = ds
-
-    def __len__(self) -> int:
-        return len(self.ds)
-
-    def doc(self, k: int) -> np.ndarray:
-        return self.ds.doc(k)
-
-    def lengths(self) -> np.ndarray:
-        return (self.ds._doc_end - self.ds._doc_start).astype(np.int64)
-
-
-def open_source(spec: DataSpec):
-    """The finite corpus `spec.token_file` names, checked against the model's vocabulary."""
-    from planner.data import indexed
-    path, vocab = spec.token_file, spec.vocab
-    eos = spec.eos_id
-    if spec.tokenizer:
-        from planner.data.text import load_tokenizer, vocab_size
-        tok = load_tokenizer(spec.tokenizer)
-        n = vocab_size(tok)
-        if n > vocab:
-            raise SpecError("--tokenizer", f"the tokenizer in {spec.tokenizer} has {n} tokens, more than the "
-                            f"model's vocabulary of {vocab}",
-                            f"train one with `planner prepare-data ... --train-tokenizer N` with N <= {vocab}, "
-                            f"or use a model whose vocab is at least {n}")
-        eos = tok.eos_token_id
-    p = Path(path)
-    if indexed.is_indexed(p) and p.suffix not in (".npy", ".txt", ".jsonl", ".json"):
-        ds = indexed.IndexedDataset(p)
-        if len(ds) == 0:
-            raise SpecError("--data", f"{ds.idx_path} holds no document", "give a non-empty corpus")
-        _check_range(ds.min_token(), ds.max_token(), vocab, str(ds.bin_path), spec.tokenizer)
-        return _Indexed(ds)
-    if not p.exists():
-        raise SpecError("--data", f"{p} does not exist",
-                        "give a Megatron PREFIX (PREFIX.bin/.idx), a .npy, a .txt or a .jsonl corpus")
-    if spec.tokenizer and p.suffix != ".npy":
-        docs = _tokenized(str(p.resolve()), p.stat().st_mtime_ns, str(Path(spec.tokenizer).resolve()))
-    elif p.suffix in (".jsonl", ".json"):
-        raise SpecError("--tokenizer", f"{p} is raw text and no tokenizer was given",
-                        "give --tokenizer DIR (a Hugging Face tokenizer directory)")
-    else:
-        docs = _read_token_file(p, eos)
-    if not docs:
-        raise SpecError("--data", f"{p} holds no document of 2+ tokens", "give a non-empty corpus")
-    _check_range(min(int(d.min()) for d in docs), max(int(d.max()) for d in docs), vocab, str(p), spec.tokenizer)
-    return _Docs(docs)
-
-
-def _check_range(lo: int, hi: int, vocab: int, where: str, tokenizer: str) -> None:
-    if hi >= vocab or lo < 0:
-        bad = hi if hi >= vocab else lo
-        raise SpecError("--data", f"token id {bad} in {where} is outside the model's vocabulary of {vocab}",
-                        "tokenize with a tokenizer whose vocabulary fits the model's"
-                        if not tokenizer else "re-tokenize the corpus with this tokenizer")
-
-
-@lru_cache(maxsize=4)
-def _tokenized(path: str, mtime_ns: int, tokenizer: str) -> list[np.ndarray]:
-    """A raw-text corpus tokenized once per process (train and eval splits share it)."""
-    from planner.data.text import load_tokenizer, read_documents, tokenize
-    tok = load_tokenizer(tokenizer)
-    docs = list(read_documents(path))
-    return [a for a in (np.array(ids, dtype=np.int64) for ids in tokenize(tok, docs)) if len(a) >= 2]
-
-
-def _read_token_file(p: Path, eos: int) -> list[np.ndarray]:
-    try:
-        if p.suffix == ".npy":
-            arr = np.load(p, allow_pickle=False)
-            if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-                raise SpecError("--data", f"{p} must hold a 1-D integer array", "save token ids with np.save")
-            cuts = np.flatnonzero(arr == eos)
-            return [d for d in np.split(arr.astype(np.int64), cuts + 1) if len(d) >= 2]
-        return [np.array([int(t) for t in line.split()], dtype=np.int64)
-                for line in p.read_text().splitlines() if len(line.split()) >= 2]
-    except (ValueError, OSError, UnicodeDecodeError) as exc:
-        raise SpecError("--data", f"cannot read {p}: {exc}",
-                        "a .npy of token ids, or a .txt with one document of integer token ids per line "
-                        "(raw text needs --tokenizer)") from None
-
-
-def _chunks(corpus: Corpus, seq_len: int):
-    """Documents cut into chunks of at most seq_len tokens, in stream order."""
-    i = 0
-    while True:
-        d = corpus.doc(i)
-        for start in range(0, len(d), seq_len):
-            c = d[start:start + seq_len]
-            if len(c) >= 2:
-                yield c
-        i += 1
+Chunk = tuple[int, int, int]
+"""(document index in the split's stream, first token, tokens): a piece of a document."""
 
 
 class Rows:
-    """The row stream of one batching mode, materialised on demand (deterministic)."""
+    """The row stream of one batching mode (deterministic). Packing is planned on document
+    lengths alone (cheap, in order); a row's tokens are produced when asked for, so a Rows
+    pickles small and DataLoader workers can produce rows in parallel."""
 
     def __init__(self, spec: DataSpec, batching: str, split: str = "train") -> None:
         if batching not in BATCHING:
@@ -269,32 +190,52 @@ class Rows:
         if split == "eval" and spec.eval_fraction == 0:
             raise SpecError("--data", "no held-out documents: eval_fraction is 0", "hold out a share, e.g. 0.05")
         self.spec, self.batching, self.split = spec, batching, split
-        self._chunks = _chunks(Corpus(spec, split), spec.seq_len)
-        self._rows: list[list[np.ndarray]] = []
+        self.corpus = Corpus(spec, split)
+        self._cursor = (0, 0)  # next chunk: document, first token
+        self._rows: list[list[Chunk]] = []
+
+    def _next_chunk(self) -> Chunk:
+        """Documents cut into chunks of at most seq_len tokens (2+), in stream order."""
+        d, start = self._cursor
+        s = self.spec.seq_len
+        while True:
+            n = self.corpus.doc_len(d)
+            while start < n:
+                c = min(s, n - start)
+                at, start = start, start + s
+                if c >= 2:
+                    self._cursor = (d, start)
+                    return d, at, c
+            d, start = d + 1, 0
 
     def _grow(self) -> None:
         if self.batching == "static":
-            self._rows.append([next(self._chunks)])
+            self._rows.append([self._next_chunk()])
             return
         # first-fit decreasing over a window of chunks (Johnson 1973 bin packing heuristic)
-        window = sorted((next(self._chunks) for _ in range(self.spec.buffer)), key=len, reverse=True)
-        bins: list[list[np.ndarray]] = []
+        window = sorted((self._next_chunk() for _ in range(self.spec.buffer)), key=lambda c: c[2], reverse=True)
+        bins: list[list[Chunk]] = []
         free: list[int] = []
         for c in window:
             for j, f in enumerate(free):
-                if len(c) <= f:
+                if c[2] <= f:
                     bins[j].append(c)
-                    free[j] -= len(c)
+                    free[j] -= c[2]
                     break
             else:
                 bins.append([c])
-                free.append(self.spec.seq_len - len(c))
+                free.append(self.spec.seq_len - c[2])
         self._rows.extend(bins)
 
-    def row(self, i: int) -> list[np.ndarray]:
+    def plan(self, i: int) -> list[Chunk]:
+        """Row i as chunks (packs up to it; no tokens produced)."""
         while len(self._rows) <= i:
             self._grow()
         return self._rows[i]
+
+    def row(self, i: int) -> list[np.ndarray]:
+        """Row i's chunks as token arrays."""
+        return [self.corpus.doc(d)[at:at + n] for d, at, n in self.plan(i)]
 
     def tensors(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """ids, position_ids, segment_ids (0 = padding), labels for row i."""
@@ -315,7 +256,7 @@ class Rows:
         return ids, pos, seg, lab
 
     def real_tokens(self, i: int) -> int:
-        return sum(len(c) for c in self.row(i))
+        return sum(c[2] for c in self.plan(i))
 
 
 @dataclass(frozen=True, slots=True)
