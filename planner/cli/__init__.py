@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "profile": "planner.cli.profile:profile",
     "calibrate": "planner.cli.profile:calibrate",
     "report": "planner.cli.report:report",
+    "export": "planner.cli.export:export",
     "prepare-data": "planner.cli.data:prepare_data",
 }
 
