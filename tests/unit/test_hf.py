@@ -116,3 +116,19 @@ def test_malformed_files(tmp_path, text):
     with pytest.raises(SpecError) as err:
         load_hf_config(p)
     assert "\n" not in err.value.line()
+
+
+def test_norm_eps_and_rotary_convention_per_family():
+    """What the executor needs to compute what transformers / THUDM's code compute."""
+    llama = spec_from_hf(dict(LLAMA3_8B, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                              rms_norm_eps=1e-5))
+    assert (llama.rope_theta, llama.rotary_fraction, llama.rope_interleaved, llama.norm_eps) == (5e5, 1.0, False, 1e-5)
+    old_style = spec_from_hf(dict(LLAMA2_7B, rope_theta=10000.0))  # pre-5.0 configs: top-level keys
+    assert (old_style.rope_theta, old_style.norm_eps) == (1e4, 1e-6)
+    glm = spec_from_hf(dict(GLM4_HF, partial_rotary_factor=0.5, rope_theta=10000.0, rms_norm_eps=1.5625e-07))
+    assert (glm.rope_theta, glm.rotary_fraction, glm.rope_interleaved, glm.norm_eps) == (1e4, 0.5, True, 1.5625e-7)
+    chat = spec_from_hf(dict(GLM4_9B_CHAT, rope_ratio=500, layernorm_epsilon=1.5625e-07))  # THUDM/glm-4-9b-chat
+    assert (chat.rope_theta, chat.rotary_fraction, chat.rope_interleaved, chat.norm_eps) == (5e6, 0.5, True, 1.5625e-7)
+    assert spec_from_hf(CHATGLM3_6B).rope_theta == 10000.0 and spec_from_hf(CHATGLM3_6B).norm_eps == 1e-5
+    with pytest.raises(SpecError, match="rope_theta"):
+        spec_from_hf(dict(LLAMA2_7B, rope_theta=-1))

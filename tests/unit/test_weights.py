@@ -92,21 +92,6 @@ def test_loaded_model_gives_transformers_logits(kind, checkpoints):
         assert float((wrong(ids, pos, seg) - want).abs().max()) > 1e-3
 
 
-def test_config_fields_are_read():
-    llama = load_hf_config_from({"model_type": "llama", **SHAPE, "rope_parameters": {"rope_theta": 5e5}})
-    assert (llama.rope_theta, llama.rotary_fraction, llama.rope_interleaved, llama.norm_eps) == (5e5, 1.0, False, 1e-6)
-    glm = load_hf_config_from({"model_type": "glm", **SHAPE, "rope_theta": 2e4})
-    assert (glm.rope_theta, glm.rotary_fraction, glm.rope_interleaved, glm.norm_eps) == (2e4, 0.5, True, 1.5625e-7)
-    chat = load_hf_config_from({"model_type": "chatglm", "hidden_size": 64, "num_layers": 2, "num_attention_heads": 4,
-                                "ffn_hidden_size": 96, "padded_vocab_size": 256, "seq_length": 64, "rope_ratio": 500,
-                                "layernorm_epsilon": 1e-6})
-    assert (chat.rope_theta, chat.rotary_fraction, chat.rope_interleaved, chat.norm_eps) == (5e6, 0.5, True, 1e-6)
-
-
-def load_hf_config_from(cfg: dict):
-    return spec_from_hf(cfg)
-
-
 def test_tp_slices_reassemble_the_fused_tensors(checkpoints):
     """Rank t holds 1/T of q, of k and of v (and of gate and of up), vocabulary rows t*V/T on."""
     path, ref = checkpoints["glm"]
