@@ -267,6 +267,17 @@ def check_checkpoint(ckpt: Checkpoint, spec: ModelSpec) -> str:
     return layout
 
 
+def check_hf_checkpoint(path: str | Path, spec: ModelSpec, field: str = FIELD) -> str:
+    """Everything load_hf_weights checks before reading a value (config against the plan's model,
+    every tensor's presence and shape; headers only, fast): for a launcher's preflight. Returns
+    the layout."""
+    ckpt = Checkpoint(path, field)
+    try:
+        return check_checkpoint(ckpt, spec)
+    finally:
+        ckpt.close()
+
+
 # --- loading ----------------------------------------------------------------------------------------
 
 
