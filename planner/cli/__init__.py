@@ -49,9 +49,15 @@ def cli() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: one line and a non-zero exit for any user error."""
+    """Entry point: one line and a non-zero exit for any user error; a bare `planner` prints
+    its usage (exit 0), not a usage error squashed into one line."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args:
+        with click.Context(cli, info_name="planner") as ctx:
+            click.echo(cli.get_help(ctx))
+        return 0
     try:
-        cli.main(args=argv, prog_name="planner", standalone_mode=False)
+        cli.main(args=args, prog_name="planner", standalone_mode=False)
     except PlannerError as exc:
         click.echo(f"error: {exc.line()}", err=True)
         return 2

@@ -108,15 +108,15 @@ def baseline_words(plan: Plan, est: Estimate, train) -> str:
     global batch when it differs from the user's, and where the comparison comes from."""
     from planner.search.baseline import baseline_note
     note = baseline_note(plan, train)
-    return (f"baseline = the conventional plan: plain DP over every device, ZeRO-0, no recompute "
-            f"({plan.describe()}{'; ' + note if note else ''})")
+    return f"baseline (the conventional plan the targets compare against): {plan.describe()}" + \
+        (f"; {note}" if note else "")
 
 
 def _print_search(console: Console, result, cluster, run_dir: Path, written: list[str], top: int, train) -> None:
     base = result.baseline
     vs_base = base.feasible                   # a speed-up needs a baseline that runs
     table = Table(title=f"Top plans ({result.method}: {result.distinct} distinct plans evaluated, "
-                        f"{result.space_size} in the space, {result.wall_s:.2f} s)")
+                        f"{result.space_size} points in the search space, {result.wall_s:.2f} s)")
     cols = ["#", "TPxPPxDP", "ZeRO", "ZeRO options", "micro x acc", "recompute", "SP", "schedule", "tokens/s",
             "step s", "MFU", "GB/GPU"] + (["vs base"] if vs_base else [])
     for col in cols:
@@ -246,7 +246,7 @@ def search(ctx: click.Context, **kw: Any) -> None:
         written.append(report)
     _print_search(_console(), result, cluster, run_dir, written, kw["top"], train)
     if moved:
-        _console().print(moved)
+        click.echo(moved)
     if kw["refine_k"]:
         _refine(run_dir, kw["refine_k"], kw["refine_steps"], err)
 
@@ -463,7 +463,7 @@ def estimate(ctx: click.Context, **kw: Any) -> None:
     if write_dir is not None:
         out.print(f"wrote {write_dir}/: {', '.join(written)}")
         if moved:
-            out.print(moved)
+            click.echo(moved)
 
 
 def _print_estimate(console: Console, plan: Plan, est: Estimate, cluster) -> None:

@@ -263,6 +263,8 @@ def headline(run: RunData, price_per_gpu_hour: float | None, train_tokens: float
     if run.verify and isinstance(run.verify.get("targets"), dict):
         targets.update({k: v for k, v in run.verify["targets"].items() if isinstance(v, (int, float))})
     out["targets"] = targets
+    from planner.search.baseline import TARGETS_SOURCE
+    out["targets_source"] = TARGETS_SOURCE
     out["baseline"] = _baseline(run, tokens, price_per_gpu_hour, targets)
     out["measured_ratios"] = _measured_ratios(run.verify, targets)
     return out
@@ -283,6 +285,7 @@ def _baseline(run: RunData, tokens: float, price: float | None, targets: dict[st
     needs = b.get("needs_gb", est.get("peak_memory_gb"))
     reasons = b.get("reasons") if isinstance(b.get("reasons"), list) else est.get("reasons", []) if est else []
     out: dict[str, Any] = {"description": desc, "fits": fits, "needs_gb": needs, "reasons": [str(r) for r in reasons],
+                           "note": str(b.get("note") or ""), "precision": plan.precision if desc[0] != "(" else "",
                            "tokens_per_s": est.get("tokens_per_s") if fits else None,
                            "step_time_s": est.get("step_time_s") if fits else None,
                            "mfu": est.get("mfu") if fits else None, "peak_memory_gb": needs,

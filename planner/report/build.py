@@ -22,7 +22,7 @@ from markupsafe import Markup
 
 from planner.errors import PlannerError, SpecError
 from planner.report import analysis, cluster, fmt, plots, timeline
-from planner.report.data import RunData, load
+from planner.report.data import PLAN_FIELDS, RunData, load
 from planner.rundir import atomic_write_text
 from planner.specs import Plan
 
@@ -113,6 +113,17 @@ def _nan_to_none(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in records]
 
 
+def distinct_plans(trials: Any) -> tuple[int, int]:
+    """(plans evaluated, of them feasible), counting each distinct plan once and not the
+    baseline row: the count `planner search` prints (SearchResult.distinct) and estimate.json's
+    search.trials. trials.csv lists a plan again when Optuna proposes it again."""
+    if trials is None or trials.empty:
+        return 0, 0
+    df = trials[trials["source"] != "baseline"] if "source" in trials.columns else trials
+    df = df.drop_duplicates([f for f in PLAN_FIELDS if f in df.columns])
+    return len(df), int(df["feasible"].sum())
+
+
 def render(run: RunData, price_per_gpu_hour: float | None = None, train_tokens: float | None = None) -> str:
     """The page as a string."""
     head = analysis.headline(run, price_per_gpu_hour, train_tokens)
@@ -131,6 +142,7 @@ def render(run: RunData, price_per_gpu_hour: float | None = None, train_tokens: 
                  "n_feasible": int(((h["state"] == "COMPLETE") & h["feasible"]).sum()),
                  "importance_note": run.study.importance_note}
     trials = run.trials
+    evaluated, feasible = distinct_plans(trials)
     run_dir = run.run_dir
     inputs = run.doc.get("inputs", {}) if isinstance(run.doc.get("inputs"), dict) else {}
     try:
@@ -145,8 +157,7 @@ def render(run: RunData, price_per_gpu_hour: float | None = None, train_tokens: 
         "generated": _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
         "head": head, "base": head.get("baseline"), "measured_ratios": head.get("measured_ratios"),
         "notes": list(run.notes), "top": top, "img": img, "fig_errors": errors,
-        "n_trials": 0 if trials is None else len(trials),
-        "n_feasible": 0 if trials is None else int(trials["feasible"].sum()),
+        "n_trials": evaluated, "n_feasible": feasible,
         "reason_counts": extra.get("reason_counts") or {}, "gantt": extra.get("gantt"),
         "cluster_info": extra.get("cluster_info"), "study": study, "search": run.search,
         "metrics": run.metrics, "verify": run.verify, "f": fmt,

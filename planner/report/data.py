@@ -158,6 +158,25 @@ def _importances(study: Any, trials: list[Any]) -> tuple[dict[str, float], str]:
     return {k: float(v) for k, v in imp.items()}, ""
 
 
+def _of_this_plan(doc: dict[str, Any] | None, plan_doc: Any, plan: Plan, name: str,
+                  notes: list[str]) -> dict[str, Any] | None:
+    """`doc` (metrics.json, verify.json) when it measured `plan`, else None and a note: a run
+    directory re-planned after a run still holding the old measurements must not show them as
+    this plan's (planner search and estimate --write move them to previous/ since issue 10)."""
+    if doc is None or plan_doc is None:
+        return doc
+    try:
+        measured = Plan.from_dict(plan_doc)
+    except Exception:  # unreadable plan section: it cannot be shown as this plan's either
+        measured = None
+    if measured == plan:
+        return doc
+    what = measured.describe() if measured is not None else "an unreadable plan"
+    notes.append(f"{name} measured another plan ({what}), not this one: its figures are left out; "
+                 f"re-run `planner run` / `planner verify` for this plan.")
+    return None
+
+
 def load(run_dir: str | Path) -> RunData:
     """Read everything the report needs from a run directory."""
     run = Path(run_dir)
@@ -196,9 +215,15 @@ def load(run_dir: str | Path) -> RunData:
     files = {n: (run / n).exists() for n in ("plan.json", "estimate.json", "ds_config.json", "launch.sh",
                                              "hostfile", "trials.csv", "study.db", "metrics.json", "verify.json")}
     baseline = est_doc.get("baseline") if isinstance(est_doc.get("baseline"), dict) else None
+    metrics = _optional_json(run / "metrics.json", notes)
+    metrics = _of_this_plan(metrics, (metrics or {}).get("plan"), plan, "metrics.json", notes)
+    verify = _optional_json(run / "verify.json", notes)
+    planned = (verify or {}).get("planned")
+    verify = _of_this_plan(verify, planned.get("plan") if isinstance(planned, dict) else None, plan, "verify.json",
+                           notes)
     return RunData(run_dir=run, plan=plan, model=model, cluster=cluster, train=train, doc=doc,
                    estimate=est_doc["estimate"], baseline=baseline, search=search, top=top, trials=trials, study=study,
-                   metrics=_optional_json(run / "metrics.json", notes), verify=_optional_json(run / "verify.json", notes),
+                   metrics=metrics, verify=verify,
                    ds_config=_optional_json(run / "ds_config.json", notes), launch=launch, notes=tuple(notes),
                    files=files)
 

@@ -264,6 +264,7 @@ def measured_vs_predicted(metrics: dict[str, Any], capacity_gb: float) -> str:
         if math.isfinite(capacity_gb):
             a2.axhline(capacity_gb, color="#c44e52", ls="--", lw=1, label="capacity")
         a2.set_xlabel("rank")
+        a2.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))   # ranks are whole numbers
         a2.set_ylabel("GB")
         a2.set_title("peak memory per rank")
         tops = [v for v in per_rank + [_num(pred.get("peak_memory_gb")), capacity_gb] if math.isfinite(v)]

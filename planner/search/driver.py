@@ -19,6 +19,7 @@ from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
 from planner.specs.train import TrainSpec
+from planner.specs.validate import runtime_problems
 
 Progress = Callable[[int, int], None]
 
@@ -43,8 +44,12 @@ class SearchResult:
 
     @property
     def distinct(self) -> int:
-        """Distinct plans evaluated (trials lists an Optuna re-visit or a resumed study's rows again)."""
-        return len({t.outer for t in self.trials})
+        """Distinct plans evaluated: the one count of evaluated plans the CLI, estimate.json
+        (search.trials) and the report show. trials lists an Optuna re-visit or a resumed
+        study's rows again, and two points of the space can complete into the same plan (full
+        recompute whose solver checkpoints no block is the no-recompute plan), so this is
+        neither len(trials) nor the number of points visited."""
+        return len({t.plan for t in self.trials})
 
     @property
     def front(self) -> list[Trial]:
@@ -52,12 +57,20 @@ class SearchResult:
 
 
 def fits_nowhere(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, trials: list[Trial]) -> SpecError:
-    least = min(trials, key=lambda t: t.needs_bytes)
+    """The one-line error when no plan fits. It names the leanest plan DeepSpeed can run (an
+    interleaved or MiCS plan may need less, but nobody can start it) and, on a CPU cluster,
+    the --scale that makes the model fit one."""
+    runnable = [t for t in trials if not runtime_problems(t.plan)] or trials
+    least = min(runnable, key=lambda t: t.needs_bytes)
+    fix = "use more or larger devices, a shorter --seq-len, or a smaller model"
+    if cluster.device.kind == "cpu" and not model.name.endswith("-tiny"):
+        fix = (f"on a CPU machine use --scale tiny{'' if model.name.endswith('-small') else ' (or --scale small)'}: "
+               "the same model family shrunk to run on CPUs; or a shorter --seq-len")
     return SpecError(
         "--model", f"{model.name} does not fit on {cluster.spec or cluster.world_size} with global batch "
-        f"{train.global_batch} x {train.seq_len} tokens: the leanest plan ({least.plan.describe()}) needs "
-        f"{least.needs_bytes / GB:.1f} GB per device > {least.capacity_bytes / GB:.1f} GB",
-        "use more or larger devices, a shorter --seq-len, or a smaller model")
+        f"{train.global_batch} x {train.seq_len} tokens: the leanest plan DeepSpeed can run "
+        f"({least.plan.describe()}) needs {least.needs_bytes / GB:.1f} GB per device > "
+        f"{least.capacity_bytes / GB:.1f} GB", fix)
 
 
 def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *, exhaustive: bool = False,
