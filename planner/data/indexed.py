@@ -166,7 +166,8 @@ class IndexedWriter:
         if n > 1:
             pointers[1:] = np.cumsum(sizes[:-1].astype(np.int64)) * self.dtype.itemsize
         doc_idx = np.arange(n + 1, dtype=np.int64)
-        header = MAGIC + struct.pack("<Q", VERSION) + struct.pack("<B", code_of(self.dtype)) + struct.pack("<QQ", n, n + 1)
+        header = (MAGIC + struct.pack("<Q", VERSION) + struct.pack("<B", code_of(self.dtype))
+                  + struct.pack("<QQ", n, n + 1))
         fd, tmp_idx = tempfile.mkstemp(dir=self.idx_path.parent, prefix=f".{self.idx_path.name}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as fh:

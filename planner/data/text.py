@@ -72,7 +72,8 @@ def load_tokenizer(path: str | Path, field: str = "--tokenizer"):
 @lru_cache(maxsize=4)
 def _load(path: str, field: str):
     p = Path(path)
-    fix = "give a local Hugging Face tokenizer directory, or make one with `planner prepare-data ... --train-tokenizer N`"
+    fix = ("give a local Hugging Face tokenizer directory, or make one with "
+           "`planner prepare-data ... --train-tokenizer N`")
     if not p.is_dir():
         raise SpecError(field, f"tokenizer directory {p} does not exist", fix)
     from transformers import AutoTokenizer

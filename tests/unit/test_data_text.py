@@ -52,7 +52,8 @@ def test_prepare_data_round_trips_the_text(corpus) -> None:
     for k in (0, 29):
         ids = ds.doc(k)
         assert ids[-1] == tok.eos_token_id  # eos closes every document
-        assert tok.decode(ids[:-1]) == f"Paragraph {k} says the quick brown fox jumps over the lazy dog {k} times.\nStill {k}."
+        want = f"Paragraph {k} says the quick brown fox jumps over the lazy dog {k} times.\nStill {k}."
+        assert tok.decode(ids[:-1]) == want
     # the raw .txt with the tokenizer gives the same documents as the prepared dataset
     raw = Corpus(DataSpec(seq_len=32, vocab=300, token_file=str(prefix.with_suffix(".txt")), tokenizer=str(tokdir)))
     prep = Corpus(DataSpec(seq_len=32, vocab=300, token_file=str(prefix), tokenizer=str(tokdir)))
