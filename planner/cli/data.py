@@ -31,4 +31,4 @@ def prepare_data(inputs: tuple[str, ...], out: str, tokenizer: str, train_vocab:
     click.echo(f"documents     {r['documents']:,} ({r['tokens']:,} tokens, dtype {r['dtype']}, "
                f"{r['seconds']:.1f} s)")
     click.echo(f"wrote {r['bin']} and {r['idx']}")
-    click.echo(f"use           planner run RUN_DIR --data {r['prefix']} --tokenizer {r['tokenizer']}")
+    click.echo(f"use           planner run RUN_DIR --data {r['bin']} --tokenizer {r['tokenizer']}")

@@ -45,9 +45,10 @@ class _bar:
     def __enter__(self):
         if not self.on:
             return lambda: None
+        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
         self.p = Progress(TextColumn("tokenizing"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                          transient=True)
+                          transient=True, console=Console(stderr=True))  # stdout keeps only the summary
         self.p.start()
         task = self.p.add_task("docs", total=self.total)
         return lambda: self.p.advance(task)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 import os
+import random
+import string
 from pathlib import Path
 
 import pytest
@@ -42,15 +44,19 @@ def test_trains_on_prepared_text_and_refuses_bad_data(tmp_path: Path) -> None:
                  "--no-progress"]) == 0
     prefix, tok = tmp_path / "story", tmp_path / "story-tokenizer"
     d = _run_dir(tmp_path)
-    m = run_plan(d, steps=4, warmup=1, data=str(prefix), tokenizer=str(tok), eval_every=4, eval_batches=1)
+    bin_file = f"{prefix}.bin"  # PREFIX.bin names the pair as well as PREFIX does
+    m = run_plan(d, steps=4, warmup=1, data=bin_file, tokenizer=str(tok), eval_every=4, eval_batches=1)
     assert m["status"] == "ok" and len(m["loss"]) == 4 and all(math.isfinite(x) for x in m["loss"])
     assert m["eval_loss"] and m["eval_loss"][-1]["step"] == 4 and math.isfinite(m["eval_loss"][-1]["loss"])
     # a tokenizer larger than the model's vocabulary is refused before any rank starts
-    assert main(["prepare-data", str(text), "--train-tokenizer", "1100", "--out", str(tmp_path / "big"),
+    rng = random.Random(0)
+    words = tmp_path / "words.txt"  # enough distinct words for 1100 BPE tokens
+    words.write_text(" ".join("".join(rng.choice(string.ascii_lowercase) for _ in range(6)) for _ in range(5000)))
+    assert main(["prepare-data", str(words), "--train-tokenizer", "1100", "--out", str(tmp_path / "big"),
                  "--no-progress"]) == 0
     with pytest.raises(SpecError, match="more than the model's vocabulary of 1024"):
         run_plan(d, steps=2, data=str(text), tokenizer=str(tmp_path / "big-tokenizer"))
     # a truncated .bin is named
     (tmp_path / "story.bin").write_bytes((tmp_path / "story.bin").read_bytes()[:-2])
     with pytest.raises(SpecError, match="story.bin holds"):
-        run_plan(d, steps=2, data=str(prefix), tokenizer=str(tok))
+        run_plan(d, steps=2, data=bin_file, tokenizer=str(tok))
