@@ -22,8 +22,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-import torch
-from torch.utils.data import DataLoader, Dataset
 
 from planner.executor.data import Layout, Rows
 
@@ -60,10 +58,11 @@ class LoaderSettings:
         return {**asdict(self), "starves": self.starves}
 
 
-class MicroBatches(Dataset):
+class MicroBatches:
     """Item i = the i-th micro-batch this rank reads: (ids, pos, segments, labels) tensors.
     The rows are packed here (lengths only); their tokens are produced when the item is read,
-    in the rank's process or in a worker (the Rows pickles small)."""
+    in the rank's process or in a worker (the Rows pickles small). A map-style dataset for
+    torch's DataLoader (no torch import here: `planner search` can choose settings without it)."""
 
     def __init__(self, rows: Rows, layout: Layout, batch_ids: list[int], dp_rank: int) -> None:
         self.index = [(b, m) for b in batch_ids for m in range(layout.grad_accum)]
@@ -75,14 +74,19 @@ class MicroBatches(Dataset):
     def __len__(self) -> int:
         return len(self.index)
 
-    def __getitem__(self, k: int):
+    def arrays(self, k: int) -> tuple[np.ndarray, ...]:
         parts = [self.rows.tensors(i) for i in self.rows_of[k]]
-        return tuple(torch.from_numpy(np.stack(col)) for col in zip(*parts))
+        return tuple(np.stack(col) for col in zip(*parts))
+
+    def __getitem__(self, k: int):
+        import torch
+        return tuple(torch.from_numpy(a) for a in self.arrays(k))
 
 
 def loader(rows: Rows, layout: Layout, batch_ids: list[int], dp_rank: int, device: str,
-           settings: LoaderSettings) -> DataLoader:
-    """The rank's DataLoader over its micro-batches of `batch_ids`, in order."""
+           settings: LoaderSettings):
+    """The rank's torch DataLoader over its micro-batches of `batch_ids`, in order."""
+    from torch.utils.data import DataLoader
     ds = MicroBatches(rows, layout, batch_ids, dp_rank)
     kw: dict[str, Any] = {"batch_size": None, "shuffle": False, "num_workers": settings.workers,
                           "pin_memory": settings.pin_memory and device == "cuda"}
@@ -99,7 +103,7 @@ def measure_production(rows: Rows, layout: Layout, *, micro_batches: int = 3, dp
     times = []
     for k in range(min(len(ds), micro_batches + 1)):
         t0 = time.perf_counter()
-        ds[k]
+        ds.arrays(k)
         times.append(time.perf_counter() - t0)
     return float(np.median(times[1:] if len(times) > 1 else times))
 
