@@ -386,15 +386,15 @@ def check_trainer(run_dir: str | Path, plan: Plan, model: ModelSpec, train: Trai
         raise SpecError("--tokenizer", "given without --data", "add --data CORPUS (a .txt or .jsonl of text)")
     if data:
         _check_data(data, tokenizer, seed, model, train, plan, batching)
-    for name, path in (("--init-hf", init_hf),):
-        if path:
-            p = Path(path)
-            if not p.is_dir():
-                raise SpecError(name, f"{p} is not a directory", "give a Hugging Face checkpoint directory "
-                                "(config.json and *.safetensors)")
-            if not (p / "config.json").is_file():
-                raise SpecError(name, f"{p} has no config.json", "give a Hugging Face checkpoint directory "
-                                "(config.json and *.safetensors)")
+    if init_hf:
+        p = Path(init_hf)
+        if not p.is_dir():
+            raise SpecError("--init-hf", f"{p} is not a directory", "give a Hugging Face checkpoint directory "
+                            "(config.json and *.safetensors)")
+        from planner.executor import weights
+        check = getattr(weights, "check_hf_checkpoint", None)
+        if check is not None:  # config against the model, every tensor's presence and shape (headers only)
+            check(p, model, "--init-hf")
     if save_hf:
         p = Path(save_hf)
         if p.exists() and not p.is_dir():

@@ -392,15 +392,12 @@ def _evaluate(engine, eval_loader, plan, device: str, holds_loss: bool, pipe: bo
 
 
 def _init_from_hf(path: Path, spec, plan):
-    """init_weights for build_engine: load a Hugging Face checkpoint into this rank's shard.
-    load_hf_weights needs this rank's coordinates before build_engine returns its groups, so a
-    second Groups of the same layout is made here (every rank makes it, in the same order)."""
-    from planner.executor.parallel.groups import Groups
+    """init_weights for build_engine: load a Hugging Face checkpoint into this rank's shard
+    (load_hf_weights reads the TP rank from the module's layers when given no groups)."""
     from planner.executor.weights import load_hf_weights
-    groups = Groups(plan.pp, plan.dp, plan.tp, sequence_parallel=plan.sequence_parallel)
 
     def init(module: torch.nn.Module) -> None:
-        load_hf_weights(module, path, spec, groups)
+        load_hf_weights(module, path, spec, None)
     return init
 
 
