@@ -36,10 +36,10 @@ SHAPE = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key
              intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=SEQ, pad_token_id=None)
 
 
-def _source(root: Path, kind: str):
+def _source(root: Path, kind: str, **kw):
     torch.manual_seed(11)
     if kind == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE))
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE, **kw))
     else:
         model = transformers.GlmForCausalLM(transformers.GlmConfig(**SHAPE))
     with torch.no_grad():  # norms and biases away from 1 / 0, so a misplaced one shows
@@ -60,19 +60,24 @@ def _corpus(root: Path) -> Path:
     return path
 
 
-def _first_batch(spec, data: Path):
-    """The rows of global batch 0 as the run reads them (planner.executor.data, static batching)."""
+def _first_batch(spec, data: Path, dp: int = 1):
+    """Each DP rank's micro-batch of global batch 0 as the run reads them (planner.executor.data,
+    static batching): [(ids, labels)]."""
     from planner.executor.data import DataSpec, Layout, Rows
     rows = Rows(DataSpec(seq_len=SEQ, vocab=spec.vocab, seed=1234, token_file=str(data)), "static")
-    layout = Layout(MICRO, 1, 1)
-    parts = [rows.tensors(i) for i in layout.rows(0, 0, 0)]
-    ids, _, _, labels = (torch.from_numpy(__import__("numpy").stack(col)) for col in zip(*parts))
-    return ids, labels
+    layout = Layout(MICRO, 1, dp)
+    out = []
+    for d in range(dp):
+        parts = [rows.tensors(i) for i in layout.rows(0, 0, d)]
+        ids, _, _, labels = (torch.from_numpy(__import__("numpy").stack(col)) for col in zip(*parts))
+        out.append((ids, labels))
+    return out
 
 
-def _run(root: Path, name: str, src: Path, data: Path, **kw) -> tuple[dict, Path]:
+def _run(root: Path, name: str, src: Path, data: Path, layout: dict | None = None, **kw) -> tuple[dict, Path]:
     spec = load_hf_config(src)
-    plan = Plan(tp=2, pp=2, zero=1, micro_batch=MICRO, grad_accum=1, precision="fp32", bucket_elements=2_000_000)
+    plan = Plan(**(layout or dict(tp=2, pp=2, zero=1)), micro_batch=MICRO, grad_accum=1, precision="fp32",
+                bucket_elements=2_000_000)
     cluster = parse_cluster(f"{plan.world_size}xcpu")
     train = TrainSpec(global_batch=plan.global_batch, seq_len=SEQ, precision="fp32", attention="flash")
     d = root / name
@@ -85,10 +90,14 @@ def _run(root: Path, name: str, src: Path, data: Path, **kw) -> tuple[dict, Path
     return metrics, out
 
 
-def _hf_loss(model, ids, labels) -> float:
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits
-    return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100))
+def _hf_loss(model, batches) -> float:
+    """Mean over the micro-batches of each one's mean next-token loss (the run's step loss)."""
+    out = []
+    for ids, labels in batches:
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+        out.append(float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)))
+    return sum(out) / len(out)
 
 
 @pytest.mark.parametrize("kind", ["llama", "glm"])
@@ -96,7 +105,7 @@ def test_hf_weights_through_tp2_pp2(kind: str, tmp_path: Path) -> None:
     src, ref = _source(tmp_path, kind)
     data = _corpus(tmp_path)
     spec = load_hf_config(src)
-    ids, labels = _first_batch(spec, data)
+    batches = _first_batch(spec, data)
     probe = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
         want_logits = ref(input_ids=probe).logits
@@ -104,7 +113,7 @@ def test_hf_weights_through_tp2_pp2(kind: str, tmp_path: Path) -> None:
 
     # a step at learning rate 1e-12 (the run refuses 0): the saved checkpoint is the loaded one
     metrics, out = _run(tmp_path, "lr0", src, data, steps=1, lr=1e-12)
-    want = _hf_loss(ref, ids, labels)
+    want = _hf_loss(ref, batches)
     err = abs(metrics["loss"][0] - want) / want
     back = cls.from_pretrained(out).eval()
     with torch.no_grad():
@@ -122,5 +131,27 @@ def test_hf_weights_through_tp2_pp2(kind: str, tmp_path: Path) -> None:
         assert metrics2["loss"][0] == pytest.approx(metrics["loss"][0], rel=1e-6)
         assert moved > 1e-4
     print(line)
+    assert err < 1e-4
+    assert same < 1e-5
+
+
+def test_tied_llama_through_dp2_zero3(tmp_path: Path) -> None:
+    """ZeRO-3 partitions the loaded values and save gathers them (GatheredParameters); a tied
+    checkpoint (no lm_head) loads and saves as one."""
+    src, ref = _source(tmp_path, "llama", tie_word_embeddings=True)
+    data = _corpus(tmp_path)
+    probe = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(9))
+    metrics, out = _run(tmp_path, "zero3", src, data, layout=dict(dp=2, zero=3), steps=1, lr=1e-12)
+    want = _hf_loss(ref, _first_batch(load_hf_config(src), data, dp=2))
+    err = abs(metrics["loss"][0] - want) / want
+    from safetensors import safe_open
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    back = type(ref).from_pretrained(out).eval()
+    with torch.no_grad():
+        same = float((back(input_ids=probe).logits - ref(input_ids=probe).logits).abs().max())
+    print(f"\nHF WEIGHTS | llama tied DP2 ZeRO-3 fp32 | step-0 loss {metrics['loss'][0]:.6f} vs transformers "
+          f"{want:.6f} (rel {err:.1e}) | saved after lr 1e-12: max |dlogit| {same:.1e}")
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
     assert err < 1e-4
     assert same < 1e-5
