@@ -80,12 +80,12 @@ def verify(run_dir: str | Path, *, steps: int = 12, warmup: int = 2, timeout: fl
            "memory_reduction": 1 - measured["memory_ratio"] >= TARGET_MEMORY_REDUCTION}
     lines = [
         f"throughput: measured {measured['throughput_ratio']:.2f}x (predicted {predicted['throughput_ratio']:.2f}x), "
-        f"target {TARGET_THROUGHPUT:.0f}x (the article's 12,000 -> 36,000 tokens/s): " + ("met" if met["throughput_ratio"] else
-                                                f"MISSED by {TARGET_THROUGHPUT - measured['throughput_ratio']:.2f}x"),
+        f"target {TARGET_THROUGHPUT:.0f}x (the article's 12,000 -> 36,000 tokens/s): "
+        + ("met" if met["throughput_ratio"] else f"MISSED by {TARGET_THROUGHPUT - measured['throughput_ratio']:.2f}x"),
         f"peak memory: measured {measured['memory_ratio']:.2f}x of baseline, "
         f"{1 - measured['memory_ratio']:+.0%} reduction (predicted {predicted['memory_ratio']:.2f}x), target "
         f"-33% (the article's 48 -> 32 GB per GPU): " + ("met" if met["memory_reduction"] else
-                     f"MISSED by {100 * (TARGET_MEMORY_REDUCTION - (1 - measured['memory_ratio'])):.0f} percentage points"),
+        f"MISSED by {100 * (TARGET_MEMORY_REDUCTION - (1 - measured['memory_ratio'])):.0f} percentage points"),
         f"model states alone: {measured['model_state_ratio']:.2f}x of baseline",
         f"targets from {TARGETS_SOURCE}; baseline here: {bplan.describe()}, padded static batches",
     ]

@@ -49,7 +49,8 @@ def load_files(run_dir: str | Path) -> RunFiles:
                         "give a run directory written by `planner search` or `planner estimate --write`")
     plan, model, cluster, train, doc = load_run(run)
     cfg_path = run / "ds_config.json"
-    cfg = read_json(cfg_path, "ds_config.json") if cfg_path.exists() else dsconfig.ds_config(plan, model, train, cluster)
+    cfg = read_json(cfg_path, "ds_config.json") if cfg_path.exists() \
+        else dsconfig.ds_config(plan, model, train, cluster)
     if not isinstance(cfg, dict):
         raise SpecError(str(cfg_path), "is not a JSON object", "re-create it with `planner search`")
     return RunFiles(run_dir=run, plan=plan, model=model, cluster=cluster, train=train, doc=doc, ds_config=cfg)

@@ -14,7 +14,8 @@ def torchrun(run: RunFiles) -> Export:
     c, p = run.cluster, run.plan
     cmd = ["${TORCHRUN:-torchrun}", "--nnodes", str(c.nodes), "--nproc_per_node", str(c.gpus_per_node)]
     if c.nodes > 1:
-        cmd += ["--rdzv_backend", "c10d", '--rdzv_endpoint "${MASTER_ADDR:?set MASTER_ADDR to node 0}:${MASTER_PORT:-29500}"',
+        cmd += ["--rdzv_backend", "c10d",
+                '--rdzv_endpoint "${MASTER_ADDR:?set MASTER_ADDR to node 0}:${MASTER_PORT:-29500}"',
                 '--rdzv_id "${RDZV_ID:-planner}"']
     else:
         cmd += ["--standalone"]

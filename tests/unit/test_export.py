@@ -53,7 +53,8 @@ def test_estimate_write_is_a_run_directory_of_the_users_plan(glm_run: Path) -> N
     assert (plan.tp, plan.pp, plan.dp, plan.zero, plan.micro_batch, plan.grad_accum) == (4, 8, 24, 1, 1, 176)
     assert plan.sequence_parallel and plan.recompute == "full" and "--write" in doc["inputs"]["command"]
     cfg = json.loads((glm_run / "ds_config.json").read_text())
-    assert (cfg["train_batch_size"], cfg["gradient_accumulation_steps"], cfg["zero_optimization"]["stage"]) == (4224, 176, 1)
+    assert (cfg["train_batch_size"], cfg["gradient_accumulation_steps"]) == (4224, 176)
+    assert cfg["zero_optimization"]["stage"] == 1
     assert cfg["pipeline"]["stages"] == 8
     est = json.loads((glm_run / "estimate.json").read_text())
     base = est["baseline"]
