@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,6 @@ class Export:
     """What the target expresses differently from the plan (printed, and in the README)."""
     run: str = ""
     """How to start it, one line."""
-    notes: list[str] = field(default_factory=list)
 
 
 def load_files(run_dir: str | Path) -> RunFiles:
