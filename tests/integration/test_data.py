@@ -55,8 +55,8 @@ def test_trains_on_prepared_text_and_refuses_bad_data(tmp_path: Path) -> None:
     assert main(["prepare-data", str(words), "--train-tokenizer", "1100", "--out", str(tmp_path / "big"),
                  "--no-progress"]) == 0
     with pytest.raises(SpecError, match="more than the model's vocabulary of 1024"):
-        run_plan(d, steps=2, data=str(text), tokenizer=str(tmp_path / "big-tokenizer"))
+        run_plan(d, steps=2, warmup=1, data=str(text), tokenizer=str(tmp_path / "big-tokenizer"))
     # a truncated .bin is named
     (tmp_path / "story.bin").write_bytes((tmp_path / "story.bin").read_bytes()[:-2])
     with pytest.raises(SpecError, match="story.bin holds"):
-        run_plan(d, steps=2, data=bin_file, tokenizer=str(tok))
+        run_plan(d, steps=2, warmup=1, data=bin_file, tokenizer=str(tok))
