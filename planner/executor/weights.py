@@ -246,7 +246,8 @@ def check_checkpoint(ckpt: Checkpoint, spec: ModelSpec) -> str:
     rope = ckpt.config.get("rope_parameters") or ckpt.config.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
     if kind not in (None, "default"):
-        raise SpecError(ckpt.field, f"{ckpt.path / 'config.json'}: rope type {kind!r} is not implemented by the executor",
+        raise SpecError(ckpt.field, f"{ckpt.path / 'config.json'}: rope type {kind!r} is not implemented by the "
+                        "executor",
                         "use a checkpoint with default rotary embeddings")
     theirs = spec_from_hf(ckpt.config, where=str(ckpt.path / "config.json"))
     for field in COMPARED:
@@ -518,4 +519,5 @@ def save_hf_weights(engine, path: str | Path, spec: ModelSpec, plan, groups, *,
         dist.broadcast_object_list(box, src=0)
         error = box[0]
     if error:
-        raise ExecutionError("--save-hf", f"could not write {path}: {error}", "free disk space or pick a writable --save-hf")
+        raise ExecutionError("--save-hf", f"could not write {path}: {error}",
+                             "free disk space or pick a writable --save-hf")

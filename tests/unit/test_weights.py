@@ -117,7 +117,8 @@ def test_padded_vocabulary_rows_are_zero(tmp_path):
     _, rank1 = _executor(tmp_path, TPGroup(rank=1, size=2))
     out = _named(rank1)["head.output_layer.weight"]
     assert out.shape == (128, 64)
-    assert torch.equal(out[:127], model.state_dict()["lm_head.weight"][128:]) and float(out[127].detach().abs().max()) == 0.0
+    assert torch.equal(out[:127], model.state_dict()["lm_head.weight"][128:])
+    assert float(out[127].detach().abs().max()) == 0.0
 
 
 def _save(module, spec, path, source=None):
