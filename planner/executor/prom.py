@@ -11,6 +11,7 @@ from planner.executor.observability import SERIES
 LOCAL = "127.0.0.1"
 PER_RANK = ("planner_peak_memory_bytes", "planner_allreduce_seconds", "planner_allreduce_calls",
             "planner_allreduce_latency_seconds", "planner_gpu_utilization_percent")
+LAZY = ("planner_eval_loss",)
 
 
 def port_problem(port: int, host: str = LOCAL) -> str:
@@ -34,9 +35,10 @@ class Exporter:
     def __init__(self, port: int, host: str = LOCAL) -> None:
         from prometheus_client import CollectorRegistry, Gauge, start_http_server
         self.registry = CollectorRegistry()
-        self.gauges: dict[str, Any] = {
-            name: Gauge(name, doc, ["rank"] if name in PER_RANK else [], registry=self.registry)
-            for name, doc in SERIES.items()}
+        self._gauge = lambda name: Gauge(name, SERIES[name], ["rank"] if name in PER_RANK else [],
+                                         registry=self.registry)
+        # the held-out loss appears with the first evaluation (an unset gauge would read 0)
+        self.gauges: dict[str, Any] = {name: self._gauge(name) for name in SERIES if name not in LAZY}
         self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
 
     def step(self, rec: dict[str, Any], per_rank: list[dict[str, float | None]]) -> None:
@@ -48,6 +50,8 @@ class Exporter:
                           ("loss", "planner_loss"), ("grad_norm", "planner_grad_norm"),
                           ("lr", "planner_learning_rate"), ("eval_loss", "planner_eval_loss")):
             if rec.get(key) is not None:
+                if name not in g:
+                    g[name] = self._gauge(name)
                 g[name].set(rec[key])
         for r, m in enumerate(per_rank):
             lab = str(r)

@@ -60,7 +60,7 @@ def test_live_endpoint_progress_eval_and_schedule(tmp_path: Path) -> None:
         except OSError:
             time.sleep(0.1)
             continue
-        if got.get(("planner_step", ())) and 1 <= got[("planner_step", ())] < 6:
+        if got.get(("planner_step", ())) and 3 <= got[("planner_step", ())] < 6:
             live = got
             break
         time.sleep(0.1)
@@ -76,6 +76,7 @@ def test_live_endpoint_progress_eval_and_schedule(tmp_path: Path) -> None:
     # ZeRO-1 DP 2: DeepSpeed all-reduces the gradients every step, so time is spent in it on each rank
     assert live[("planner_allreduce_calls", (("rank", "0"),))] >= 1
     assert not any(n == "planner_gpu_utilization_percent" for n, _ in live)  # CPU run
+    assert ("planner_eval_loss", ()) in live  # evaluated at step 2
     lines = [ln for ln in out.splitlines() if ln.startswith("step ") and " | loss " in ln]
     assert [ln.split(" | ")[0] for ln in lines] == [f"step {s}/6" for s in range(1, 7)], out
     assert "eval loss" in lines[1] and "eval loss" not in lines[2] and "tokens/s" in lines[0]

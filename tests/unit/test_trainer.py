@@ -130,6 +130,7 @@ def test_exporter_serves_the_series_with_rank_labels() -> None:
     assert got[("planner_allreduce_latency_seconds", (("rank", "0"),))] == pytest.approx(0.005)
     assert got[("planner_allreduce_latency_seconds", (("rank", "1"),))] == 0.0
     assert not any(n == "planner_gpu_utilization_percent" for n, _ in got)  # CPU: no series
+    assert not any(n == "planner_eval_loss" for n, _ in got)  # not evaluated yet: absent, not 0
     assert port_problem(port) == "" and port_problem(70000).startswith("70000 is not")
 
 
