@@ -106,7 +106,11 @@ def train(args, run_dir: Path, rank: int, status) -> None:
     exporter = None
     if rank == 0 and args.metrics_port:
         from planner.executor.prom import Exporter
-        exporter = Exporter(args.metrics_port, args.metrics_host)  # first: a busy port fails before the model
+        try:  # first: a busy port fails before the model is built
+            exporter = Exporter(args.metrics_port, args.metrics_host)
+        except OSError as exc:
+            raise ExecutionError("--metrics-port", f"cannot listen on {args.metrics_host}:{args.metrics_port}: "
+                                 f"{exc.strerror or exc}", "pick a free port or stop what listens there") from None
         atomic_write_text(run_dir / ALERTS_FILE, alert_rules())
         atomic_write_json(run_dir / DASHBOARD_FILE, dashboard(f"planner: {spec.name} {plan.describe()}"))
     timer = AllReduceTimer(cuda=device == "cuda").install() if args.metrics_port else None
