@@ -72,6 +72,21 @@ def baseline_section(plan: Plan, est: Estimate, train) -> dict[str, Any]:
     return out
 
 
+def loader_choice(plan: Plan, est: Estimate, model, cluster, train) -> dict[str, Any]:
+    """DataLoader workers, pinned memory and prefetch depth for the plan (planner/executor/loading.py:
+    one micro-batch's production, measured here on the synthetic stream, against the plan's
+    predicted compute per micro-batch). plan.json records it; `planner run` uses it unless
+    --data-workers is given."""
+    from planner.executor.data import DataSpec, Layout, Rows
+    from planner.executor.loading import choose_loader, loader_record
+    rows = Rows(DataSpec(seq_len=train.seq_len, vocab=model.vocab), "dynamic")
+    layout = Layout(plan.micro_batch, plan.grad_accum, plan.dp)
+    settings = choose_loader(rows, layout, device="cpu" if cluster.device.kind == "cpu" else "cuda",
+                             step_time_s=est.step_time_s if est.feasible else None,
+                             ranks_per_host=cluster.gpus_per_node)
+    return loader_record(settings)
+
+
 def write_plan_files(run_dir: Path, plan: Plan, est: Estimate, model, cluster, train, *, baseline_plan: Plan,
                      baseline: Estimate, scale: str | None, model_arg: str, command: str,
                      extra: dict[str, Any] | None = None) -> list[str]:
@@ -91,7 +106,9 @@ def write_plan_files(run_dir: Path, plan: Plan, est: Estimate, model, cluster, t
             atomic_write_json(run_dir / name, data)
         written.append(name)
 
-    put("plan.json", plan_document(plan, model, cluster, train, scale=scale, model_arg=model_arg, command=command))
+    doc = plan_document(plan, model, cluster, train, scale=scale, model_arg=model_arg, command=command)
+    doc["loader"] = loader_choice(plan, est, model, cluster, train)
+    put("plan.json", doc)
     put("estimate.json", {"plan": plan.to_dict(), "description": plan.describe(), "estimate": est.to_json(),
                           "baseline": baseline_section(baseline_plan, baseline, train), **(extra or {})})
     put("ds_config.json", dsconfig.ds_config(plan, model, train, cluster))
