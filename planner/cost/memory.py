@@ -41,11 +41,12 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, sequen
 
 
 def rotary_dims(model: ModelSpec) -> int:
-    """Dims of each head the rotary embedding turns: ChatGLM's 2D-RoPE rotates the first half
-    of each head, rounded down to even (planner/executor/model.py rotary_dims); 0 without rotary."""
+    """Dims of each head the rotary embedding turns: the first rotary_fraction of each head
+    (ChatGLM's 2D-RoPE and GLM-4 half, llama the whole head), rounded down to even
+    (planner/executor/model.py rotary_dims); 0 without rotary."""
     if model.position != "rotary":
         return 0
-    r = model.dim_per_head // 2
+    r = int(model.dim_per_head * model.rotary_fraction)
     return r - r % 2
 
 

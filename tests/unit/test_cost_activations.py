@@ -125,6 +125,10 @@ def test_shared_tensors_of_a_stage():
     alibi = dataclasses.replace(TOY, position="alibi")
     assert memory.shared_bytes(alibi, S, B, 2, kernel="flash", **kw) == 2 * B * 2 * S * S   # per head / TP, no rotary
     assert memory.rotary_dims(alibi) == 0
+    # llama rotates the whole head (rotary_fraction 1): 16 dims of TOY's 16, cos and sin twice as wide
+    llama = dataclasses.replace(TOY, rotary_fraction=1.0)
+    assert memory.rotary_dims(llama) == 16
+    assert memory.shared_bytes(llama, S, B, 1, kernel="flash", **kw) == mask + 2 * rot
 
 
 def test_embedding_keeps_ids_flags_and_position_ids():
