@@ -419,3 +419,75 @@ def _slow_saves(engine, seconds: float) -> dict:
         return out
     ce.save = slow
     return switch
+
+
+def _record_first_forward(engine, recorder: ActivationRecorder) -> None:
+    """Under a pipeline, DeepSpeed's PipelineEngine runs each micro-batch's forward (and, on the
+    last stage, its loss) in _exec_forward_pass, dispatched through _INSTRUCTION_MAP: record the
+    first one after `recorder.armed` is set."""
+    from deepspeed.runtime.pipe.schedule import ForwardPass
+    forward = type(engine)._INSTRUCTION_MAP[ForwardPass]
+    recorder.armed = False
+
+    def recorded(self, buffer_id):
+        if not recorder.armed:
+            return forward(self, buffer_id)
+        recorder.armed = False
+        with recorder.window():
+            return forward(self, buffer_id)
+
+    engine._INSTRUCTION_MAP = {**type(engine)._INSTRUCTION_MAP, ForwardPass: recorded}
+
+
+def _dump_first_grads(engine, out: Path, rank: int, coords: tuple[int, int, int]) -> None:
+    """Test hook (worker --dump-grads DIR): just before the first optimizer step, write this
+    rank's gradients as the optimizer sees them (averaged over DP; with ZeRO, DeepSpeed's
+    safe_get_full_grad gathers this rank's whole TP slice), with what is needed to reassemble
+    them across TP (`tp_split`) and the global gradient norm the step used."""
+    from deepspeed.utils import safe_get_full_grad
+    take_step = engine._take_model_step
+    done = []
+
+    def dump_then_step(*args, **kw):
+        if done:
+            return take_step(*args, **kw)
+        grads = [{"name": p.canonical, "split": p.tp_split, "pipe_replicated": bool(getattr(p, "ds_pipe_replicated", False)),
+                  "grad": safe_get_full_grad(p).detach().float().cpu().clone()} for p in engine.module.parameters()]
+        result = take_step(*args, **kw)
+        norm = engine.get_global_grad_norm()
+        done.append(True)
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save({"rank": rank, "coords": list(coords), "grads": grads,
+                    "grad_norm": float(norm.item() if isinstance(norm, torch.Tensor) else norm)},
+                   out / f"rank{rank}.pt")
+        return result
+
+    engine._take_model_step = dump_then_step
+
+
+def _rollback(engine, run_dir: Path, rank: int, state: dict, step: int, batch: int, loss: float,
+              gnorm: float | None, ckpt: Path, layout: Layout) -> None:
+    """NaN/Inf: snapshot, reload the last good checkpoint, skip the bad batch."""
+    reason = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {gnorm}"
+    if rank == 0:
+        atomic_write_json(run_dir / "debug" / f"nan_step{step}.json", {
+            "step": step, "batch": batch, "reason": reason, "loss_history": state["loss"],
+            "rows": [list(layout.rows(batch, m, d)) for m in range(layout.grad_accum) for d in range(layout.dp)],
+            "skipped_before": state["skip"]})
+    events = state["events"] + [{"step": step, "kind": "nan", "message": f"non-finite {reason} at step {step} "
+                                 f"(batch {batch}); snapshot debug/nan_step{step}.json"}]
+    tag = latest_tag(ckpt)
+    if tag is None:
+        raise RuntimeError(f"non-finite {reason} at step {step} and no checkpoint to roll back to "
+                           "(run with --checkpoint-every K)")
+    _, client = engine.load_checkpoint(str(ckpt), tag=tag)
+    engine.optimizer.zero_grad()
+    good = client["planner"]
+    skip = sorted(set(good["skip"]) | set(state["skip"]) | {batch})
+    state.clear()
+    state.update(good)
+    state["skip"] = skip
+    state["events"] = events + [{"step": good["step"], "kind": "rollback",
+                                 "message": f"rolled back to checkpoint step {good['step']}, skipping batch {batch}"}]
+    if rank == 0:
+        progress(run_dir, {"step": step, "kind": "rollback", "to": good["step"], "skip": batch})
