@@ -46,7 +46,8 @@ def _err(e) -> str:
 @click.option("--data", default="", metavar="CORPUS",
               help="A corpus instead of the synthetic one: token ids (.npy, .txt) or, with --tokenizer, text.")
 @click.option("--seed", type=int, default=1234, show_default=True, help="Seeds the model and the synthetic corpus.")
-@click.option("--data-workers", type=int, default=1, show_default=True, help="DataLoader worker processes per rank.")
+@click.option("--data-workers", type=int, default=None,
+              help="DataLoader worker processes per rank [default: plan.json's loader settings, else 1].")
 @click.option("--tokenizer", default="", metavar="DIR",
               help="A local Hugging Face tokenizer directory: --data is then raw text (.txt / .jsonl).")
 @click.option("--eval-every", type=int, default=0, show_default=True,

@@ -71,7 +71,7 @@ def _pick_failed(run_dir: Path, failed: dict[int, int]) -> int:
 
 def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: bool = False,
              timeout: float = 600.0, batching: str = "dynamic", checkpoint_every: int = 0,
-             inject_nan: int = -1, data: str = "", seed: int = 1234, data_workers: int = 1,
+             inject_nan: int = -1, data: str = "", seed: int = 1234, data_workers: int | None = None,
              ignore_host_checks: bool = False, tokenizer: str = "", eval_every: int = 0, eval_batches: int = 2,
              lr: float | None = None, lr_warmup_steps: int = 0, lr_schedule: str | None = None,
              metrics_port: int = 0, metrics_host: str = "127.0.0.1", init_hf: str = "", save_hf: str = "",
@@ -96,7 +96,8 @@ def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: b
     preflight.check_trainer(run, plan, model, train, data=data, tokenizer=tokenizer, seed=seed, batching=batching,
                             eval_every=eval_every, eval_batches=eval_batches, checkpoint_every=checkpoint_every,
                             lr=lr, lr_warmup_steps=lr_warmup_steps, lr_schedule=lr_schedule,
-                            metrics_port=metrics_port, metrics_host=metrics_host, init_hf=init_hf, save_hf=save_hf)
+                            metrics_port=metrics_port, metrics_host=metrics_host, init_hf=init_hf, save_hf=save_hf,
+                            data_workers=data_workers)
     if missing_cfg is not None:
         atomic_write_json(run / "ds_config.json", missing_cfg)
         echo("ds_config.json was missing: written from plan.json")
@@ -120,7 +121,9 @@ def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: b
         env.update(DS_ACCELERATOR="cpu", MALLOC_MMAP_THRESHOLD_="65536")
     cmd = [sys.executable, "-m", "planner.executor.worker", "--run-dir", str(run), "--steps", str(steps),
            "--batching", batching, "--checkpoint-every", str(checkpoint_every), "--inject-nan", str(inject_nan),
-           "--seed", str(seed), "--data-workers", str(data_workers)]
+           "--seed", str(seed)]
+    if data_workers is not None:
+        cmd += ["--data-workers", str(data_workers)]
     if data:
         cmd += ["--data", str(Path(data).resolve())]
     if tokenizer:

@@ -80,6 +80,7 @@ def build_metrics(result: dict, plan, model, warmup: int, steps: int, estimate_d
         "lr": result.get("lr", []), "lr_schedule": result.get("lr_schedule"),
         "eval_loss": result.get("eval_loss", []),
         "allreduce_s_per_step": result.get("allreduce_s"),
+        "loader": result.get("loader"),
     })
     if any(r.get("activations") is not None for r in ranks):
         # worker --measure-activations: per rank, the bytes each block ("activation_bytes_per_block",

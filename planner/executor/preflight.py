@@ -364,7 +364,8 @@ def check_trainer(run_dir: str | Path, plan: Plan, model: ModelSpec, train: Trai
                   tokenizer: str = "", seed: int = 1234, batching: str = "dynamic", eval_every: int = 0,
                   eval_batches: int = 2, checkpoint_every: int = 0, lr: float | None = None,
                   lr_warmup_steps: int = 0, lr_schedule: str | None = None, metrics_port: int = 0,
-                  metrics_host: str = "127.0.0.1", init_hf: str = "", save_hf: str = "") -> None:
+                  metrics_host: str = "127.0.0.1", init_hf: str = "", save_hf: str = "",
+                  data_workers: int | None = None) -> None:
     """The flags of `planner run` that the ranks would otherwise trip over after start-up: the
     schedule's numbers, the corpus and tokenizer (planner.executor.data.check_data: corpus at
     least one global batch, tokenizer present and its vocabulary within the model's), the
@@ -375,7 +376,8 @@ def check_trainer(run_dir: str | Path, plan: Plan, model: ModelSpec, train: Trai
     from planner.dsconfig import LR_SCHEDULES
     for name, value, low in (("--eval-every", eval_every, 0), ("--eval-batches", eval_batches, 1),
                              ("--checkpoint-every", checkpoint_every, 0), ("--lr-warmup-steps", lr_warmup_steps, 0),
-                             ("--metrics-port", metrics_port, 0)):
+                             ("--metrics-port", metrics_port, 0),
+                             ("--data-workers", 0 if data_workers is None else data_workers, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise SpecError(name, f"must be an integer >= {low}, got {value!r}", f"give {name} {max(low, 1)} or more")
     if lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from planner.executor.build import build_engine, check_topology, loader, rank_coords, set_poison
+from planner.executor.build import build_engine, check_topology, rank_coords, set_poison
 from planner.executor.data import DataSpec, Layout, Rows
 from planner.executor.measure import (CPU_METHOD, GPU_METHOD, ActivationRecorder, model_states, peak_bytes,
                                       reset_peak, rss_bytes)
@@ -36,13 +36,24 @@ def _grad_norm(engine) -> float | None:
     return float(g.item() if isinstance(g, torch.Tensor) else g)
 
 
-def _make_loader(rows, layout: Layout, batch_ids: list[int], dp_rank: int, device: str, workers: int):
-    """The DataLoader of planner.executor.loading (LoaderSettings) when present, else build.loader."""
-    try:
-        from planner.executor.loading import LoaderSettings, loader as make
-    except ImportError:
-        return loader(rows, layout, batch_ids, dp_rank, device, workers)
-    settings = LoaderSettings(workers=workers, pin_memory=device == "cuda", prefetch_factor=2)
+def loader_settings(doc: dict, workers: int | None, device: str):
+    """The DataLoader settings of a run: --data-workers when given, else what plan.json records
+    under "loader" (planner.executor.loading.choose_loader at search time), else one worker."""
+    from planner.executor.loading import LoaderSettings
+    rec = doc.get("loader") if isinstance(doc, dict) else None
+    if workers is None and isinstance(rec, dict):
+        try:
+            return LoaderSettings(int(rec["workers"]), bool(rec["pin_memory"]), int(rec["prefetch_factor"]),
+                                  rec.get("produce_s"), rec.get("compute_s"), str(rec.get("reason", "")))
+        except (KeyError, TypeError, ValueError):
+            pass
+    n = 1 if workers is None else workers
+    return LoaderSettings(n, device == "cuda", 2 if n else 0, reason="--data-workers" if workers is not None
+                          else "plan.json records no loader settings: one worker")
+
+
+def _make_loader(rows, layout: Layout, batch_ids: list[int], dp_rank: int, device: str, settings):
+    from planner.executor.loading import loader as make
     return make(rows, layout, batch_ids, dp_rank, device, settings)
 
 
@@ -100,7 +111,7 @@ def train(args, run_dir: Path, rank: int, status) -> None:
     if args.steps < 1 or args.warmup < 0 or args.warmup >= args.steps:
         raise ExecutionError("--steps/--warmup", f"need steps >= 1 and 0 <= warmup < steps, got "
                              f"{args.steps}/{args.warmup}", "e.g. --steps 10 --warmup 2")
-    plan, spec, cluster, trainspec, _ = load_run(run_dir)
+    plan, spec, cluster, trainspec, doc = load_run(run_dir)
     cfg = read_json(run_dir / "ds_config.json", "ds_config.json")
     device = "cuda" if cluster.device.kind != "cpu" and torch.cuda.is_available() else "cpu"
     exporter = None
@@ -141,6 +152,7 @@ def train(args, run_dir: Path, rank: int, status) -> None:
         _record_first_forward(engine, recorder)
 
     data = data_spec(args, trainspec, spec)
+    loading = loader_settings(doc, args.data_workers, device)
     rows = Rows(data, args.batching)
     layout = Layout(plan.micro_batch, plan.grad_accum, plan.dp)
     eval_loader = None
@@ -196,7 +208,7 @@ def train(args, run_dir: Path, rank: int, status) -> None:
                 c = _next_batch(c, set(state["skip"]))
                 ids_left.append(c)
                 c += 1
-            stream = iter(_make_loader(rows, layout, ids_left, dp_i, device, args.data_workers))
+            stream = iter(_make_loader(rows, layout, ids_left, dp_i, device, loading))
             pending = list(ids_left)
         b = pending.pop(0)
         micro = [next(stream) for _ in range(plan.grad_accum)]
@@ -276,7 +288,8 @@ def train(args, run_dir: Path, rank: int, status) -> None:
         eval_loss = None
         if args.eval_every and (step + 1) % args.eval_every == 0:
             if eval_loader is None:
-                eval_loader = _make_loader(eval_rows, layout, eval_ids, dp_i, device, 0)
+                eval_loader = _make_loader(eval_rows, layout, eval_ids, dp_i, device,
+                                           loader_settings({}, 0, device))
             eval_loss = _evaluate(engine, eval_loader, plan, device, holds_loss, pipe)
             state["eval"] = [e for e in state.get("eval", []) if e["step"] <= step] + [
                 {"step": step + 1, "loss": eval_loss}]
@@ -337,6 +350,7 @@ def train(args, run_dir: Path, rank: int, status) -> None:
             "step_tokens": state.get("step_tokens", []),
             "lr": state.get("lr", []), "lr_schedule": lr_info, "eval_loss": state.get("eval", []),
             "allreduce_s": state.get("allreduce_s", []) if timer is not None else None,
+            "loader": loading.to_dict(),
             "ranks": gathered}
         atomic_write_json(run_dir / RANKS_DIR / "result.json", result)
         estimate = (read_json(run_dir / "estimate.json", "estimate.json")

@@ -41,7 +41,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--init-hf", default="", help="Hugging Face checkpoint directory to start from")
     ap.add_argument("--save-hf", default="", help="write the trained weights here in Hugging Face format")
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--data-workers", type=int, default=1)
+    ap.add_argument("--data-workers", type=int, default=None,
+                    help="DataLoader workers per rank (default: plan.json's loader settings, else 1)")
     ap.add_argument("--measure-activations", action="store_true",
                     default=os.environ.get("PLANNER_MEASURE_ACTIVATIONS", "") not in ("", "0"),
                     help="record the bytes each layer keeps for backward (one micro-batch; costs hooks)")

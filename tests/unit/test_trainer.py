@@ -172,7 +172,7 @@ def test_allreduce_timer_counts_calls_and_restores_nothing_else(monkeypatch) -> 
     ({"lr": -1.0}, "--lr"), ({"lr": float("nan")}, "--lr"), ({"eval_every": -2}, "--eval-every"),
     ({"eval_batches": 0}, "--eval-batches"), ({"lr_schedule": "linear"}, "--lr-schedule"),
     ({"tokenizer": "tok"}, "--tokenizer"), ({"data": "/nonexistent/corpus.txt"}, "--data"),
-    ({"init_hf": "/nonexistent/hf"}, "--init-hf")])
+    ({"init_hf": "/nonexistent/hf"}, "--init-hf"), ({"data_workers": -1}, "--data-workers")])
 def test_bad_trainer_input_is_refused_before_any_rank(tmp_path: Path, no_launch, kw, field) -> None:  # noqa: F811
     d = tiny(tmp_path)
     before = {p.name: p.read_text() for p in d.iterdir()}
@@ -219,3 +219,15 @@ def test_preflight_calls_the_data_check(tmp_path: Path, no_launch, monkeypatch) 
         launch.run_plan(d, steps=3, warmup=1, data=str(corpus))
     assert seen == [(str(corpus), datamod.Layout(1, 4, 2))]
     assert preflight  # imported for monkeypatching by the fixture
+
+
+def test_loader_settings_from_plan_json_unless_flagged() -> None:
+    from planner.executor.train import loader_settings
+    doc = {"loader": {"workers": 3, "pin_memory": False, "prefetch_factor": 2, "produce_s": 0.01,
+                      "compute_s": 0.002, "reason": "r", "starves": False}}
+    s = loader_settings(doc, None, "cpu")
+    assert (s.workers, s.pin_memory, s.prefetch_factor, s.produce_s, s.reason) == (3, False, 2, 0.01, "r")
+    s = loader_settings(doc, 0, "cpu")
+    assert (s.workers, s.prefetch_factor, s.reason) == (0, 0, "--data-workers")
+    s = loader_settings({}, None, "cuda")
+    assert (s.workers, s.pin_memory, s.prefetch_factor) == (1, True, 2)
