@@ -416,22 +416,15 @@ def check_trainer(run_dir: str | Path, plan: Plan, model: ModelSpec, train: Trai
 
 def _check_data(data: str, tokenizer: str, seed: int, model: ModelSpec, train: TrainSpec, plan: Plan,
                 batching: str) -> None:
-    """The corpus as the ranks will read it (data.check_data, when the data layer has it)."""
+    """The corpus as the ranks will read it (data.check_data)."""
     from planner.executor import data as datamod
-    if not Path(data).exists():
-        raise SpecError("--data", f"{data} does not exist", "give a corpus file (.txt, .jsonl, .npy, .bin/.idx)")
+    # a Megatron indexed dataset is named by its prefix (PREFIX.bin + PREFIX.idx)
+    if not Path(data).exists() and not Path(f"{data}.idx").exists():
+        raise SpecError("--data", f"{data} does not exist", "give a corpus file (.txt, .jsonl, .npy, .bin/.idx "
+                        "or the PREFIX of PREFIX.bin/.idx)")
     if tokenizer and not Path(tokenizer).is_dir():
         raise SpecError("--tokenizer", f"{tokenizer} is not a directory", "give a local Hugging Face tokenizer "
                         "directory (tokenizer.json)")
-    kw: dict[str, Any] = {"token_file": str(data)}
-    if tokenizer:
-        kw["tokenizer"] = str(tokenizer)
-    try:
-        spec = datamod.DataSpec(seq_len=train.seq_len, vocab=model.vocab, seed=seed, **kw)
-    except TypeError:
-        raise SpecError("--tokenizer", "this build's data layer takes no tokenizer",
-                        "give --data as token ids (.npy/.txt) without --tokenizer") from None
-    layout = datamod.Layout(plan.micro_batch, plan.grad_accum, plan.dp)
-    check = getattr(datamod, "check_data", None)
-    if check is not None:
-        check(spec, layout)
+    spec = datamod.DataSpec(seq_len=train.seq_len, vocab=model.vocab, seed=seed, token_file=str(data),
+                            tokenizer=str(tokenizer) if tokenizer else "")
+    datamod.check_data(spec, datamod.Layout(plan.micro_batch, plan.grad_accum, plan.dp))
