@@ -2,7 +2,7 @@
 Prometheus alert rules and Grafana dashboard written into the run directory.
 
 Pure Python apart from AllReduceTimer (which wraps torch.distributed.all_reduce), so the
-formats are unit-tested without a training run (tests/unit/test_trainer.py).
+formats are unit-tested without a training run (tests/unit/test_trainer_units.py).
 """
 from __future__ import annotations
 
