@@ -108,8 +108,12 @@ def baseline_words(plan: Plan, est: Estimate, train) -> str:
     global batch when it differs from the user's, and where the comparison comes from."""
     from planner.search.baseline import baseline_note
     note = baseline_note(plan, train)
-    return f"baseline (the conventional plan the targets compare against): {plan.describe()}" + \
-        (f"; {note}" if note else "")
+    words = f"baseline (plain data parallelism, ZeRO-0, every device): {plan.describe()}"
+    if plan.precision != "fp32":
+        # the "vs base" column compares at the run's precision; the 3x / one-third targets do not
+        words += ("; the 3x / one-third targets compare against it in fp32 with padded static batches "
+                  "(`planner verify` measures that)")
+    return words + (f"; {note}" if note else "")
 
 
 def _print_search(console: Console, result, cluster, run_dir: Path, written: list[str], top: int, train) -> None:

@@ -218,3 +218,17 @@ def test_the_per_rank_memory_chart_has_whole_rank_ticks(monkeypatch) -> None:
                                  "predicted": {"tokens_per_s": 9.0, "peak_memory_gb": 1.1}}, 12.0)
     ticks = figs[0].axes[1].get_xticks()
     assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks)
+
+
+def test_the_search_baseline_line_does_not_call_a_bf16_plan_the_targets_baseline() -> None:
+    """The search compares its plans with plain DP at the run's precision; the 3x / one-third
+    targets compare with fp32 and padded batches. The line must say which is which."""
+    from planner.cli.search import baseline_words
+    from planner.specs.plan import Plan
+    from planner.specs.train import TrainSpec
+    train = TrainSpec(global_batch=8, seq_len=128)
+    bf16 = baseline_words(Plan(dp=2, micro_batch=4, grad_accum=1, precision="bf16"), None, train)
+    fp32 = baseline_words(Plan(dp=2, micro_batch=4, grad_accum=1, precision="fp32"), None, train)
+    assert bf16.startswith("baseline (plain data parallelism, ZeRO-0, every device): ZeRO-0, TP 1 x PP 1 x DP 2")
+    assert "targets compare against it in fp32 with padded static batches" in bf16
+    assert "fp32 with padded" not in fp32
