@@ -106,7 +106,8 @@ def run(run_dir: str, **kw) -> None:
 @click.option("--warmup", type=int, default=2, show_default=True, help="Steps left out of the timing.")
 @click.option("--timeout", type=float, default=900.0, show_default=True, help="Seconds before a run counts as hung.")
 @click.option("--seed", type=int, default=1234, show_default=True)
-@click.option("--data", default="", metavar="TOKENS.npy|TOKENS.txt", help="A token file instead of the synthetic corpus.")
+@click.option("--data", default="", metavar="PATH", help="A corpus instead of the synthetic one (as `planner run --data`).")
+@click.option("--tokenizer", default="", metavar="DIR", help="A local Hugging Face tokenizer directory for a text corpus (.txt/.jsonl).")
 @_scale_option
 def verify(run_dir: str, **kw) -> None:
     """Run the conventional baseline and the plan; compare against the 3x / one-third-memory targets."""

@@ -39,7 +39,7 @@ def _prepare(vdir: Path, plan, model, cluster, train, doc_inputs: dict, est, cfg
 
 
 def verify(run_dir: str | Path, *, steps: int = 12, warmup: int = 2, timeout: float = 900.0, seed: int = 1234,
-           data: str = "", echo: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+           data: str = "", tokenizer: str = "", echo: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     run = Path(run_dir).resolve()
     plan, model, cluster, train, doc = load_run(run)
     from planner.search.baseline import TARGETS_SOURCE, baseline_train, conventional_baseline
@@ -55,7 +55,7 @@ def verify(run_dir: str | Path, *, steps: int = 12, warmup: int = 2, timeout: fl
              dsconfig.ds_config(bplan, model, btrain, cluster))
     _prepare(run / "verify" / "planned", plan, model, cluster, train, doc["inputs"], pest, planned_cfg)
 
-    spec = DataSpec(seq_len=train.seq_len, vocab=model.vocab, seed=seed, token_file=data)
+    spec = DataSpec(seq_len=train.seq_len, vocab=model.vocab, seed=seed, token_file=data, tokenizer=tokenizer)
     brows, prows = Rows(spec, "static"), Rows(spec, "dynamic")
     blay, play = Layout(bplan.micro_batch, bplan.grad_accum, bplan.dp), Layout(plan.micro_batch, plan.grad_accum, plan.dp)
     breal, bpad = padding_stats(brows, blay, steps)
@@ -66,9 +66,9 @@ def verify(run_dir: str | Path, *, steps: int = 12, warmup: int = 2, timeout: fl
     echo(f"planned:  {plan.describe()}, packed batches, {psteps} steps, {preal} real tokens "
          f"({ppad / (preal + ppad):.0%} padding)")
     base = run_plan(run / "verify" / "baseline", steps=steps, warmup=warmup, timeout=timeout, batching="static",
-                    seed=seed, data=data, echo=echo)
+                    seed=seed, data=data, tokenizer=tokenizer, echo=echo)
     planned = run_plan(run / "verify" / "planned", steps=psteps, warmup=warmup, timeout=timeout,
-                       batching="dynamic", seed=seed, data=data, echo=echo)
+                       batching="dynamic", seed=seed, data=data, tokenizer=tokenizer, echo=echo)
     measured = {"throughput_ratio": planned["tokens_per_s"] / base["tokens_per_s"],
                 "memory_ratio": planned["peak_memory_gb"] / base["peak_memory_gb"],
                 "model_state_ratio": max(planned["model_state_gb_per_rank"]) / max(base["model_state_gb_per_rank"])}

@@ -231,3 +231,15 @@ def test_loader_settings_from_plan_json_unless_flagged() -> None:
     assert (s.workers, s.prefetch_factor, s.reason) == (0, 0, "--data-workers")
     s = loader_settings({}, None, "cuda")
     assert (s.workers, s.pin_memory, s.prefetch_factor) == (1, True, 2)
+
+
+def test_verify_passes_the_tokenizer_and_refuses_a_missing_one_before_the_baseline(tmp_path: Path, no_launch,  # noqa: F811
+                                                                                   capsys) -> None:
+    from planner.cli import main
+    d = tiny(tmp_path)
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("some text\n\nmore text\n")
+    code = main(["verify", str(d), "--data", str(corpus), "--tokenizer", str(tmp_path / "no-such-tokenizer")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("error: --tokenizer:")
+    assert not (d / "verify" / "baseline" / RANKS_DIR).exists()
