@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from planner.executor.launch import run_plan
-from test_executor import make_run
+from test_executor import _pid_alive, make_run
 
 pytestmark = pytest.mark.integration
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -113,14 +113,6 @@ def test_worker_without_planner_run_prints_steps_and_writes_metrics(tmp_path: Pa
     assert m["status"] == "ok" and len(m["loss"]) == 3 and m["warmup"] == 1 and m["world_size"] == 2
     assert m["lr"] == [3e-4] * 3 and m["lr_schedule"]["scheduler"]["type"] == "WarmupLR"
     assert f"{m['loss'][0]:.4f}" in steps[0]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_kill_9_during_a_checkpoint_save_keeps_the_previous_one(tmp_path: Path) -> None:
