@@ -76,6 +76,9 @@ def _load(path: str, field: str):
            "`planner prepare-data ... --train-tokenizer N`")
     if not p.is_dir():
         raise SpecError(field, f"tokenizer directory {p} does not exist", fix)
+    files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if not any((p / f).exists() for f in files):
+        raise SpecError(field, f"{p} holds no tokenizer (none of {', '.join(files)})", fix)
     from transformers import AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)

@@ -72,6 +72,9 @@ def test_tokenizer_larger_than_the_model(corpus) -> None:
     assert "--train-tokenizer N` with N <= 260" in e.value.fix and f"vocab is at least {n}" in e.value.fix
     with pytest.raises(SpecError, match="does not exist"):
         Rows(DataSpec(seq_len=32, vocab=300, token_file=str(prefix), tokenizer=str(prefix.parent / "nope")), "static")
+    (prefix.parent / "empty").mkdir(exist_ok=True)
+    with pytest.raises(SpecError, match=r"holds no tokenizer \(none of tokenizer.json"):   # a directory, no tokenizer
+        Rows(DataSpec(seq_len=32, vocab=300, token_file=str(prefix), tokenizer=str(prefix.parent / "empty")), "static")
 
 
 def test_corpus_too_small_for_a_batch(corpus) -> None:
