@@ -1,22 +1,30 @@
-"""The training loop of one rank: steps, measurement, stability monitor, checkpoints, rollback."""
+"""The training loop of one rank: steps, measurement, stability monitor, checkpoints, rollback.
+
+Its parts: settings.py (data spec, DataLoader settings, learning-rate schedule), checkpoints.py
+(save with an atomic `latest`, resume, rollback), evaluate.py (held-out loss) and hooks.py (what
+is patched into the engine for tests and --measure-activations)."""
 from __future__ import annotations
 
 import contextlib
 import math
 import os
-import shutil
 import time
 from pathlib import Path
 
 import torch
 
+from planner.executor import checkpoints
 from planner.executor.build import build_engine, check_topology, rank_coords, set_poison
-from planner.executor.data import DataSpec, Layout, Rows
+from planner.executor.checkpoints import latest_tag
+from planner.executor.data import Layout, Rows
+from planner.executor.evaluate import evaluate
+from planner.executor.hooks import dump_first_grads, record_first_forward, slow_saves
 from planner.executor.measure import (CPU_METHOD, GPU_METHOD, ActivationRecorder, model_states, peak_bytes,
                                       reset_peak, rss_bytes)
 from planner.executor.model import Block
 from planner.executor.monitor import StabilityMonitor
 from planner.executor.files import CKPT_DIR, RANKS_DIR, progress
+from planner.executor.settings import configure_lr, data_spec, loader_settings, make_loader
 from planner.rundir import atomic_write_json, load_run, read_json
 
 
@@ -34,67 +42,6 @@ def _grad_norm(engine) -> float | None:
     if g is None:
         return None
     return float(g.item() if isinstance(g, torch.Tensor) else g)
-
-
-def loader_settings(doc: dict, workers: int | None, device: str):
-    """The DataLoader settings of a run: --data-workers when given, else what plan.json records
-    under "loader" (planner.executor.loading.choose_loader at search time), else one worker."""
-    from planner.executor.loading import LoaderSettings
-    rec = doc.get("loader") if isinstance(doc, dict) else None
-    if workers is None and isinstance(rec, dict):
-        try:
-            return LoaderSettings(int(rec["workers"]), bool(rec["pin_memory"]), int(rec["prefetch_factor"]),
-                                  rec.get("produce_s"), rec.get("compute_s"), str(rec.get("reason", "")))
-        except (KeyError, TypeError, ValueError):
-            pass
-    n = 1 if workers is None else workers
-    return LoaderSettings(n, device == "cuda", 2 if n else 0, reason="--data-workers" if workers is not None
-                          else "plan.json records no loader settings: one worker")
-
-
-def _make_loader(rows, layout: Layout, batch_ids: list[int], dp_rank: int, device: str, settings):
-    from planner.executor.loading import loader as make
-    return make(rows, layout, batch_ids, dp_rank, device, settings)
-
-
-def data_spec(args, trainspec, spec, cls=DataSpec) -> DataSpec:
-    """The DataSpec of a run's flags (the worker and the launcher's preflight build the same)."""
-    kw = {"token_file": args.data}
-    if getattr(args, "tokenizer", ""):
-        kw["tokenizer"] = args.tokenizer
-    return cls(seq_len=trainspec.seq_len, vocab=spec.vocab, seed=args.seed, **kw)
-
-
-def configure_lr(cfg: dict, args, steps: int) -> dict:
-    """Put the learning-rate schedule of the flags into `cfg` (in memory; ds_config.json on disk
-    is left as search wrote it). --lr-schedule unset keeps a "scheduler" block the user put into
-    ds_config.json, else it is the constant rate. Returns what metrics.json records."""
-    from planner import dsconfig
-    lr = args.lr if args.lr is not None else (cfg.get("optimizer", {}).get("params", {}).get("lr")
-                                             or dsconfig.OPTIMIZER["lr"])
-    if "optimizer" in cfg:
-        cfg["optimizer"].setdefault("params", {})["lr"] = lr
-    else:  # the client torch AdamW (planner/executor/build.py) reads dsconfig.OPTIMIZER in this process
-        dsconfig.OPTIMIZER = {**dsconfig.OPTIMIZER, "lr": lr}
-    if args.lr_schedule is None and isinstance(cfg.get("scheduler"), dict):
-        source = "ds_config.json"
-    else:
-        cfg["scheduler"] = dsconfig.lr_scheduler(args.lr_schedule or "constant", lr, args.lr_warmup_steps, steps)
-        source = "flags"
-    return {"schedule": args.lr_schedule or ("ds_config.json" if source == "ds_config.json" else "constant"),
-            "lr": lr, "warmup_steps": args.lr_warmup_steps, "total_steps": steps, "source": source,
-            "scheduler": cfg["scheduler"]}
-
-
-def latest_tag(ckpt: Path) -> str | None:
-    """The checkpoint tag `latest` names, if that tag directory exists. `latest` is written by
-    us, atomically, only after every rank has finished saving the tag (see `save` in train), so
-    a tag it names is complete; a kill mid-save leaves it naming the previous one."""
-    try:
-        tag = (ckpt / "latest").read_text().strip()
-    except OSError:
-        return None
-    return tag if tag and (ckpt / tag).is_dir() else None
 
 
 def train(args, run_dir: Path, rank: int, status) -> None:
@@ -140,8 +87,8 @@ def train(args, run_dir: Path, rank: int, status) -> None:
     check_topology(engine, groups, plan, rank)
     pp_i, dp_i, tp_i = rank_coords(rank, plan)
     if args.dump_grads:
-        _dump_first_grads(engine, Path(args.dump_grads), rank, (pp_i, dp_i, tp_i))
-    slow_save = _slow_saves(engine, args.save_sleep) if args.save_sleep else {}
+        dump_first_grads(engine, Path(args.dump_grads), rank, (pp_i, dp_i, tp_i))
+    slow_save = slow_saves(engine, args.save_sleep) if args.save_sleep else {}
     pipe = plan.pp > 1
     last_stage = pp_i == plan.pp - 1
     # --measure-activations: what each layer keeps for backward in the first micro-batch of the
@@ -149,7 +96,7 @@ def train(args, run_dir: Path, rank: int, status) -> None:
     recorder = ActivationRecorder(engine.module) if args.measure_activations else None
     measure_step = min(1, args.steps - 1)
     if recorder is not None and pipe:
-        _record_first_forward(engine, recorder)
+        record_first_forward(engine, recorder)
 
     data = data_spec(args, trainspec, spec)
     loading = loader_settings(doc, args.data_workers, device)
@@ -163,30 +110,12 @@ def train(args, run_dir: Path, rank: int, status) -> None:
     monitor = StabilityMonitor()
     state = {"step": 0, "cursor": 0, "skip": [], "loss": [], "events": [], "times": [], "tokens": 0, "padding": 0,
              "lr": [], "eval": [], "allreduce_s": []}
-    tag = latest_tag(ckpt) if args.resume else None
-    if tag is not None:
-        _, client = engine.load_checkpoint(str(ckpt), tag=tag)
-        state.update(client["planner"])
-        state["events"].append({"step": state["step"], "kind": "resume",
-                                "message": f"resumed from checkpoint {tag} (step {state['step']})"})
+    tag = checkpoints.resume(engine, ckpt, state) if args.resume else None
     resumed_at = state["step"]
     saved = {"step": state["step"] if tag is not None else None}
 
-    def save(step: int) -> None:
-        tag = f"step{step}"
-        if rank == 0 and (ckpt / tag).exists() and latest_tag(ckpt) != tag:
-            shutil.rmtree(ckpt / tag)  # a partial save of an earlier, killed run
-        # every rank writes its files, then DeepSpeed's closing barrier; only then does rank 0
-        # name the tag in `latest` (atomic rename). DeepSpeed's own `latest` (save_latest=True)
-        # is written by rank 0 before the other ranks are done, with a plain open("w").
-        slow_save["on"] = step > 0
-        engine.save_checkpoint(str(ckpt), tag=tag, client_state={"planner": dict(state)}, save_latest=False)
-        dist.barrier()
-        if rank == 0:
-            atomic_write_text(ckpt / "latest", tag)
-            rec = {"step": step, "kind": "checkpoint", "tag": tag}
-            progress(run_dir, rec)
-            print(format_progress(rec), flush=True)
+    def save(step: int) -> None:  # every rank; `latest` names the tag once all have saved it
+        checkpoints.save(engine, ckpt, run_dir, rank, state, step, slow_save)
         saved["step"] = step
 
     if args.checkpoint_every and latest_tag(ckpt) is None:
@@ -208,7 +137,7 @@ def train(args, run_dir: Path, rank: int, status) -> None:
                 c = _next_batch(c, set(state["skip"]))
                 ids_left.append(c)
                 c += 1
-            stream = iter(_make_loader(rows, layout, ids_left, dp_i, device, loading))
+            stream = iter(make_loader(rows, layout, ids_left, dp_i, device, loading))
             pending = list(ids_left)
         b = pending.pop(0)
         micro = [next(stream) for _ in range(plan.grad_accum)]
@@ -262,7 +191,7 @@ def train(args, run_dir: Path, rank: int, status) -> None:
             rollbacks += 1
             if rollbacks > 3:
                 raise RuntimeError(f"non-finite loss/gradients persist after {rollbacks - 1} rollbacks at step {step}")
-            _rollback(engine, run_dir, rank, state, step, b, loss, gnorm, ckpt, layout)
+            checkpoints.rollback(engine, run_dir, rank, state, step, b, loss, gnorm, ckpt, layout)
             stream = None
             continue
         per_rank = [dict(zip(("time_s", "peak_memory_bytes", "allreduce_seconds", "allreduce_calls",
@@ -288,9 +217,9 @@ def train(args, run_dir: Path, rank: int, status) -> None:
         eval_loss = None
         if args.eval_every and (step + 1) % args.eval_every == 0:
             if eval_loader is None:
-                eval_loader = _make_loader(eval_rows, layout, eval_ids, dp_i, device,
-                                           loader_settings({}, 0, device))
-            eval_loss = _evaluate(engine, eval_loader, plan, device, holds_loss, pipe)
+                eval_loader = make_loader(eval_rows, layout, eval_ids, dp_i, device,
+                                          loader_settings({}, 0, device))
+            eval_loss = evaluate(engine, eval_loader, plan, device, holds_loss, pipe)
             state["eval"] = [e for e in state.get("eval", []) if e["step"] <= step] + [
                 {"step": step + 1, "loss": eval_loss}]
         slowest = max(m["time_s"] for m in per_rank)
@@ -377,38 +306,6 @@ def _gpu_util(device: str) -> float:
         return -1.0
 
 
-def _evaluate(engine, eval_loader, plan, device: str, holds_loss: bool, pipe: bool) -> float:
-    """Held-out loss over the eval batches, averaged over micro-batches, batches and DP ranks
-    (counted on the ranks that hold a loss, like the training loss). No gradients, no update."""
-    import deepspeed.comm as dist
-    total = 0.0
-    n = 0
-    stream = iter(eval_loader)
-    batches = len(eval_loader) // plan.grad_accum
-    for _ in range(batches):
-        micro = [next(stream) for _ in range(plan.grad_accum)]
-        if pipe:
-            it = iter(((ids.to(device), pos.to(device), seg.to(device)), lab.to(device)) for ids, pos, seg, lab in micro)
-            total += float(engine.eval_batch(data_iter=it))
-            n += 1
-        else:
-            engine.eval()
-            try:
-                with torch.no_grad():
-                    for ids, pos, seg, lab in micro:
-                        logits = engine(ids.to(device), pos.to(device), seg.to(device))
-                        total += float(engine.module.loss_fn(logits, lab.to(device)))
-                        n += 1
-            finally:
-                engine.train()
-    if pipe:
-        engine.train()
-    mean = total / max(n, 1)
-    vec = torch.tensor([mean if holds_loss else 0.0, 1.0 if holds_loss else 0.0], dtype=torch.float64)
-    dist.all_reduce(vec)
-    return vec[0].item() / max(vec[1].item(), 1.0)
-
-
 def _init_from_hf(path: Path, spec, plan):
     """init_weights for build_engine: load a Hugging Face checkpoint into this rank's shard
     (load_hf_weights reads the TP rank from the module's layers when given no groups)."""
@@ -417,91 +314,3 @@ def _init_from_hf(path: Path, spec, plan):
     def init(module: torch.nn.Module) -> None:
         load_hf_weights(module, path, spec, None)
     return init
-
-
-def _slow_saves(engine, seconds: float) -> dict:
-    """Test hook (worker --save-sleep S): sleep after each checkpoint file DeepSpeed writes (in
-    saves after step 0), so a kill lands in the middle of a save. Returns the switch."""
-    ce = engine.checkpoint_engine
-    save = ce.save
-    switch = {"on": False}
-
-    def slow(state_dict, path):
-        out = save(state_dict, path)
-        if switch["on"]:
-            time.sleep(seconds)
-        return out
-    ce.save = slow
-    return switch
-
-
-def _record_first_forward(engine, recorder: ActivationRecorder) -> None:
-    """Under a pipeline, DeepSpeed's PipelineEngine runs each micro-batch's forward (and, on the
-    last stage, its loss) in _exec_forward_pass, dispatched through _INSTRUCTION_MAP: record the
-    first one after `recorder.armed` is set."""
-    from deepspeed.runtime.pipe.schedule import ForwardPass
-    forward = type(engine)._INSTRUCTION_MAP[ForwardPass]
-    recorder.armed = False
-
-    def recorded(self, buffer_id):
-        if not recorder.armed:
-            return forward(self, buffer_id)
-        recorder.armed = False
-        with recorder.window():
-            return forward(self, buffer_id)
-
-    engine._INSTRUCTION_MAP = {**type(engine)._INSTRUCTION_MAP, ForwardPass: recorded}
-
-
-def _dump_first_grads(engine, out: Path, rank: int, coords: tuple[int, int, int]) -> None:
-    """Test hook (worker --dump-grads DIR): just before the first optimizer step, write this
-    rank's gradients as the optimizer sees them (averaged over DP; with ZeRO, DeepSpeed's
-    safe_get_full_grad gathers this rank's whole TP slice), with what is needed to reassemble
-    them across TP (`tp_split`) and the global gradient norm the step used."""
-    from deepspeed.utils import safe_get_full_grad
-    take_step = engine._take_model_step
-    done = []
-
-    def dump_then_step(*args, **kw):
-        if done:
-            return take_step(*args, **kw)
-        grads = [{"name": p.canonical, "split": p.tp_split, "pipe_replicated": bool(getattr(p, "ds_pipe_replicated", False)),
-                  "grad": safe_get_full_grad(p).detach().float().cpu().clone()} for p in engine.module.parameters()]
-        result = take_step(*args, **kw)
-        norm = engine.get_global_grad_norm()
-        done.append(True)
-        out.mkdir(parents=True, exist_ok=True)
-        torch.save({"rank": rank, "coords": list(coords), "grads": grads,
-                    "grad_norm": float(norm.item() if isinstance(norm, torch.Tensor) else norm)},
-                   out / f"rank{rank}.pt")
-        return result
-
-    engine._take_model_step = dump_then_step
-
-
-def _rollback(engine, run_dir: Path, rank: int, state: dict, step: int, batch: int, loss: float,
-              gnorm: float | None, ckpt: Path, layout: Layout) -> None:
-    """NaN/Inf: snapshot, reload the last good checkpoint, skip the bad batch."""
-    reason = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {gnorm}"
-    if rank == 0:
-        atomic_write_json(run_dir / "debug" / f"nan_step{step}.json", {
-            "step": step, "batch": batch, "reason": reason, "loss_history": state["loss"],
-            "rows": [list(layout.rows(batch, m, d)) for m in range(layout.grad_accum) for d in range(layout.dp)],
-            "skipped_before": state["skip"]})
-    events = state["events"] + [{"step": step, "kind": "nan", "message": f"non-finite {reason} at step {step} "
-                                 f"(batch {batch}); snapshot debug/nan_step{step}.json"}]
-    tag = latest_tag(ckpt)
-    if tag is None:
-        raise RuntimeError(f"non-finite {reason} at step {step} and no checkpoint to roll back to "
-                           "(run with --checkpoint-every K)")
-    _, client = engine.load_checkpoint(str(ckpt), tag=tag)
-    engine.optimizer.zero_grad()
-    good = client["planner"]
-    skip = sorted(set(good["skip"]) | set(state["skip"]) | {batch})
-    state.clear()
-    state.update(good)
-    state["skip"] = skip
-    state["events"] = events + [{"step": good["step"], "kind": "rollback",
-                                 "message": f"rolled back to checkpoint step {good['step']}, skipping batch {batch}"}]
-    if rank == 0:
-        progress(run_dir, {"step": step, "kind": "rollback", "to": good["step"], "skip": batch})
