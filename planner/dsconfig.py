@@ -137,7 +137,7 @@ def lr_scheduler(schedule: str, lr: float, warmup_steps: int, total_steps: int) 
     0.19.8, deepspeed/runtime/lr_schedules.py). Both schedulers warm up linearly over
     max(2, warmup_steps) steps (DeepSpeed's own floor); with `warmup_steps` 0 the constant
     schedule starts and stays at `lr` (min = max). WarmupCosineLR scales the optimizer's own
-    learning rate, so the executor builds the optimizer with `lr` (planner/executor/train.py).
+    learning rate, so the executor builds the optimizer with `lr` (planner/executor/settings.py configure_lr).
 
     DeepSpeed steps the scheduler after each optimizer step: the step with index k (from 0)
     uses the rate of scheduler iteration k - 1, and iteration -1 is the warmup's start (0 for
