@@ -1,0 +1,259 @@
+"""The serving cost model against published serving figures (issue 11, point 4).
+
+The rows are benchmarks/serve_published_rows.json: TensorRT-LLM's performance tables (A100 FP16,
+H100 FP8), lmdeploy's A100 static-batch table, NeMo's Llama-2 inference table, two vLLM runs
+(A100 40GB, H100) and the AutoGLM article's figures, each with its settings, its source and what
+had to be assumed. For each row the script builds the model (the public config.json through
+planner.specs.hf.spec_from_hf, or a preset), the cluster (parse_cluster "NxGPU"), a Deployment and
+a Workload, and predicts the row's metric the way the source measured it:
+
+    ttft_s        prefill_time_s(prompt x batch tokens)           (static batch, first token)
+    e2e_s         prefill + one decode step per further token     (static batch)
+    output_tok_s  batch x output / (prefill + decode steps)       (static batch throughput)
+    decode_tok_s  batch / decode_step_time_s at the mean context  (decode phase alone)
+    tpot_s        decode_step_time_s at the mean context
+    max_qps       estimate_serving(...).max_qps                   (queueing simulation)
+    memory_gb     sum of estimate_serving(...).memory_gb           (per GPU)
+
+A decode step's context is the KV tokens the batch holds: batch x (prompt + tokens so far).
+estimate_serving is also called for every row: an infeasible deployment is flagged. Error =
+predicted / published - 1; MAPE per metric kind over the rows marked in_mape.
+
+    .venv/bin/python benchmarks/serve_published.py           # table + MAPE; writes reports/bench-serve-published/comparison.json
+    .venv/bin/python benchmarks/serve_published.py --json    # the same as JSON on stdout
+    .venv/bin/python benchmarks/serve_published.py --rows T1,N1
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from planner.errors import SpecError  # noqa: E402
+from planner.rundir import atomic_write_json  # noqa: E402
+from planner.specs import ModelSpec, find_device, parse_cluster  # noqa: E402
+from planner.specs.hardware import ClusterSpec  # noqa: E402
+from planner.specs.hf import spec_from_hf  # noqa: E402
+from planner.specs.model import preset  # noqa: E402
+
+DATA = Path(__file__).with_name("serve_published_rows.json")
+OUT = ROOT / "reports" / "bench-serve-published" / "comparison.json"
+METRICS = ("ttft_s", "e2e_s", "tpot_s", "output_tok_s", "decode_tok_s", "max_qps", "memory_gb")
+WEIGHT_PRECISIONS = ("bf16", "int8", "int4")
+KV_PRECISIONS = ("bf16", "fp8", "int8")
+REQUIRED = ("id", "source", "where", "engine", "model", "gpu", "gpus", "tp", "weight_precision", "kv_precision",
+            "prompt_len", "output_len", "batch", "metric", "value", "in_mape", "assumptions")
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    id: str
+    source: str
+    where: str
+    engine: str
+    model_name: str
+    model: ModelSpec
+    cluster: ClusterSpec
+    tp: int
+    weight_precision: str
+    kv_precision: str
+    prompt_len: int
+    output_len: int
+    batch: int
+    metric: str
+    value: float
+    in_mape: bool
+    assumptions: tuple[str, ...]
+
+
+def _check(raw: dict[str, Any], data: dict[str, Any]) -> None:
+    rid = raw.get("id", "?")
+    missing = [k for k in REQUIRED if k not in raw]
+    if missing:
+        raise SpecError(f"rows[{rid}]", f"missing {', '.join(missing)}", "give every field (see the other rows)")
+    if raw["source"] not in data.get("sources", {}):
+        raise SpecError(f"rows[{rid}].source", f"unknown source {raw['source']!r}", "add it under 'sources'")
+    if raw["model"] not in data.get("families", {}):
+        raise SpecError(f"rows[{rid}].model", f"unknown model {raw['model']!r}", "add it under 'families'")
+    if raw["metric"] not in METRICS:
+        raise SpecError(f"rows[{rid}].metric", f"unknown metric {raw['metric']!r}", f"use one of {', '.join(METRICS)}")
+    if raw["weight_precision"] not in WEIGHT_PRECISIONS or raw["kv_precision"] not in KV_PRECISIONS:
+        raise SpecError(f"rows[{rid}]", "unknown precision", f"weights: {WEIGHT_PRECISIONS}, KV: {KV_PRECISIONS}")
+    for key in ("gpus", "tp", "prompt_len", "output_len", "batch"):
+        if not isinstance(raw[key], int) or isinstance(raw[key], bool) or raw[key] < 1:
+            raise SpecError(f"rows[{rid}].{key}", f"must be a positive integer, not {raw[key]!r}", "fix the row")
+    if not isinstance(raw["value"], (int, float)) or not raw["value"] > 0:
+        raise SpecError(f"rows[{rid}].value", f"must be positive, not {raw['value']!r}", "copy the source's figure")
+    if raw["gpus"] % raw["tp"]:
+        raise SpecError(f"rows[{rid}].tp", f"{raw['tp']} does not divide {raw['gpus']} GPUs", "fix the row")
+
+
+def build_model(name: str, family: dict[str, Any]) -> ModelSpec:
+    if "preset" in family:
+        return preset(family["preset"])
+    return spec_from_hf(family["hf_config"], name=name, where=f"families.{name}.hf_config")
+
+
+def load_rows(path: Path = DATA, only: Sequence[str] | None = None) -> list[Row]:
+    data = json.loads(Path(path).read_text())
+    models = {name: build_model(name, fam) for name, fam in data["families"].items()}
+    rows = []
+    for raw in data["rows"]:
+        _check(raw, data)
+        if only and raw["id"] not in only:
+            continue
+        find_device(raw["gpu"])  # a GPU the profiles know, or SpecError
+        rows.append(Row(
+            id=raw["id"], source=raw["source"], where=raw["where"], engine=raw["engine"], model_name=raw["model"],
+            model=models[raw["model"]], cluster=parse_cluster(f"{raw['gpus']}x{raw['gpu']}"), tp=raw["tp"],
+            weight_precision=raw["weight_precision"], kv_precision=raw["kv_precision"],
+            prompt_len=raw["prompt_len"], output_len=raw["output_len"], batch=raw["batch"], metric=raw["metric"],
+            value=float(raw["value"]), in_mape=bool(raw["in_mape"]), assumptions=tuple(raw["assumptions"])))
+    return rows
+
+
+# --- predictions ---------------------------------------------------------------------------
+
+def _serve():
+    try:
+        from planner.serve import cost, spec
+    except ImportError as exc:
+        raise SystemExit(f"planner.serve is not importable ({exc}): the serving cost model (issue 11, "
+                         "helper A) is not in this checkout yet; nothing to compare") from None
+    return cost, spec
+
+
+def deployment(row: Row):
+    _, spec = _serve()
+    return spec.Deployment(tp=row.tp, replicas=row.cluster.world_size // row.tp, max_batch=row.batch,
+                           weight_precision=row.weight_precision, kv_precision=row.kv_precision)
+
+
+def workload(row: Row):
+    _, spec = _serve()
+    return spec.Workload(prompt_len=row.prompt_len, output_len=row.output_len)
+
+
+def static_batch(row: Row) -> tuple[float, float]:
+    """(prefill seconds, decode seconds) of one static batch: the batch's prompts in one prefill,
+    then output_len - 1 decode steps, step k holding batch x (prompt + k) KV tokens."""
+    cost, _ = _serve()
+    dep = deployment(row)
+    prefill = cost.prefill_time_s(row.model, row.cluster, dep, row.batch * row.prompt_len)
+    decode = sum(cost.decode_step_time_s(row.model, row.cluster, dep, row.batch, row.batch * (row.prompt_len + k))
+                 for k in range(1, row.output_len))
+    return prefill, decode
+
+
+def mean_step(row: Row) -> float:
+    cost, _ = _serve()
+    context = row.batch * (row.prompt_len + row.output_len // 2)
+    return cost.decode_step_time_s(row.model, row.cluster, deployment(row), row.batch, context)
+
+
+def predict(row: Row) -> dict[str, Any]:
+    """The row's metric as the cost model predicts it, with estimate_serving's verdict."""
+    cost, _ = _serve()
+    est = cost.estimate_serving(row.model, row.cluster, deployment(row), workload(row))
+    m = row.metric
+    if m == "ttft_s":
+        value = static_batch(row)[0] if row.output_len == 1 else cost.prefill_time_s(
+            row.model, row.cluster, deployment(row), row.batch * row.prompt_len)
+    elif m == "e2e_s" and row.in_mape:
+        value = sum(static_batch(row))
+    elif m == "e2e_s":
+        value = est.e2e_p50_s
+    elif m == "output_tok_s":
+        value = row.batch * row.output_len / sum(static_batch(row))
+    elif m == "decode_tok_s":
+        value = row.batch / mean_step(row)
+    elif m == "tpot_s":
+        value = mean_step(row)
+    elif m == "max_qps":
+        value = est.max_qps
+    else:  # memory_gb
+        value = float(sum(est.memory_gb.values()))
+    return {"predicted": None if value is None else float(value), "feasible": bool(est.feasible),
+            "reasons": list(est.reasons or []), "estimate_ttft_s": est.ttft_s, "estimate_tpot_s": est.tpot_s}
+
+
+def compare(rows: Sequence[Row]) -> dict[str, Any]:
+    out = []
+    for r in rows:
+        p = predict(r)
+        err = None if p["predicted"] is None else p["predicted"] / r.value - 1.0
+        out.append({"id": r.id, "source": r.source, "where": r.where, "engine": r.engine, "model": r.model_name,
+                    "gpus": r.cluster.spec, "tp": r.tp, "weights": r.weight_precision, "kv": r.kv_precision,
+                    "prompt_len": r.prompt_len, "output_len": r.output_len, "batch": r.batch, "metric": r.metric,
+                    "published": r.value, **p, "error": err, "in_mape": r.in_mape})
+    mape: dict[str, dict[str, float]] = {}
+    for m in METRICS:
+        errs = [abs(x["error"]) for x in out if x["metric"] == m and x["in_mape"] and x["error"] is not None]
+        if errs:
+            mape[m] = {"rows": len(errs), "mape": sum(errs) / len(errs)}
+    every = [abs(x["error"]) for x in out if x["in_mape"] and x["error"] is not None]
+    if every:
+        mape["all"] = {"rows": len(every), "mape": sum(every) / len(every)}
+    return {"rows": out, "mape": mape}
+
+
+def _fmt(metric: str, v: float | None) -> str:
+    if v is None:
+        return "-"
+    if metric.endswith("_s"):
+        return f"{v * 1e3:.1f} ms"
+    if metric == "memory_gb":
+        return f"{v:.1f} GB"
+    return f"{v:,.1f}" if v < 100 else f"{v:,.0f}"
+
+
+def table(result: dict[str, Any]) -> str:
+    head = f"{'id':<4} {'model':<13} {'gpus':<12} {'tp':>2} {'w/kv':<9} {'in/out':>10} {'batch':>5} " \
+           f"{'metric':<12} {'published':>11} {'predicted':>11} {'error':>8}  note"
+    lines = [head, "-" * len(head)]
+    for x in result["rows"]:
+        err = "-" if x["error"] is None else f"{x['error']:+.0%}"
+        note = [] if x["in_mape"] else ["not in MAPE"]
+        if not x["feasible"]:
+            note.append("infeasible: " + "; ".join(x["reasons"])[:60])
+        lines.append(f"{x['id']:<4} {x['model']:<13} {x['gpus']:<12} {x['tp']:>2} {x['weights'] + '/' + x['kv']:<9} "
+                     f"{str(x['prompt_len']) + '/' + str(x['output_len']):>10} {x['batch']:>5} {x['metric']:<12} "
+                     f"{_fmt(x['metric'], x['published']):>11} {_fmt(x['metric'], x['predicted']):>11} {err:>8}  "
+                     f"{', '.join(note)}")
+    lines.append("")
+    lines.append("MAPE by metric (rows marked in_mape): " + ", ".join(
+        f"{m} {v['mape']:.0%} ({v['rows']})" for m, v in result["mape"].items()))
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    ap.add_argument("--rows", default="", help="comma-separated row ids (default: all)")
+    ap.add_argument("--data", default=str(DATA), help="rows file (default: %(default)s)")
+    args = ap.parse_args(argv)
+    try:
+        rows = load_rows(Path(args.data), [s.strip() for s in args.rows.split(",") if s.strip()] or None)
+    except SpecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, json.JSONDecodeError) as exc:
+        print(f"error: --data: cannot read {args.data}: {exc}", file=sys.stderr)
+        return 2
+    result = compare(rows)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(table(result))
+    atomic_write_json(OUT, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

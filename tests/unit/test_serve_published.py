@@ -1,0 +1,83 @@
+"""benchmarks/serve_published_rows.json: every published serving figure carries its source, a GPU
+the profiles know, a known metric and positive settings; the model shapes reproduce the published
+parameter counts; a malformed row is refused with one line, not a traceback."""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner.errors import SpecError
+from planner.specs import find_device
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "benchmarks" / "serve_published_rows.json"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("serve_published", ROOT / "benchmarks" / "serve_published.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["serve_published"] = mod  # dataclasses resolve their module by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+sp = _bench()
+RAW = json.loads(DATA.read_text())
+KNOWN_METRICS = {"ttft_s", "e2e_s", "tpot_s", "output_tok_s", "decode_tok_s", "max_qps", "memory_gb"}
+
+
+def test_every_row_has_a_source_a_known_gpu_a_known_metric_and_positive_values():
+    rows = RAW["rows"]
+    assert 8 <= len(rows) <= 20
+    assert len({r["id"] for r in rows}) == len(rows)
+    for r in rows:
+        assert r["source"] in RAW["sources"] and RAW["sources"][r["source"]].strip(), r["id"]
+        assert r["where"].strip() and isinstance(r["assumptions"], list), r["id"]
+        find_device(r["gpu"])  # raises SpecError for a GPU without a profile
+        assert r["metric"] in KNOWN_METRICS, r["id"]
+        assert r["value"] > 0, r["id"]
+        for key in ("gpus", "tp", "prompt_len", "output_len", "batch"):
+            assert isinstance(r[key], int) and r[key] >= 1, (r["id"], key)
+        assert r["gpus"] % r["tp"] == 0
+    assert set(sp.METRICS) == KNOWN_METRICS
+    # both GPU generations the issue names, and rows that enter the error summary
+    assert {find_device(r["gpu"])[0].name for r in rows} >= {"A100-80GB", "H100-SXM"}
+    assert sum(r["in_mape"] for r in rows) >= 8
+
+
+def test_rows_load_with_their_models_and_clusters():
+    rows = {r.id: r for r in sp.load_rows()}
+    assert len(rows) == len(RAW["rows"])
+    # TensorRT-LLM's A100 FP16 first-token latency, LLaMA 7B, input 2048: 133 ms
+    t2 = rows["T2"]
+    assert (t2.prompt_len, t2.output_len, t2.batch, t2.tp, t2.metric, t2.value) == (2048, 1, 1, 1, "ttft_s", 0.133)
+    assert t2.cluster.world_size == 1 and t2.cluster.device.name == "A100-80GB"
+    assert rows["N3"].cluster.world_size == 2 and rows["N3"].tp == 2
+
+
+def test_model_shapes_reproduce_the_published_parameter_counts():
+    rows = {r.id: r for r in sp.load_rows()}
+    # Llama-2-7B: 32 x (4 h^2 + 3 h 11008 + 2 h) + 2 x 32000 h + h, h = 4096
+    h = 4096
+    assert rows["T1"].model.params == 32 * (4 * h * h + 3 * h * 11008 + 2 * h) + 2 * 32000 * h + h == 6_738_415_616
+    # Llama-3.1-8B: GQA, 8 KV heads of 128: q and o h^2 each, k and v h x 1024 each
+    assert rows["V1"].model.params == 32 * (2 * h * h + 2 * h * 1024 + 3 * h * 14336 + 2 * h) + 2 * 128256 * h + h \
+        == 8_030_261_248
+    assert rows["V1"].model.kv_heads == 8
+
+
+@pytest.mark.parametrize("field,value", [("metric", "qps"), ("gpu", "A200"), ("value", 0), ("batch", 0),
+                                         ("source", "blog"), ("weight_precision", "fp8")])
+def test_a_malformed_row_is_refused_with_a_spec_error(tmp_path, field, value):
+    data = copy.deepcopy(RAW)
+    data["rows"][0][field] = value
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(SpecError):
+        sp.load_rows(path)
+    assert sp.main(["--data", str(path)]) == 2
