@@ -13,7 +13,7 @@ a Workload, and predicts the row's metric the way the source measured it:
     decode_tok_s  batch / decode_step_time_s at the mean context  (decode phase alone)
     tpot_s        decode_step_time_s at the mean context
     max_qps       estimate_serving(...).max_qps                   (queueing simulation)
-    memory_gb     sum of estimate_serving(...).memory_gb           (per GPU)
+    memory_gb     estimate_serving(...).memory_gb['total']        (per GPU)
 
 A decode step's context is the KV tokens the batch holds: batch x (prompt + tokens so far).
 estimate_serving is also called for every row: an infeasible deployment is flagged. Error =
@@ -177,8 +177,10 @@ def predict(row: Row) -> dict[str, Any]:
         value = mean_step(row)
     elif m == "max_qps":
         value = est.max_qps
-    else:  # memory_gb
-        value = float(sum(est.memory_gb.values()))
+    else:  # memory_gb: the estimate's per-GPU total (weights + KV cache + activations + runtime)
+        mem = est.memory_gb
+        value = float(mem["total"] if "total" in mem else
+                      sum(mem.get(k, 0.0) for k in ("weights", "kv_cache", "activations", "runtime")))
     return {"predicted": None if value is None else float(value), "feasible": bool(est.feasible),
             "reasons": list(est.reasons or []), "estimate_ttft_s": est.ttft_s, "estimate_tpot_s": est.tpot_s}
 
