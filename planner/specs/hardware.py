@@ -96,6 +96,9 @@ class DeviceProfile:
     """Where each number came from (field path -> citation or measurement)."""
     measured: Mapping[str, Any] = field(default_factory=dict)
     """Raw measurements of a profiled machine (empty for built-in profiles)."""
+    fp8: bool = False
+    """Hardware FP8 (E4M3/E5M2) tensor cores: Ada (SM 8.9) and Hopper (SM 9.0) yes, Ampere and
+    older no. Serving (planner/serve) offers an fp8 KV cache only where this is true."""
     path: str = ""
 
     @property
@@ -197,6 +200,9 @@ def profile_from_dict(data: Any, path: str = "") -> DeviceProfile:
         raise ProfileError("host", "must map cpu_memory_gb, pcie_gbps, cpu_adam_gparams, nvme_gbps to numbers",
                            "see profiles/A100-80GB.json")
     host = Host(**raw_host)
+    fp8 = data.get("fp8", False)
+    if not isinstance(fp8, bool):
+        raise ProfileError("fp8", f"must be true or false, got {fp8!r}", "true only for GPUs with FP8 tensor cores")
     gpn = _need(data, "gpus_per_node", "", int)
     if gpn <= 0:
         raise ProfileError("gpus_per_node", f"must be positive, got {gpn}", "fix the profile file")
@@ -208,7 +214,7 @@ def profile_from_dict(data: Any, path: str = "") -> DeviceProfile:
         gemm_efficiency=points, gemm_efficiency_by_precision=curves, gpus_per_node=gpn,
         intra_node=links["intra_node"], inter_node=links["inter_node"],
         factors={k: float(v) for k, v in factors.items()}, host=host,
-        sources=dict(data.get("sources", {})), measured=dict(data.get("measured", {})), path=path)
+        sources=dict(data.get("sources", {})), measured=dict(data.get("measured", {})), fp8=fp8, path=path)
 
 
 def load_profile(path: str | Path) -> DeviceProfile:

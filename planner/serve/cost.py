@@ -1,0 +1,342 @@
+"""The serving cost model: prefill, decode steps, KV cache and memory of a vLLM-style engine.
+
+Sources (cited where used):
+- [PA]  Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving with
+        PagedAttention" (vLLM; SOSP 2023, arXiv 2309.06180): the KV cache in blocks of
+        block_size tokens, filled from what is left of gpu_memory_utilization x memory after
+        the weights and the activations of a profiling forward; continuous batching.
+- [P22] Pope et al. 2022, "Efficiently Scaling Transformer Inference" (arXiv 2211.05102):
+        decode is memory-bound at small batch (every weight and the whole KV cache read once
+        per step), compute-bound (2 x params FLOPs per token) at large batch; prefill is
+        compute-bound; KV bytes per token 2 x layers x kv_heads x head_dim x bytes (multi-query
+        heads shrink it, sec. 3.3); Megatron TP costs two all-reduces of the activations per
+        layer (sec. 3.2).
+- [SA]  Agrawal et al. 2023, "SARATHI: Efficient LLM Inference by Piggybacking Decodes with
+        Chunked Prefills" (arXiv 2308.16369): a prompt prefilled in chunks, each chunk's
+        queries attending to the chunks before it.
+Every time is the factor-free term (`*_terms`) combined with four named serving factors of the
+device profile (SERVE_DEFAULTS), fitted by planner/serve/calibrate.py from measured runs:
+    time = max(compute x prefill_compute_scale, memory / decode_bw_efficiency)
+           + comm x serve_comm_scale + serve_step_overhead_s
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from planner.cost.comm import allgather_time, allreduce_time
+from planner.cost.compute import block_gemms
+from planner.cost.factors import factor as train_factor
+from planner.errors import SpecError
+from planner.serve.spec import KV_BYTES, WEIGHT_BYTES, Deployment, ServeEstimate, Target, Workload
+from planner.specs.hardware import ClusterSpec
+from planner.specs.model import ModelSpec
+
+GB = 1e9
+GPU_MEMORY_UTILIZATION = 0.9
+"""vLLM's --gpu-memory-utilization default: the share of device memory the engine may fill [PA]."""
+ACT_BYTES = 2.0
+"""Activations and all-reduced tensors in bf16/fp16 (weight-only quantization keeps them so)."""
+LOGIT_BYTES = 4.0
+"""vLLM's sampler upcasts the sampled rows' logits to fp32."""
+
+SERVE_DEFAULTS: dict[str, float] = {
+    "prefill_compute_scale": 1.0,
+    # multiplier on GEMM and attention time at the profile's gemm_efficiency curve (prefill and
+    # the decode compute floor)
+    "decode_bw_efficiency": 0.8,
+    # share of hbm_bandwidth_gbps that the weight and KV reads reach (assumed 0.8 until fitted:
+    # memory-bound kernels typically reach 70-90% of the datasheet bandwidth)
+    "serve_comm_scale": 1.0,
+    # multiplier on the TP all-reduce / logits all-gather time at the link's busbw and latency
+    "serve_step_overhead_s": 0.0,
+    # fixed seconds per engine step: scheduling, sampling, kernel launches, host sync
+}
+
+
+def serve_factor(cluster: ClusterSpec, name: str) -> float:
+    """The profile's fitted value of a serving factor, or its default."""
+    return float(cluster.device.factors.get(name, SERVE_DEFAULTS[name]))
+
+
+def serve_factors(cluster: ClusterSpec) -> dict[str, float]:
+    return {k: serve_factor(cluster, k) for k in SERVE_DEFAULTS}
+
+
+# --- sizes -------------------------------------------------------------------------------
+def linear_weights(model: ModelSpec) -> int:
+    """Weights of one block's matrices (QKV, attention output, FFN in and out): the ones
+    weight-only int8/int4 quantizes."""
+    h, q, kv, f, k = model.hidden, model.q_size, model.kv_size, model.ffn_hidden, model.ffn_in_matrices
+    return h * (q + 2 * kv) + q * h + k * h * f + f * h
+
+
+def weight_bytes(model: ModelSpec, dep: Deployment) -> float:
+    """Bytes of the whole model: block matrices at the weight precision (with group scales),
+    everything else (embedding, output layer, biases, norms) in bf16."""
+    quant = model.layers * linear_weights(model)
+    return quant * WEIGHT_BYTES[dep.weight_precision] + (model.params - quant) * 2.0
+
+
+def weight_read_bytes(model: ModelSpec, dep: Deployment) -> float:
+    """Bytes one forward reads: every weight but the input embedding table, of which only the
+    looked-up rows are touched (a tied embedding is read whole, as the output layer)."""
+    skip = model.embedding_params if not model.tied_embeddings else model.embedding_params - model.vocab * model.hidden
+    return weight_bytes(model, dep) - skip * 2.0
+
+
+def kv_heads_per_rank(model: ModelSpec, tp: int) -> int:
+    """KV heads one TP rank holds: vLLM splits them, and replicates them when tp exceeds
+    their count (each rank keeps at least one)."""
+    return math.ceil(model.kv_heads / tp)
+
+
+def kv_bytes_per_token(model: ModelSpec, dep: Deployment) -> float:
+    """KV-cache bytes of one token, whole model [P22 sec. 3.3]: 2 (K and V) x layers x kv_heads
+    x head_dim x bytes at the KV precision. Grouped-query heads (kv_groups) shrink it."""
+    return 2.0 * model.layers * model.kv_heads * model.dim_per_head * KV_BYTES[dep.kv_precision]
+
+
+def kv_bytes_per_token_rank(model: ModelSpec, dep: Deployment) -> float:
+    """KV-cache bytes of one token on one TP rank (kv_heads_per_rank of them)."""
+    return 2.0 * model.layers * kv_heads_per_rank(model, dep.tp) * model.dim_per_head * KV_BYTES[dep.kv_precision]
+
+
+def _precision(cluster: ClusterSpec) -> str:
+    return "bf16" if cluster.device.supports("bf16") else "fp16"
+
+
+def _slowdown(cluster: ClusterSpec, dep: Deployment) -> float:
+    """CPU 'devices' share the host's cores: a profile measured with gpus_per_node processes runs
+    dep.gpus processes that much slower (planner/cost/factors.py oversubscription). GPUs: 1."""
+    dev = cluster.device
+    if dev.kind != "cpu":
+        return 1.0
+    return max(1.0, min(dep.gpus, cluster.world_size) / dev.gpus_per_node)
+
+
+def _gemm_s(cluster: ClusterSpec, flops: float, one_gemm: float) -> float:
+    """Seconds of `flops` at peak x the efficiency of a GEMM of `one_gemm` FLOPs."""
+    dev = cluster.device
+    prec = _precision(cluster)
+    return flops / (dev.peak_flops(prec) * dev.gemm_eff(one_gemm, prec))
+
+
+def _tp_comm_s(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, tokens: int, sampled: int) -> float:
+    """TP traffic of one forward of `tokens` tokens [P22 sec. 3.2; Megatron]: two all-reduces of
+    tokens x hidden activations per layer, and the all-gather of the vocab-parallel logits of
+    the `sampled` rows; on the intra-node link (TP stays in a node). 0 at tp 1."""
+    t = dep.tp
+    if t == 1:
+        return 0.0
+    link = cluster.intra_node
+    bw, lat = link.busbw_gbps * 1e9, link.latency_us * 1e-6
+    ar = allreduce_time(tokens * model.hidden * ACT_BYTES, t, bw, lat, 1.0)
+    ag = allgather_time(sampled * model.padded_vocab(t) * ACT_BYTES, t, bw, lat, 1.0)
+    return 2 * model.layers * ar + ag
+
+
+def _hbm(cluster: ClusterSpec) -> float:
+    return cluster.device.hbm_bandwidth_gbps * 1e9
+
+
+# --- times --------------------------------------------------------------------------------
+def prefill_terms(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, tokens: int,
+                  context: int = 0) -> dict[str, float]:
+    """Factor-free seconds of one prefill step of `tokens` prompt tokens of one sequence whose
+    first `context` tokens are already cached (a later chunk [SA]), on one TP rank:
+    compute: the block GEMMs (2 x tokens x weights / tp, compute.block_gemms), attention
+    QK^T and AV (2 x 2 x tokens x (context + tokens) x q_size / tp per layer, no causal halving,
+    as planner/cost/compute.py), and the output layer for the last token only (vLLM computes
+    logits of the sampled rows); memory: the weight read floor [P22] (weights / tp at
+    hbm_bandwidth); comm: _tp_comm_s."""
+    if tokens < 1 or context < 0:
+        raise SpecError("prefill", f"needs tokens >= 1 and context >= 0, got {tokens}, {context}", "")
+    t, k = dep.tp, _slowdown(cluster, dep)
+    gemms, _ = block_gemms(model, tokens, 1, t)
+    per_layer = sum(_gemm_s(cluster, g, g) for g in gemms)
+    keys = context + tokens
+    core = 4.0 * tokens * keys * model.q_size / t
+    per_layer += _gemm_s(cluster, core, 2.0 * tokens * keys * model.dim_per_head)
+    logits = 2.0 * model.hidden * model.padded_vocab(t) / t
+    compute = (model.layers * per_layer + _gemm_s(cluster, logits, logits)) * k
+    memory = weight_read_bytes(model, dep) / t / _hbm(cluster) * k
+    return {"compute_s": compute, "memory_s": memory, "comm_s": _tp_comm_s(model, cluster, dep, tokens, 1)}
+
+
+def decode_terms(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, batch: int,
+                 context_tokens: int) -> dict[str, float]:
+    """Factor-free seconds of one decode step of `batch` sequences attending to
+    `context_tokens` tokens in all (the sum over the batch of each one's cached tokens plus the
+    new one), on one TP rank [P22]: memory: every weight read once plus the KV cache of every
+    sequence (context_tokens x kv_bytes_per_token_rank) at hbm_bandwidth; compute floor: the
+    block GEMMs for `batch` tokens (2 x batch x weights / tp), attention (2 x 2 x
+    context_tokens x q_size / tp per layer) and the output layer (2 x batch x hidden x V / tp);
+    comm: _tp_comm_s for `batch` tokens."""
+    if batch < 1 or context_tokens < batch:
+        raise SpecError("decode", f"needs batch >= 1 and context_tokens >= batch, got {batch}, {context_tokens}", "")
+    t, k = dep.tp, _slowdown(cluster, dep)
+    gemms, _ = block_gemms(model, 1, batch, t)
+    per_layer = sum(_gemm_s(cluster, g, g) for g in gemms)
+    core = 4.0 * context_tokens * model.q_size / t
+    per_layer += _gemm_s(cluster, core, 2.0 * model.dim_per_head * context_tokens / batch)
+    logits = 2.0 * batch * model.hidden * model.padded_vocab(t) / t
+    compute = (model.layers * per_layer + _gemm_s(cluster, logits, logits)) * k
+    read = weight_read_bytes(model, dep) / t + context_tokens * kv_bytes_per_token_rank(model, dep)
+    memory = read / _hbm(cluster) * k
+    return {"compute_s": compute, "memory_s": memory, "comm_s": _tp_comm_s(model, cluster, dep, batch, batch)}
+
+
+def combine(terms: dict[str, float], f: dict[str, float]) -> float:
+    """Step seconds from factor-free terms and the serving factors (module docstring)."""
+    return (max(terms["compute_s"] * f["prefill_compute_scale"], terms["memory_s"] / f["decode_bw_efficiency"])
+            + terms["comm_s"] * f["serve_comm_scale"] + f["serve_step_overhead_s"])
+
+
+def prefill_time_s(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, tokens: int, context: int = 0) -> float:
+    """Seconds of one prefill step (one engine step, overhead included)."""
+    return combine(prefill_terms(model, cluster, dep, tokens, context), serve_factors(cluster))
+
+
+def decode_step_time_s(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, batch: int,
+                       context_tokens: int) -> float:
+    """Seconds of one decode step of the running batch (one engine step, overhead included)."""
+    return combine(decode_terms(model, cluster, dep, batch, context_tokens), serve_factors(cluster))
+
+
+def prompt_time_s(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, prompt: int) -> float:
+    """Seconds to prefill a whole prompt alone: one step, or ceil(prompt / chunk) chunked steps."""
+    c = dep.prefill_chunk or prompt
+    return sum(prefill_time_s(model, cluster, dep, min(c, prompt - s), s) for s in range(0, prompt, c))
+
+
+def step_fns(model: ModelSpec, cluster: ClusterSpec, dep: Deployment) -> tuple[Callable[[int, int], float],
+                                                                               Callable[[int, int], float]]:
+    """(prefill(tokens, context), decode(batch, context_tokens)) for the simulation, memoised:
+    decode is linear in context_tokens inside each term, so only its batch parts are cached."""
+    f = serve_factors(cluster)
+    pre: dict[tuple[int, int], float] = {}
+    parts: dict[int, tuple[float, float, float]] = {}
+    one = decode_terms(model, cluster, dep, 1, 1)
+    two = decode_terms(model, cluster, dep, 1, 2)
+    mem_per_ctx = two["memory_s"] - one["memory_s"]
+
+    def prefill(tokens: int, context: int) -> float:
+        key = (tokens, context)
+        if key not in pre:
+            pre[key] = combine(prefill_terms(model, cluster, dep, tokens, context), f)
+        return pre[key]
+
+    def decode(batch: int, context_tokens: int) -> float:
+        if batch not in parts:
+            d = decode_terms(model, cluster, dep, batch, batch)
+            parts[batch] = (d["memory_s"] - batch * mem_per_ctx, d["compute_s"], d["comm_s"])
+        mem0, comp, comm = parts[batch]
+        if context_tokens > 4 * batch and comp * f["prefill_compute_scale"] > 0.5 * (mem0 / f["decode_bw_efficiency"]):
+            # the attention term's GEMM efficiency depends on the context: exact path
+            return combine(decode_terms(model, cluster, dep, batch, context_tokens), f)
+        memory = mem0 + context_tokens * mem_per_ctx
+        return combine({"compute_s": comp, "memory_s": memory, "comm_s": comm}, f)
+    return prefill, decode
+
+
+# --- memory -------------------------------------------------------------------------------
+def serve_memory(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, workload: Workload) -> dict[str, Any]:
+    """Per-GPU memory of one replica's rank, GB, and the paged KV cache it leaves [PA]:
+    weights / tp; activations of the profiling forward vLLM runs before sizing the cache
+    (max_num_batched_tokens = the prefill chunk, or the longest sequence, tokens x (2 x hidden
+    + (k + 1) x ffn_hidden / tp) x 2 bytes: residual, normed input and the FFN's input and
+    activation outputs, its largest live set; plus max_batch rows of fp32 logits / tp);
+    runtime: the profile's memory_overhead_gb (CUDA context, NCCL, CUDA graphs); KV cache: the
+    rest of gpu_memory_utilization (0.9) x capacity, in whole blocks of block_size tokens.
+    batch_limit: sequences of the workload's longest length (Workload.max_total) the cache
+    holds at once, each needing ceil(length / block_size) blocks, capped at max_batch."""
+    t = dep.tp
+    longest = workload.max_total()
+    chunk = dep.prefill_chunk or longest
+    capacity = cluster.memory_bytes * GPU_MEMORY_UTILIZATION
+    weights = weight_bytes(model, dep) / t
+    act = chunk * (2 * model.hidden + (model.ffn_in_matrices + 1) * model.ffn_hidden / t) * ACT_BYTES
+    act += dep.max_batch * model.padded_vocab(t) / t * LOGIT_BYTES
+    runtime = (cluster.memory_headroom if cluster.memory_headroom is not None
+               else train_factor(cluster.device, "memory_overhead_gb")) * GB
+    free = capacity - weights - act - runtime
+    block = dep.block_size * kv_bytes_per_token_rank(model, dep)
+    blocks = max(0, int(free // block))
+    per_seq = math.ceil(longest / dep.block_size)
+    limit = min(dep.max_batch, blocks // per_seq)
+    kv = blocks * block
+    return {"weights": weights / GB, "kv_cache": kv / GB, "activations": act / GB, "runtime": runtime / GB,
+            "total": (weights + kv + act + runtime) / GB, "capacity": capacity / GB,
+            "kv_blocks": blocks, "kv_capacity_tokens": blocks * dep.block_size, "blocks_per_sequence": per_seq,
+            "batch_limit": limit, "fits": free > 0 and limit >= 1, "short_gb": max(0.0, -free) / GB}
+
+
+def deployment_problems(model: ModelSpec, cluster: ClusterSpec, dep: Deployment) -> list[str]:
+    """Why vLLM could not start this deployment on this cluster (empty: it can)."""
+    out = []
+    if dep.gpus > cluster.world_size:
+        out.append(f"needs {dep.gpus} GPUs, the cluster has {cluster.world_size}")
+    if dep.tp > cluster.gpus_per_node:
+        out.append(f"TP {dep.tp} spans nodes ({cluster.gpus_per_node} GPUs per node)")
+    if model.heads % dep.tp:
+        out.append(f"TP {dep.tp} does not divide the {model.heads} attention heads")
+    if model.kv_heads % dep.tp and dep.tp % model.kv_heads:
+        out.append(f"TP {dep.tp} neither divides nor is a multiple of the {model.kv_heads} KV heads")
+    if dep.kv_precision == "fp8" and not cluster.device.fp8:
+        out.append(f"{cluster.device.name} has no FP8 support for an fp8 KV cache")
+    return out
+
+
+def check_workload(model: ModelSpec, workload: Workload) -> None:
+    """Bad input, not an infeasible deployment: the longest request exceeds the model's context."""
+    if workload.max_total() > model.max_seq:
+        extra = "" if workload.prompt_sigma == 0 and workload.output_sigma == 0 else \
+            " (the 99.9th percentile of the length distributions)"
+        raise SpecError("--prompt-len/--output-len",
+                        f"prompt + output = {workload.max_total()} tokens{extra} exceeds {model.name}'s "
+                        f"context of {model.max_seq}",
+                        f"keep prompt + output <= {model.max_seq}")
+
+
+# --- the estimate -------------------------------------------------------------------------
+def estimate_serving(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, workload: Workload, *,
+                     target: Target | None = None, requests: int = 300, seed: int | None = None) -> ServeEstimate:
+    """Memory, unloaded latencies, saturation throughput, QPS at the target and the latency
+    percentiles (planner/serve/queue.py) of one deployment. Infeasible is a value with reasons."""
+    from planner.serve import queue
+    check_workload(model, workload)
+    mem = serve_memory(model, cluster, dep, workload)
+    memory_gb = {k: mem[k] for k in ("weights", "kv_cache", "activations", "runtime", "total", "capacity")}
+    reasons = deployment_problems(model, cluster, dep)
+    if not mem["fits"]:
+        if mem["short_gb"] > 0:
+            reasons.append(f"weights {mem['weights']:.1f} + activations {mem['activations']:.1f} + runtime "
+                           f"{mem['runtime']:.1f} GB exceed the usable {mem['capacity']:.1f} GB by "
+                           f"{mem['short_gb']:.1f} GB")
+        else:
+            reasons.append(f"KV cache of {mem['kv_capacity_tokens']} tokens holds no sequence of "
+                           f"{workload.max_total()} tokens")
+    base = dict(deployment=dep, memory_gb=memory_gb, kv_capacity_tokens=mem["kv_capacity_tokens"],
+                batch_limit=mem["batch_limit"])
+    if reasons:
+        return ServeEstimate(feasible=False, reasons=tuple(reasons), **base)
+    alone_ttft = prompt_time_s(model, cluster, dep, workload.prompt_len)
+    alone_tpot = decode_step_time_s(model, cluster, dep, 1, workload.prompt_len + 1)
+    run = queue.replica_runner(model, cluster, dep, workload, mem, requests=requests, seed=seed)
+    max_qps = queue.saturation_qps(run)
+    qat = queue.qps_at_target(run, target, max_qps) if target is not None else None
+    if target is None:
+        rate = 0.8 * max_qps
+    elif target.kind == "qps":
+        rate = min(target.value, max_qps)
+    else:
+        rate = qat if qat else 0.0
+    stats = run(rate) if rate > 0 else run(max_qps * 1e-3)
+    meets = None if target is None else qat is not None
+    return ServeEstimate(
+        feasible=True, ttft_s=stats["ttft_s"]["mean"], tpot_s=stats["tpot_s"]["mean"],
+        e2e_p50_s=stats["e2e_s"]["p50"], e2e_p99_s=stats["e2e_s"]["p99"], ttft_p50_s=stats["ttft_s"]["p50"],
+        ttft_p99_s=stats["ttft_s"]["p99"], tpot_p50_s=stats["tpot_s"]["p50"], tpot_p99_s=stats["tpot_s"]["p99"],
+        ttft_alone_s=alone_ttft, tpot_alone_s=alone_tpot, rate_qps=stats["rate_qps"], qps_at_target=qat,
+        meets_target=meets, max_qps=max_qps, **base)

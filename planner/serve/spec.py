@@ -1,0 +1,196 @@
+"""Serving value types: the workload, one deployment, a latency/QPS target and the estimate."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from planner.errors import SpecError
+
+WEIGHT_BYTES: dict[str, float] = {
+    # bytes per linear-layer weight, group-wise scales included: GPTQ (Frantar et al. 2022) and
+    # AWQ (Lin et al. 2023) quantize in groups of 128 weights with an fp16 scale per group (AWQ
+    # int4 adds a zero point: counted as a second fp16 per group)
+    "bf16": 2.0,
+    "int8": 1.0 + 2.0 / 128,
+    "int4": 0.5 + 4.0 / 128,
+}
+KV_BYTES: dict[str, float] = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0}
+TARGET_KINDS = ("p50", "p99", "qps")
+LATENCY_METRICS = ("e2e", "ttft", "tpot")
+
+
+def _int(value: Any, name: str, low: int, fix: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise SpecError(name, f"must be an integer >= {low}, got {value!r}", fix)
+
+
+def _num(value: Any, name: str, fix: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise SpecError(name, f"must be a number >= 0, got {value!r}", fix)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Workload:
+    """The requests a deployment serves."""
+
+    prompt_len: int
+    """Median prompt length, tokens."""
+    output_len: int
+    """Median generated tokens per request."""
+    prompt_sigma: float = 0.0
+    """Log-normal sigma of prompt lengths around the median (0: every prompt is prompt_len)."""
+    output_sigma: float = 0.0
+    """Log-normal sigma of output lengths around the median (0: every output is output_len)."""
+    seed: int = 0
+    """Seed of the length and arrival draws."""
+
+    def __post_init__(self) -> None:
+        _int(self.prompt_len, "--prompt-len", 1, "give the prompt length in tokens, e.g. 512")
+        _int(self.output_len, "--output-len", 1, "give the generated tokens per request, e.g. 256")
+        _num(self.prompt_sigma, "--prompt-sigma", "give a log-normal sigma, e.g. 0.5 (0: fixed length)")
+        _num(self.output_sigma, "--output-sigma", "give a log-normal sigma, e.g. 0.5 (0: fixed length)")
+        _int(self.seed, "--seed", 0, "give a seed >= 0")
+
+    def sample(self, n: int, rng: random.Random, max_total: int | None = None) -> list[tuple[int, int]]:
+        """n (prompt, output) lengths: log-normal around the medians (median of exp(mu + sigma Z)
+        is exp(mu)), rounded, at least 1, and clipped so prompt + output <= max_total."""
+        out = []
+        for _ in range(n):
+            p = max(1, round(self.prompt_len * math.exp(self.prompt_sigma * rng.gauss(0.0, 1.0)))) \
+                if self.prompt_sigma > 0 else self.prompt_len
+            o = max(1, round(self.output_len * math.exp(self.output_sigma * rng.gauss(0.0, 1.0)))) \
+                if self.output_sigma > 0 else self.output_len
+            if max_total is not None and p + o > max_total:
+                p = max(1, min(p, max_total - 1))
+                o = max(1, max_total - p)
+            out.append((p, o))
+        return out
+
+    def max_total(self) -> int:
+        """Longest prompt + output the deployment must hold: the medians when sigma is 0, else
+        the 99.9th percentile of each (z = 3.09)."""
+        p = self.prompt_len * math.exp(3.09 * self.prompt_sigma)
+        o = self.output_len * math.exp(3.09 * self.output_sigma)
+        return int(math.ceil(p) + math.ceil(o))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Deployment:
+    """One way to serve the model: vLLM's engine settings on tp x replicas GPUs."""
+
+    tp: int = 1
+    """Tensor-parallel degree of one replica (vLLM --tensor-parallel-size)."""
+    replicas: int = 1
+    """Independent engines behind a load balancer; each gets 1/replicas of the traffic."""
+    max_batch: int = 1
+    """Most sequences decoded together (vLLM --max-num-seqs)."""
+    weight_precision: str = "bf16"
+    """bf16, or weight-only int8 / int4 (activations stay bf16)."""
+    kv_precision: str = "bf16"
+    """KV-cache element type: bf16, fp8 (vLLM --kv-cache-dtype fp8) or int8."""
+    prefill_chunk: int = 0
+    """Prompt tokens per prefill step (vLLM chunked prefill, --max-num-batched-tokens); 0 = whole prompt."""
+    block_size: int = 16
+    """Tokens per paged KV block (vLLM --block-size, default 16)."""
+
+    def __post_init__(self) -> None:
+        _int(self.tp, "deployment.tp", 1, "use a tensor-parallel degree >= 1")
+        _int(self.replicas, "deployment.replicas", 1, "use at least one replica")
+        _int(self.max_batch, "--max-batch", 1, "use a batch of at least 1 sequence")
+        _int(self.prefill_chunk, "--prefill-chunk", 0, "use 0 (whole prompt) or a token count")
+        _int(self.block_size, "deployment.block_size", 1, "use vLLM's 16")
+        if self.weight_precision not in WEIGHT_BYTES:
+            raise SpecError("--weight-precision", f"unknown {self.weight_precision!r}",
+                            f"use one of {', '.join(WEIGHT_BYTES)}")
+        if self.kv_precision not in KV_BYTES:
+            raise SpecError("--kv-precision", f"unknown {self.kv_precision!r}", f"use one of {', '.join(KV_BYTES)}")
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.replicas
+
+    def describe(self) -> str:
+        chunk = f"chunk {self.prefill_chunk}" if self.prefill_chunk else "whole prefill"
+        return (f"TP{self.tp} x {self.replicas} replica(s), batch {self.max_batch}, weights {self.weight_precision}, "
+                f"KV {self.kv_precision}, {chunk}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Target:
+    """What the deployment must meet: a latency percentile (kind p50 or p99, `value` seconds of
+    `metric`) or a throughput (kind qps, `value` requests/s)."""
+
+    kind: str
+    value: float
+    metric: str = "e2e"
+    """e2e (request latency), ttft (time to first token) or tpot (time per output token)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in TARGET_KINDS:
+            raise SpecError("target", f"unknown kind {self.kind!r}", f"use one of {', '.join(TARGET_KINDS)}")
+        if isinstance(self.value, bool) or not isinstance(self.value, (int, float)) \
+                or not math.isfinite(self.value) or self.value <= 0:
+            flag = "--target-qps" if self.kind == "qps" else f"--target-{self.kind}-ms"
+            raise SpecError(flag, f"must be a positive number, got {self.value!r}", "e.g. 210")
+        if self.metric not in LATENCY_METRICS:
+            raise SpecError("--latency-metric", f"unknown {self.metric!r}", f"use one of {', '.join(LATENCY_METRICS)}")
+
+    def describe(self) -> str:
+        if self.kind == "qps":
+            return f"{self.value:g} QPS"
+        return f"{self.metric} {self.kind} <= {self.value * 1e3:g} ms"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServeEstimate:
+    """The predicted behaviour of one deployment. Latencies are per request, seconds; the
+    percentiles come from the queueing simulation at `rate_qps` (the QPS at the target, or 80%
+    of max_qps without one); ttft_s/tpot_s are the means there, *_alone_s one request alone."""
+
+    deployment: Deployment
+    feasible: bool
+    reasons: tuple[str, ...] = ()
+    ttft_s: float = math.nan
+    tpot_s: float = math.nan
+    e2e_p50_s: float = math.nan
+    e2e_p99_s: float = math.nan
+    ttft_p50_s: float = math.nan
+    ttft_p99_s: float = math.nan
+    tpot_p50_s: float = math.nan
+    tpot_p99_s: float = math.nan
+    ttft_alone_s: float = math.nan
+    tpot_alone_s: float = math.nan
+    rate_qps: float = 0.0
+    """Arrival rate (all replicas) the percentiles were simulated at."""
+    qps_at_target: float | None = None
+    """Highest arrival rate (all replicas) that meets the target; None without a target."""
+    meets_target: bool | None = None
+    max_qps: float = 0.0
+    """Saturation throughput of all replicas, requests/s."""
+    memory_gb: dict[str, float] = field(default_factory=dict)
+    """Per GPU: weights, kv_cache, activations, runtime, total, capacity (usable)."""
+    kv_capacity_tokens: int = 0
+    """Tokens the paged KV cache of one replica holds."""
+    batch_limit: int = 0
+    """Most sequences of the workload's longest length the KV cache holds at once (<= max_batch)."""
+
+    def to_json(self) -> dict[str, Any]:
+        def clean(v: Any) -> Any:
+            return None if isinstance(v, float) and not math.isfinite(v) else v
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["deployment"] = self.deployment.to_dict()
+        out["reasons"] = list(self.reasons)
+        out["memory_gb"] = {k: round(v, 4) for k, v in self.memory_gb.items()}
+        return {k: clean(v) for k, v in out.items()}
