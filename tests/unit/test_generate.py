@@ -1,0 +1,141 @@
+"""Generation on the executor's model: KV cache, continuous batching, load generator, metrics.
+
+The reference for every token is the plain training forward over the whole prefix at each
+step (greedy_no_cache): the cached path shares only the layers' weights with it."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from planner.errors import SpecError
+from planner.specs import preset, scale
+
+torch = pytest.importorskip("torch")
+
+from planner.executor.generate import (CachedForward, Engine, KVCache, Request, build_model,  # noqa: E402
+                                       greedy_cached, greedy_no_cache)
+from planner.executor.loadgen import make_requests, poisson_arrivals, sample_lengths  # noqa: E402
+from planner.executor.parallel.groups import TPGroup  # noqa: E402
+from planner.executor.serve_run import METRICS_FILE, run_serving, summarise  # noqa: E402
+
+CHATGLM = scale(preset("chatglm3-6b"), "tiny")  # GQA, rotary on half the head, RMSNorm, pre-LN
+GLM10B = scale(preset("glm-10b"), "tiny")  # learned positions, tied embeddings, LayerNorm
+GLM130B = scale(preset("glm-130b"), "tiny")  # DeepNorm (post-LN), multi-head attention
+
+
+def _model(spec):
+    """The seeded model with its QKV weights scaled up: at init (std 0.02) attention is nearly
+    uniform and positions barely matter, so a wrong rotary position could go unnoticed."""
+    model = build_model(spec)
+    with torch.no_grad():
+        for block in model.layers:
+            block.self_attention.query_key_value.weight.mul_(15.0)
+    return model
+
+
+def _prompt(n: int, seed: int, vocab: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("spec", [CHATGLM, GLM10B, GLM130B], ids=lambda s: s.name)
+def test_cached_greedy_equals_full_recompute(spec) -> None:
+    model = _model(spec)
+    prompt = _prompt(11, 3, spec.vocab)
+    want = greedy_no_cache(model, spec, prompt, 10)
+    assert greedy_cached(CachedForward(model, spec), prompt, 10) == want
+    assert len(set(want)) > 1  # not a degenerate constant output
+
+
+def test_cache_holds_only_kv_groups_per_tp_rank() -> None:
+    cache = KVCache(CHATGLM, TPGroup(rank=1, size=2), slots=3, max_len=40, dtype=torch.float32)
+    # chatglm3 tiny: 2 KV groups of 32 dims over TP 2 -> 1 group per rank, not the 4 query heads
+    assert cache.k[0].shape == (3, 40, 1, 32) and len(cache.v) == CHATGLM.layers
+    with pytest.raises(Exception, match="exceed the model's context 256"):
+        KVCache(CHATGLM, TPGroup(), slots=1, max_len=257, dtype=torch.float32)
+
+
+def test_continuous_batching_gives_each_request_its_own_greedy_tokens() -> None:
+    spec = CHATGLM
+    model = _model(spec)
+    lens = [(5, 6), (17, 3), (9, 9), (30, 4), (2, 7)]  # (prompt, output): they leave at different steps
+    reqs = [Request(rid=i, prompt=_prompt(p, 10 + i, spec.vocab), output_len=o) for i, (p, o) in enumerate(lens)]
+    want = {r.rid: greedy_no_cache(model, spec, r.prompt, r.output_len) for r in reqs}
+    engine = Engine(CachedForward(model, spec), max_batch=2, max_len=40)
+    done = engine.run(reqs)
+    assert {r.rid: r.tokens for r in done} == want
+    batches = [s["batch"] for s in engine.decode_steps]
+    assert max(batches) == 2 and 1 in batches  # slots were shared, and freed slots refilled
+    assert [p["tokens"] for p in engine.prefills] == [5, 17, 9, 30, 2]
+    # every decode step attends over the cached tokens of its batch plus the new one
+    first = engine.decode_steps[0]
+    assert first == {**first, "batch": 2, "context_tokens": (5 + 1) + (17 + 1)}
+
+
+def test_poisson_arrivals_have_the_seeded_rate() -> None:
+    rate, n = 5.0, 4000
+    t = poisson_arrivals(rate, n, seed=7)
+    gaps = np.diff(t)
+    assert t[0] == 0.0 and np.all(gaps >= 0)
+    assert abs(gaps.mean() - 1 / rate) / (1 / rate) < 0.05  # mean gap 0.2 s; 3 sigma = 4.7%
+    assert abs((gaps < 1 / rate).mean() - (1 - math.exp(-1))) < 0.03  # P(gap < mean) = 1 - 1/e = 0.632
+    counts = np.bincount(t.astype(int))[:-1]  # arrivals per whole second
+    assert abs(counts.var() / counts.mean() - 1.0) < 0.2  # Poisson counts: variance = mean
+    assert np.array_equal(t, poisson_arrivals(rate, n, seed=7))
+    assert not np.array_equal(t, poisson_arrivals(rate, n, seed=8))
+
+
+def test_lengths_fixed_without_sigma_and_lognormal_around_the_median() -> None:
+    rng = np.random.default_rng(0)
+    assert sample_lengths(32, 0.0, 3, rng, 255) == [32, 32, 32]
+    draws = sample_lengths(100, 0.5, 4000, rng, 10_000)
+    assert abs(np.median(draws) - 100) < 5
+    assert abs(np.std(np.log(draws)) - 0.5) < 0.03
+    reqs = make_requests({"prompt_len": 20, "output_len": 8, "seed": 1}, 2.0, 4, 0, 1024, 256)
+    assert [(len(r.prompt), r.output_len) for r in reqs] == [(20, 8)] * 4
+    assert all(0 <= tok < 1024 for r in reqs for tok in r.prompt)
+
+
+def test_summarise_pins_hand_computed_figures() -> None:
+    a = Request(rid=0, prompt=[1], output_len=3, arrival_s=0.0, tokens=[1, 2, 3], first_token_s=0.5, finish_s=1.5)
+    b = Request(rid=1, prompt=[1], output_len=5, arrival_s=1.0, tokens=[1, 2, 3, 4, 5], first_token_s=1.2,
+                finish_s=3.0)
+    m = summarise([a, b], 3, [], [])
+    assert m["ttft_s"]["mean"] == pytest.approx(0.35)  # (0.5 + 0.2) / 2
+    assert m["tpot_s"]["mean"] == pytest.approx(0.475)  # (1.0 / 2 + 1.8 / 4) / 2
+    assert m["e2e_s"]["p50"] == pytest.approx(1.75)  # 1.5 and 2.0
+    assert m["achieved_qps"] == pytest.approx(2 / 3.0) and m["requests"] == 2 and m["requests_offered"] == 3
+
+
+def test_run_serving_writes_the_contract_keys(tmp_path) -> None:
+    m = run_serving(CHATGLM, tp=1, max_batch=4, workload={"prompt_len": 16, "output_len": 6, "prompt_sigma": 0.3},
+                    rate_qps=50.0, requests=6, seed=2, timeout_s=30, out_dir=tmp_path)
+    on_disk = json.loads((tmp_path / METRICS_FILE).read_text())
+    assert on_disk == json.loads(json.dumps(m))
+    for key in ("ttft_s", "tpot_s"):
+        assert set(m[key]) == {"mean", "p50", "p99"} and m[key]["p50"] > 0
+    assert {"p50", "p99"} <= set(m["e2e_s"]) and m["achieved_qps"] > 0 and m["requests"] == 6
+    assert m["deployment"]["tp"] == 1 and m["deployment"]["max_batch"] == 4 and m["deployment"]["precision"] == "fp32"
+    assert m["model"] == CHATGLM.to_dict()
+    assert set(m["decode_steps"][0]) == {"batch", "context_tokens", "time_s"}
+    assert set(m["prefills"][0]) == {"tokens", "time_s"} and len(m["prefills"]) == 6
+    assert sum(s["batch"] for s in m["decode_steps"]) == m["output_tokens"] - 6  # the first token comes from prefill
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(tp=3), "--tp"),
+    (dict(workload={"prompt_len": 250, "output_len": 10}), "workload"),
+    (dict(rate_qps=0.0), "--rate"),
+    (dict(max_batch=0), "--max-batch"),
+    (dict(precision="fp16"), "--precision"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, kw, field) -> None:
+    args = dict(tp=1, max_batch=1, workload={"prompt_len": 8, "output_len": 4}, rate_qps=1.0, requests=2,
+                timeout_s=10, out_dir=tmp_path)
+    args.update(kw)
+    with pytest.raises(SpecError) as err:
+        run_serving(CHATGLM, **args)
+    assert err.value.field == field and "\n" not in str(err.value)
+    assert not (tmp_path / METRICS_FILE).exists()
