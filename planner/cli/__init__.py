@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "report": "planner.cli.report:report",
     "export": "planner.cli.export:export",
     "prepare-data": "planner.cli.data:prepare_data",
+    "serve": "planner.cli.serve:serve",
 }
 
 

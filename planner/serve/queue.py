@@ -28,6 +28,8 @@ import numpy as np
 from planner.serve.spec import Target, Workload
 
 StepFn = Callable[[int, int], float]
+SUSTAINABLE = 0.95
+"""Highest share of the saturation throughput a latency target is searched up to."""
 
 
 def _stats(x: list[float]) -> dict[str, float]:
@@ -156,14 +158,15 @@ def qps_at_target(run: Callable[[float], dict[str, Any]], target: Target, max_qp
     """Highest arrival rate (requests/s) meeting `target`, or None when none does.
 
     Latency targets: bisection on (0, max_qps] of the simulated percentile of the target's
-    metric, which grows with the rate (queueing, bigger batches). QPS target: max_qps when it
-    reaches the target (the engine sustains any lower rate)."""
+    metric, which grows with the rate (queueing, bigger batches), up to SUSTAINABLE x max_qps (a
+    finite simulation at the saturation rate itself looks better than the unbounded queue it
+    would build). QPS target: max_qps when it reaches the target."""
     if target.kind == "qps":
         return max_qps if max_qps >= target.value else None
     lo = max_qps * 1e-3
     if metric_value(run(lo), target) > target.value:
         return None
-    hi = max_qps
+    hi = SUSTAINABLE * max_qps
     if metric_value(run(hi), target) <= target.value:
         return hi
     for _ in range(iters):

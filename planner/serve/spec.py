@@ -69,6 +69,10 @@ class Workload:
             out.append((p, o))
         return out
 
+    def max_prompt(self) -> int:
+        """Longest prompt drawn: the median when sigma is 0, else its 99.9th percentile (z = 3.09)."""
+        return int(math.ceil(self.prompt_len * math.exp(3.09 * self.prompt_sigma)))
+
     def max_total(self) -> int:
         """Longest prompt + output the deployment must hold: the medians when sigma is 0, else
         the 99.9th percentile of each (z = 3.09)."""

@@ -1,0 +1,156 @@
+"""`planner serve`: parse -> load specs -> planner.serve.search -> print and write reports/<name>/."""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.table import Table
+
+from planner.cli.common import load_cluster, model_options, load_model
+from planner.cli.search import _command_line, _console
+from planner.errors import SpecError
+from planner.serve.outputs import latency_curve, launch_script, render_report, write_serve_run
+from planner.serve.search import Space, require_target, search_deployments, BATCHES, CHUNKS
+from planner.serve.spec import KV_BYTES, LATENCY_METRICS, WEIGHT_BYTES, ServeEstimate, Target, Workload
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$")
+
+
+def _target(kw: dict[str, Any]) -> Target | None:
+    given = [(k, kw[f"target_{k}"]) for k in ("p50_ms", "p99_ms", "qps") if kw[f"target_{k}"] is not None]
+    if len(given) > 1:
+        raise SpecError("--target-*", f"give one target, got {', '.join('--target-' + k.replace('_', '-') for k, _ in given)}",
+                        "pick one of --target-p50-ms, --target-p99-ms, --target-qps")
+    if not given:
+        return None
+    k, v = given[0]
+    if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+        raise SpecError(f"--target-{k.replace('_', '-')}", f"must be a positive number, got {v}", "e.g. 210")
+    if k == "qps":
+        return Target(kind="qps", value=float(v), metric=kw["latency_metric"])
+    return Target(kind=k[:3], value=float(v) / 1e3, metric=kw["latency_metric"])
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None or not math.isfinite(x) else f"{x * 1e3:,.1f}"
+
+
+def _table(ranked: list[ServeEstimate], top: int) -> Table:
+    t = Table(title="top deployments (per-GPU memory in GB)")
+    for col in ("#", "TPxR", "batch", "weights", "KV", "chunk", "TTFT ms", "TPOT ms", "e2e p50", "e2e p99",
+                "at QPS", "QPS@target", "max QPS", "mem W/KV/act/rt"):
+        t.add_column(col, justify="right")
+    for i, e in enumerate(ranked[:top], 1):
+        d, m = e.deployment, e.memory_gb
+        t.add_row(str(i), f"{d.tp}x{d.replicas}", str(d.max_batch), d.weight_precision, d.kv_precision,
+                  str(d.prefill_chunk or "-"), _ms(e.ttft_s), _ms(e.tpot_s), _ms(e.e2e_p50_s), _ms(e.e2e_p99_s),
+                  f"{e.rate_qps:.2f}", "-" if e.qps_at_target is None else f"{e.qps_at_target:.2f}",
+                  f"{e.max_qps:.2f}",
+                  f"{m['weights']:.1f}/{m['kv_cache']:.1f}/{m['activations']:.2f}/{m['runtime']:.1f}")
+    return t
+
+
+@click.command()
+@model_options
+@click.option("--gpus", required=True, metavar="[NODESx]GPUSxTYPE", help="e.g. 1xA100, 8xH100, 2xcpu.")
+@click.option("--profile", "profile_path", default=None, metavar="PROFILE.JSON",
+              help="A measured or calibrated profile replacing the built-in one.")
+@click.option("--prompt-len", type=int, default=512, show_default=True, help="Median prompt tokens.")
+@click.option("--output-len", type=int, default=256, show_default=True, help="Median generated tokens.")
+@click.option("--prompt-sigma", type=float, default=0.0, show_default=True,
+              help="Log-normal sigma of prompt lengths (0: all equal).")
+@click.option("--output-sigma", type=float, default=0.0, show_default=True,
+              help="Log-normal sigma of output lengths (0: all equal).")
+@click.option("--target-p50-ms", type=float, default=None, help="Median latency target (of --latency-metric), ms.")
+@click.option("--target-p99-ms", type=float, default=None, help="99th-percentile latency target, ms.")
+@click.option("--target-qps", type=float, default=None, help="Throughput target, requests/s over all GPUs.")
+@click.option("--latency-metric", type=click.Choice(list(LATENCY_METRICS)), default="e2e", show_default=True,
+              help="What a latency target bounds: e2e request latency, time to first token, time per output token.")
+@click.option("--tp", type=int, default=None, help="Only this tensor-parallel degree.")
+@click.option("--max-batch", type=int, default=None, help="Only this maximum batch (vLLM --max-num-seqs).")
+@click.option("--weight-precision", type=click.Choice(list(WEIGHT_BYTES)), default=None, help="Only this weight precision.")
+@click.option("--kv-precision", type=click.Choice(list(KV_BYTES)), default=None, help="Only this KV-cache precision.")
+@click.option("--prefill-chunk", type=int, default=None, help="Only this prefill chunk (0: whole prompt).")
+@click.option("--requests", type=click.IntRange(10, 100_000), default=300, show_default=True,
+              help="Requests per queueing simulation.")
+@click.option("--seed", type=click.IntRange(0, 2**31), default=0, show_default=True,
+              help="Seed of arrivals and lengths.")
+@click.option("--top", type=click.IntRange(1, 50), default=5, show_default=True, help="Deployments to show.")
+@click.option("--name", default=None, help="Run directory name (default: serve_<model>_<gpus>).")
+@click.option("--out-dir", default="reports", show_default=True, type=click.Path(file_okay=False),
+              help="Parent of the run directory.")
+@click.pass_context
+def serve(ctx: click.Context, **kw: Any) -> None:
+    """Find how to serve a model on the GPUs (TP x replicas, batch, precisions, prefill chunk) and
+    write serve_plan.json, serve_top.json, vllm_serve.sh and serve_report.html."""
+    command = _command_line(ctx)
+    model = load_model(kw["model_arg"], kw["scale"])
+    cluster = load_cluster(kw["gpus"], kw["profile_path"], None, None, None)
+    workload = Workload(prompt_len=kw["prompt_len"], output_len=kw["output_len"], prompt_sigma=kw["prompt_sigma"],
+                        output_sigma=kw["output_sigma"], seed=kw["seed"])
+    target = _target(kw)
+    space = Space()
+    if kw["tp"] is not None:
+        if kw["tp"] < 1 or cluster.world_size % kw["tp"]:
+            raise SpecError("--tp", f"{kw['tp']} does not divide the {cluster.world_size} GPUs",
+                            "give a divisor of the GPU count")
+        space = Space(tp=(kw["tp"],), max_batch=space.max_batch)
+    if kw["max_batch"] is not None:
+        if kw["max_batch"] < 1:
+            raise SpecError("--max-batch", f"must be >= 1, got {kw['max_batch']}", "e.g. 64")
+        space = Space(tp=space.tp, max_batch=(kw["max_batch"],))
+    if kw["prefill_chunk"] is not None:
+        if kw["prefill_chunk"] < 0:
+            raise SpecError("--prefill-chunk", f"must be >= 0, got {kw['prefill_chunk']}", "0 or e.g. 512")
+        space = Space(tp=space.tp, max_batch=space.max_batch, prefill_chunk=(kw["prefill_chunk"],))
+    kv = space.kv_precision
+    if kw["kv_precision"] is not None:
+        if kw["kv_precision"] == "fp8" and not cluster.device.fp8:
+            raise SpecError("--kv-precision", f"{cluster.device.name} cannot run an fp8 KV cache (no FP8 support; "
+                            "profile field fp8)", "use --kv-precision bf16, or an Ada/Hopper GPU")
+        kv = (kw["kv_precision"],)
+    wp = (kw["weight_precision"],) if kw["weight_precision"] else space.weight_precision
+    space = Space(tp=space.tp, max_batch=space.max_batch, prefill_chunk=space.prefill_chunk,
+                  weight_precision=wp, kv_precision=kv)
+    name = kw["name"] or re.sub(r"[^A-Za-z0-9_.+-]+", "-", f"serve_{model.name}_{kw['gpus']}").strip("-.")[:120]
+    if not _NAME_RE.match(name) or name in (".", ".."):
+        raise SpecError("--name", f"{name!r} is not a plain directory name", "use letters, digits, '.', '_', '+', '-'")
+    out_dir = Path(kw["out_dir"])
+    if out_dir.exists() and not out_dir.is_dir():
+        raise SpecError("--out-dir", f"{out_dir} is not a directory", "give a directory path")
+
+    result = search_deployments(model, cluster, workload, target=target, space=space, requests=kw["requests"],
+                                seed=kw["seed"])
+    require_target(result, target)
+    ranked = [e for e in result.ranked if e.meets_target is not False][:max(kw["top"], 3)]
+    best = ranked[0]
+    script = launch_script(model, kw["model_arg"], best.deployment, workload, best)
+    curves = [(f"#{i} {e.deployment.tp}x{e.deployment.replicas} b{e.deployment.max_batch} "
+               f"{e.deployment.weight_precision}", latency_curve(model, cluster, e, workload, requests=kw["requests"],
+                                                                 seed=kw["seed"]))
+              for i, e in enumerate(ranked[:3], 1)]
+    inputs = {"model": model.to_dict(), "cluster": cluster.to_dict(), "workload": workload.to_dict(),
+              "target": target.to_dict() if target else None, "scale": kw["scale"], "model_arg": kw["model_arg"],
+              "profile": cluster.device.path, "command": command, "requests": kw["requests"]}
+    files = {
+        "serve_plan.json": {"version": 1, "inputs": inputs, "deployment": best.deployment.to_dict(),
+                            "description": best.deployment.describe(), "estimate": best.to_json()},
+        "serve_top.json": {"version": 1, "evaluated": result.evaluated, "infeasible": result.infeasible,
+                           "infeasible_reasons": result.reasons, "top": [e.to_json() for e in ranked],
+                           "curves": {label: pts for label, pts in curves}},
+        "vllm_serve.sh": script,
+        "serve_report.html": render_report(f"{model.name} on {cluster.spec}", workload, target, ranked, curves,
+                                           script, result.evaluated, result.infeasible),
+    }
+    run_dir = out_dir / name
+    written = write_serve_run(run_dir, files)
+    console = _console()
+    console.print(f"{model.name} on {cluster.spec}: prompt {workload.prompt_len}, output {workload.output_len}; "
+                  f"target {target.describe() if target else 'none (ranked by max QPS at 80% load)'}; "
+                  f"{result.evaluated} deployments, {result.infeasible} infeasible")
+    console.print(_table(ranked, kw["top"]))
+    console.print(f"best: {best.deployment.describe()}")
+    console.print(f"wrote {run_dir}/: {', '.join(written)}")

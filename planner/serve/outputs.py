@@ -1,0 +1,153 @@
+"""What `planner serve` writes: serve_plan.json, serve_top.json, vllm_serve.sh, serve_report.html.
+
+Everything is rendered in memory first and each file is written atomically (planner.rundir),
+so a failure never leaves a half-written run directory.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import math
+import shlex
+from pathlib import Path
+from typing import Any
+
+from planner.rundir import atomic_write_json, atomic_write_text
+from planner.serve.cost import GPU_MEMORY_UTILIZATION
+from planner.serve.spec import Deployment, ServeEstimate, Target, Workload
+from planner.specs.hardware import ClusterSpec
+from planner.specs.model import ModelSpec
+
+HF_IDS = {"chatglm-6b": "THUDM/chatglm-6b", "chatglm2-6b": "THUDM/chatglm2-6b", "chatglm3-6b": "THUDM/chatglm3-6b",
+          "glm-4-9b": "THUDM/glm-4-9b-chat", "glm-10b": "THUDM/glm-10b", "glm-130b": "THUDM/glm-130b"}
+# weight-only quantization needs a pre-quantized checkpoint: GPTQ (8 or 4 bit) or AWQ (4 bit)
+QUANT_FLAGS = {"bf16": [], "int8": ["--quantization", "gptq"], "int4": ["--quantization", "awq"]}
+KV_FLAGS = {"bf16": [], "fp8": ["--kv-cache-dtype", "fp8"], "int8": []}
+
+
+def vllm_command(model_id: str, dep: Deployment, workload: Workload, port: int = 8000) -> list[str]:
+    """vLLM's OpenAI server for one replica (flag names: docs.vllm.ai Engine Arguments)."""
+    cmd = ["vllm", "serve", model_id, "--trust-remote-code", "--tensor-parallel-size", str(dep.tp),
+           "--max-num-seqs", str(dep.max_batch), "--max-model-len", str(workload.max_total()),
+           "--block-size", str(dep.block_size), "--gpu-memory-utilization", f"{GPU_MEMORY_UTILIZATION:g}",
+           *KV_FLAGS[dep.kv_precision], *QUANT_FLAGS[dep.weight_precision]]
+    if dep.prefill_chunk:
+        cmd += ["--enable-chunked-prefill", "--max-num-batched-tokens", str(max(dep.prefill_chunk, dep.max_batch))]
+    return cmd + ["--port", str(port)]
+
+
+def launch_script(model: ModelSpec, model_arg: str, dep: Deployment, workload: Workload, est: ServeEstimate) -> str:
+    model_id = HF_IDS.get(model_arg.strip().lower(), model_arg)
+    lines = ["#!/usr/bin/env bash",
+             f"# planner serve: {dep.describe()} for {model.name}",
+             f"# predicted: TTFT {est.ttft_s * 1e3:.0f} ms, TPOT {est.tpot_s * 1e3:.1f} ms, e2e p50 "
+             f"{est.e2e_p50_s * 1e3:.0f} ms / p99 {est.e2e_p99_s * 1e3:.0f} ms at {est.rate_qps:.2f} QPS; "
+             f"saturates at {est.max_qps:.2f} QPS",
+             "# MODEL overrides the checkpoint (a Hugging Face id or a local directory)."]
+    if dep.weight_precision != "bf16":
+        kind = "a GPTQ 8-bit" if dep.weight_precision == "int8" else "an AWQ 4-bit"
+        lines.append(f"# weights {dep.weight_precision}: MODEL must be {kind} checkpoint of the model.")
+    if dep.kv_precision == "int8":
+        lines.append("# KV int8: vLLM has no int8 KV cache (--kv-cache-dtype auto|fp8); this runs it in bf16.")
+    if dep.replicas > 1:
+        lines.append(f"# {dep.replicas} replicas on ports 8000-{8000 + dep.replicas - 1}: put a load balancer in front.")
+    lines += ["set -euo pipefail", f"MODEL=${{MODEL:-{model_id}}}"]
+    for r in range(dep.replicas):
+        gpus = ",".join(str(r * dep.tp + i) for i in range(dep.tp))
+        cmd = vllm_command("MODEL_PLACEHOLDER", dep, workload, 8000 + r)
+        text = shlex.join(cmd).replace("MODEL_PLACEHOLDER", '"$MODEL"')
+        lines.append(f"CUDA_VISIBLE_DEVICES={gpus} {text} &")
+    lines.append("wait")
+    return "\n".join(lines) + "\n"
+
+
+def latency_curve(model: ModelSpec, cluster: ClusterSpec, est: ServeEstimate, workload: Workload, *,
+                  requests: int, seed: int | None, points: int = 8) -> list[dict[str, float]]:
+    """e2e p50/p99 and TTFT p50 at `points` arrival rates up to 95% of the saturation rate."""
+    from planner.serve import queue
+    from planner.serve.cost import serve_memory
+    mem = serve_memory(model, cluster, est.deployment, workload)
+    run = queue.replica_runner(model, cluster, est.deployment, workload, mem, requests=requests, seed=seed)
+    out = []
+    for i in range(1, points + 1):
+        rate = est.max_qps * 0.95 * i / points
+        s = run(rate)
+        out.append({"qps": rate, "e2e_p50_s": s["e2e_s"]["p50"], "e2e_p99_s": s["e2e_s"]["p99"],
+                    "ttft_p50_s": s["ttft_s"]["p50"]})
+    return out
+
+
+def _plot(curves: list[tuple[str, list[dict[str, float]]]], target: Target | None) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=80)
+    for label, pts in curves:
+        line, = ax.plot([p["qps"] for p in pts], [p["e2e_p50_s"] * 1e3 for p in pts], marker="o", label=f"{label} p50")
+        ax.plot([p["qps"] for p in pts], [p["e2e_p99_s"] * 1e3 for p in pts], linestyle="--", color=line.get_color(),
+                label=f"{label} p99")
+    if target is not None and target.kind != "qps" and target.metric == "e2e":
+        ax.axhline(target.value * 1e3, color="red", linewidth=0.8, label="target")
+    if target is not None and target.kind == "qps":
+        ax.axvline(target.value, color="red", linewidth=0.8, label="target")
+    ax.set_xlabel("arrival rate, requests/s")
+    ax.set_ylabel("end-to-end latency, ms")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+_TEMPLATE = """<!doctype html><html><head><meta charset="utf-8"><title>planner serve: {{ title }}</title>
+<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;
+padding:3px 8px;text-align:right}th{background:#eee}td.l{text-align:left}</style></head><body>
+<h1>Serving {{ title }}</h1>
+<p>Workload: prompt {{ w.prompt_len }} tokens, output {{ w.output_len }} tokens (log-normal sigma
+{{ w.prompt_sigma }} / {{ w.output_sigma }}), Poisson arrivals. Target: {{ target }}.
+{{ evaluated }} deployments evaluated, {{ infeasible }} infeasible.</p>
+<table><tr><th>#</th><th>deployment</th><th>TTFT ms</th><th>TPOT ms</th><th>e2e p50 ms</th><th>e2e p99 ms</th>
+<th>at QPS</th><th>QPS at target</th><th>max QPS</th><th>weights GB</th><th>KV GB</th><th>act. GB</th>
+<th>runtime GB</th></tr>
+{% for r in rows %}<tr><td>{{ loop.index }}</td><td class="l">{{ r.desc|e }}</td><td>{{ r.ttft }}</td><td>{{ r.tpot }}</td>
+<td>{{ r.p50 }}</td><td>{{ r.p99 }}</td><td>{{ r.rate }}</td><td>{{ r.qat }}</td><td>{{ r.max }}</td>
+<td>{{ r.w }}</td><td>{{ r.kv }}</td><td>{{ r.act }}</td><td>{{ r.rt }}</td></tr>
+{% endfor %}</table>
+<h2>Latency against load</h2><img alt="latency vs QPS" src="data:image/png;base64,{{ png }}">
+<h2>Launch</h2><pre>{{ script|e }}</pre>
+<p>Model: planner/serve/cost.py (PagedAttention memory, Pope et al. 2022 decode/prefill), simulation:
+planner/serve/queue.py. See docs/serving.md.</p></body></html>
+"""
+
+
+def _row(e: ServeEstimate) -> dict[str, str]:
+    def ms(x: float) -> str:
+        return "-" if x is None or not math.isfinite(x) else f"{x * 1e3:.1f}"
+    m = e.memory_gb
+    return {"desc": e.deployment.describe(), "ttft": ms(e.ttft_s), "tpot": ms(e.tpot_s), "p50": ms(e.e2e_p50_s),
+            "p99": ms(e.e2e_p99_s), "rate": f"{e.rate_qps:.2f}",
+            "qat": "-" if e.qps_at_target is None else f"{e.qps_at_target:.2f}", "max": f"{e.max_qps:.2f}",
+            "w": f"{m['weights']:.2f}", "kv": f"{m['kv_cache']:.2f}", "act": f"{m['activations']:.2f}",
+            "rt": f"{m['runtime']:.2f}"}
+
+
+def render_report(title: str, workload: Workload, target: Target | None, ranked: list[ServeEstimate],
+                  curves: list[tuple[str, list[dict[str, float]]]], script: str, evaluated: int,
+                  infeasible: int) -> str:
+    import jinja2
+    env = jinja2.Environment(autoescape=True)
+    return env.from_string(_TEMPLATE).render(
+        title=title, w=workload, target=target.describe() if target else "none (ranked by max QPS)",
+        rows=[_row(e) for e in ranked], png=_plot(curves, target), script=script, evaluated=evaluated,
+        infeasible=infeasible)
+
+
+def write_serve_run(run_dir: Path, files: dict[str, Any]) -> list[str]:
+    """Write the rendered files (name -> dict for JSON, str for text) atomically, in order."""
+    for name, content in files.items():
+        if isinstance(content, str):
+            atomic_write_text(run_dir / name, content, 0o755 if name.endswith(".sh") else None)
+        else:
+            atomic_write_json(run_dir / name, content)
+    return list(files)
