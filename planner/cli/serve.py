@@ -9,12 +9,12 @@ from typing import Any
 import click
 from rich.table import Table
 
-from planner.cli.common import load_cluster, model_options, load_model
+from planner.cli.common import load_cluster, load_model, model_options
 from planner.cli.search import _command_line, _console
 from planner.errors import SpecError
 from planner.serve.outputs import latency_curve, launch_script, render_report, write_serve_run
-from planner.serve.search import Space, require_target, search_deployments, BATCHES, CHUNKS
-from planner.serve.spec import KV_BYTES, LATENCY_METRICS, WEIGHT_BYTES, ServeEstimate, Target, Workload
+from planner.serve.search import Space, require_target, search_deployments
+from planner.serve.spec import LATENCY_METRICS, SEARCH_KV, SEARCH_WEIGHTS, ServeEstimate, Target, Workload
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$")
 
@@ -71,8 +71,8 @@ def _table(ranked: list[ServeEstimate], top: int) -> Table:
               help="What a latency target bounds: e2e request latency, time to first token, time per output token.")
 @click.option("--tp", type=int, default=None, help="Only this tensor-parallel degree.")
 @click.option("--max-batch", type=int, default=None, help="Only this maximum batch (vLLM --max-num-seqs).")
-@click.option("--weight-precision", type=click.Choice(list(WEIGHT_BYTES)), default=None, help="Only this weight precision.")
-@click.option("--kv-precision", type=click.Choice(list(KV_BYTES)), default=None, help="Only this KV-cache precision.")
+@click.option("--weight-precision", type=click.Choice(list(SEARCH_WEIGHTS)), default=None, help="Only this weight precision.")
+@click.option("--kv-precision", type=click.Choice(list(SEARCH_KV)), default=None, help="Only this KV-cache precision.")
 @click.option("--prefill-chunk", type=int, default=None, help="Only this prefill chunk (0: whole prompt).")
 @click.option("--requests", type=click.IntRange(10, 100_000), default=300, show_default=True,
               help="Requests per queueing simulation.")

@@ -102,7 +102,11 @@ def kv_bytes_per_token_rank(model: ModelSpec, dep: Deployment) -> float:
     return 2.0 * model.layers * kv_heads_per_rank(model, dep.tp) * model.dim_per_head * KV_BYTES[dep.kv_precision]
 
 
-def _precision(cluster: ClusterSpec) -> str:
+def _precision(cluster: ClusterSpec, dep: Deployment) -> str:
+    """GEMMs run in bf16 (fp16 where the device has no bf16); weight-only int8/int4 dequantize
+    to it; an fp32 deployment (the executor's CPU runs) computes in fp32."""
+    if dep.weight_precision == "fp32":
+        return "fp32"
     return "bf16" if cluster.device.supports("bf16") else "fp16"
 
 
@@ -115,10 +119,10 @@ def _slowdown(cluster: ClusterSpec, dep: Deployment) -> float:
     return max(1.0, min(dep.gpus, cluster.world_size) / dev.gpus_per_node)
 
 
-def _gemm_s(cluster: ClusterSpec, flops: float, one_gemm: float) -> float:
+def _gemm_s(cluster: ClusterSpec, dep: Deployment, flops: float, one_gemm: float) -> float:
     """Seconds of `flops` at peak x the efficiency of a GEMM of `one_gemm` FLOPs."""
     dev = cluster.device
-    prec = _precision(cluster)
+    prec = _precision(cluster, dep)
     return flops / (dev.peak_flops(prec) * dev.gemm_eff(one_gemm, prec))
 
 
@@ -131,8 +135,9 @@ def _tp_comm_s(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, tokens: 
         return 0.0
     link = cluster.intra_node
     bw, lat = link.busbw_gbps * 1e9, link.latency_us * 1e-6
-    ar = allreduce_time(tokens * model.hidden * ACT_BYTES, t, bw, lat, 1.0)
-    ag = allgather_time(sampled * model.padded_vocab(t) * ACT_BYTES, t, bw, lat, 1.0)
+    e = 4.0 if dep.weight_precision == "fp32" else ACT_BYTES
+    ar = allreduce_time(tokens * model.hidden * e, t, bw, lat, 1.0)
+    ag = allgather_time(sampled * model.padded_vocab(t) * e, t, bw, lat, 1.0)
     return 2 * model.layers * ar + ag
 
 
@@ -154,12 +159,12 @@ def prefill_terms(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, token
         raise SpecError("prefill", f"needs tokens >= 1 and context >= 0, got {tokens}, {context}", "")
     t, k = dep.tp, _slowdown(cluster, dep)
     gemms, _ = block_gemms(model, tokens, 1, t)
-    per_layer = sum(_gemm_s(cluster, g, g) for g in gemms)
+    per_layer = sum(_gemm_s(cluster, dep, g, g) for g in gemms)
     keys = context + tokens
     core = 4.0 * tokens * keys * model.q_size / t
-    per_layer += _gemm_s(cluster, core, 2.0 * tokens * keys * model.dim_per_head)
+    per_layer += _gemm_s(cluster, dep, core, 2.0 * tokens * keys * model.dim_per_head)
     logits = 2.0 * model.hidden * model.padded_vocab(t) / t
-    compute = (model.layers * per_layer + _gemm_s(cluster, logits, logits)) * k
+    compute = (model.layers * per_layer + _gemm_s(cluster, dep, logits, logits)) * k
     memory = weight_read_bytes(model, dep) / t / _hbm(cluster) * k
     return {"compute_s": compute, "memory_s": memory, "comm_s": _tp_comm_s(model, cluster, dep, tokens, 1)}
 
@@ -177,11 +182,11 @@ def decode_terms(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, batch:
         raise SpecError("decode", f"needs batch >= 1 and context_tokens >= batch, got {batch}, {context_tokens}", "")
     t, k = dep.tp, _slowdown(cluster, dep)
     gemms, _ = block_gemms(model, 1, batch, t)
-    per_layer = sum(_gemm_s(cluster, g, g) for g in gemms)
+    per_layer = sum(_gemm_s(cluster, dep, g, g) for g in gemms)
     core = 4.0 * context_tokens * model.q_size / t
-    per_layer += _gemm_s(cluster, core, 2.0 * model.dim_per_head * context_tokens / batch)
+    per_layer += _gemm_s(cluster, dep, core, 2.0 * model.dim_per_head * context_tokens / batch)
     logits = 2.0 * batch * model.hidden * model.padded_vocab(t) / t
-    compute = (model.layers * per_layer + _gemm_s(cluster, logits, logits)) * k
+    compute = (model.layers * per_layer + _gemm_s(cluster, dep, logits, logits)) * k
     read = weight_read_bytes(model, dep) / t + context_tokens * kv_bytes_per_token_rank(model, dep)
     memory = read / _hbm(cluster) * k
     return {"compute_s": compute, "memory_s": memory, "comm_s": _tp_comm_s(model, cluster, dep, batch, batch)}
@@ -256,7 +261,8 @@ def serve_memory(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, worklo
     chunk = dep.prefill_chunk or longest
     capacity = cluster.memory_bytes * GPU_MEMORY_UTILIZATION
     weights = weight_bytes(model, dep) / t
-    act = chunk * (2 * model.hidden + (model.ffn_in_matrices + 1) * model.ffn_hidden / t) * ACT_BYTES
+    e = 4.0 if dep.weight_precision == "fp32" else ACT_BYTES
+    act = chunk * (2 * model.hidden + (model.ffn_in_matrices + 1) * model.ffn_hidden / t) * e
     act += dep.max_batch * model.padded_vocab(t) / t * LOGIT_BYTES
     runtime = (cluster.memory_headroom if cluster.memory_headroom is not None
                else train_factor(cluster.device, "memory_overhead_gb")) * GB

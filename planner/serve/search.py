@@ -14,7 +14,7 @@ from typing import Any, Iterable
 from planner.errors import SpecError
 from planner.serve.cost import (check_workload, decode_step_time_s, deployment_problems, estimate_serving,
                                 prompt_time_s, serve_memory)
-from planner.serve.spec import KV_BYTES, WEIGHT_BYTES, Deployment, ServeEstimate, Target, Workload
+from planner.serve.spec import SEARCH_WEIGHTS, Deployment, ServeEstimate, Target, Workload
 from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
 
@@ -29,7 +29,7 @@ class Space:
     tp: tuple[int, ...] = ()
     """TP degrees; () = every divisor of the GPU count that fits a node and the heads."""
     max_batch: tuple[int, ...] = BATCHES
-    weight_precision: tuple[str, ...] = tuple(WEIGHT_BYTES)
+    weight_precision: tuple[str, ...] = SEARCH_WEIGHTS
     kv_precision: tuple[str, ...] = ("bf16", "fp8")
     """fp8 only where the device supports it; int8 only when asked for."""
     prefill_chunk: tuple[int, ...] = CHUNKS

@@ -16,8 +16,11 @@ WEIGHT_BYTES: dict[str, float] = {
     "bf16": 2.0,
     "int8": 1.0 + 2.0 / 128,
     "int4": 0.5 + 4.0 / 128,
+    "fp32": 4.0,  # the executor's CPU runs (planner/executor/serve_run.py); never searched
 }
-KV_BYTES: dict[str, float] = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0}
+KV_BYTES: dict[str, float] = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0, "fp32": 4.0}
+SEARCH_WEIGHTS = ("bf16", "int8", "int4")
+SEARCH_KV = ("bf16", "fp8", "int8")
 TARGET_KINDS = ("p50", "p99", "qps")
 LATENCY_METRICS = ("e2e", "ttft", "tpot")
 

@@ -1,0 +1,150 @@
+"""Fit the serving factors (planner/serve/cost.py SERVE_DEFAULTS) to measured serving runs.
+
+Input: serve_metrics.json documents written by planner/executor/serve_run.py (`model`:
+ModelSpec.to_dict(), `deployment`: {tp, max_batch, precision, prefill_chunk}, `decode_steps`:
+[{batch, context_tokens, time_s}], `prefills`: [{tokens, time_s}]). Every measured step is
+
+    time = max(compute x prefill_compute_scale, memory / decode_bw_efficiency)
+           + comm x serve_comm_scale + serve_step_overhead_s
+
+with the factor-free terms from cost.prefill_terms / decode_terms. Once it is known which side
+of each max() binds, that is linear in x = (prefill_compute_scale, 1/decode_bw_efficiency,
+serve_comm_scale, serve_step_overhead_s): a least-squares problem (numpy lstsq) on relative
+errors (each row divided by its measured time). The binding side is taken from the current
+factors and the fit repeated until it no longer changes. A factor no row determines (no TP
+runs: no comm; no compute-bound step) keeps its current value.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from planner.errors import SpecError
+from planner.rundir import atomic_write_json
+from planner.serve.cost import SERVE_DEFAULTS, combine, decode_terms, prefill_terms
+from planner.serve.spec import KV_BYTES, WEIGHT_BYTES, Deployment
+from planner.specs.hardware import DeviceProfile, find_device, parse_cluster, profile_from_dict
+from planner.specs.model import ModelSpec
+
+ORDER = ("prefill_compute_scale", "decode_bw_efficiency", "serve_comm_scale", "serve_step_overhead_s")
+
+
+def _observations(run: dict[str, Any], device: DeviceProfile) -> list[tuple[dict[str, float], float]]:
+    """(factor-free terms, measured seconds) of every step of one serve_metrics.json."""
+    try:
+        model = ModelSpec.from_dict(run["model"])
+        d = run["deployment"]
+        p = d.get("precision", "bf16")
+        dep = Deployment(tp=int(d["tp"]), max_batch=int(d.get("max_batch", 1)),
+                         weight_precision=p if p in WEIGHT_BYTES else "bf16",
+                         kv_precision=p if p in KV_BYTES else "bf16", prefill_chunk=int(d.get("prefill_chunk", 0)))
+        steps, prefills = run.get("decode_steps", []), run.get("prefills", [])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SpecError("serve_metrics.json", f"is missing or has a malformed field ({exc})",
+                        "pass files written by planner.executor.serve_run") from None
+    cluster = parse_cluster(f"{dep.tp}x{device.name}", device)
+    obs = []
+    for s in steps:
+        if s["time_s"] > 0:
+            obs.append((decode_terms(model, cluster, dep, int(s["batch"]), int(s["context_tokens"])), float(s["time_s"])))
+    for s in prefills:
+        if s["time_s"] > 0:
+            obs.append((prefill_terms(model, cluster, dep, int(s["tokens"]), int(s.get("context", 0))),
+                        float(s["time_s"])))
+    return obs
+
+
+def _predict(obs: list[tuple[dict[str, float], float]], f: dict[str, float]) -> list[float]:
+    return [combine(t, f) for t, _ in obs]
+
+
+def _mape(pred: list[float], meas: list[float]) -> float:
+    return 100.0 * float(np.mean([abs(p - m) / m for p, m in zip(pred, meas)])) if meas else math.nan
+
+
+def fit_serving(runs: list[dict[str, Any]], device: DeviceProfile | None = None, *,
+                start: dict[str, float] | None = None, iters: int = 20) -> dict[str, float]:
+    """The serving factors that best explain the measured steps of `runs` on `device` (default:
+    the built-in cpu profile), starting from `start` (default: the device's current values)."""
+    if device is None:
+        device = find_device("cpu")[0]
+    obs = [o for r in runs for o in _observations(r, device)]
+    if not obs:
+        raise SpecError("serve runs", "hold no measured decode steps or prefills",
+                        "pass serve_metrics.json files of completed serving runs")
+    f = {k: float(device.factors.get(k, SERVE_DEFAULTS[k])) for k in ORDER}
+    if start:
+        f.update(start)
+    meas = np.array([m for _, m in obs])
+    for _ in range(iters):
+        cols = np.zeros((len(obs), 4))
+        for i, (t, _) in enumerate(obs):
+            compute_bound = t["compute_s"] * f["prefill_compute_scale"] >= t["memory_s"] / f["decode_bw_efficiency"]
+            cols[i] = (t["compute_s"] if compute_bound else 0.0, 0.0 if compute_bound else t["memory_s"],
+                       t["comm_s"], 1.0)
+        x_now = np.array([f["prefill_compute_scale"], 1.0 / f["decode_bw_efficiency"], f["serve_comm_scale"],
+                          f["serve_step_overhead_s"]])
+        free = [j for j in range(4) if np.any(cols[:, j] > 0)]
+        x = x_now.copy()
+        while free:
+            fixed = [j for j in range(4) if j not in free]
+            rhs = meas - cols[:, fixed] @ x_now[fixed]
+            a = cols[:, free] / meas[:, None]
+            sol, *_ = np.linalg.lstsq(a, rhs / meas, rcond=None)
+            bad = [free[k] for k, v in enumerate(sol) if v <= 0 and free[k] != 3 or v < 0]
+            if not bad:
+                x[free] = sol
+                break
+            free = [j for j in free if j not in bad]
+        new = {"prefill_compute_scale": float(x[0]), "decode_bw_efficiency": float(1.0 / x[1]),
+               "serve_comm_scale": float(x[2]), "serve_step_overhead_s": float(x[3])}
+        if all(math.isclose(new[k], f[k], rel_tol=1e-9, abs_tol=1e-12) for k in ORDER):
+            break
+        f = new
+    return f
+
+
+def fit_report(runs: list[dict[str, Any]], factors: dict[str, float], device: DeviceProfile | None = None) -> dict[str, Any]:
+    """Mean absolute percentage error of the step times before (the device's factors) and after."""
+    if device is None:
+        device = find_device("cpu")[0]
+    obs = [o for r in runs for o in _observations(r, device)]
+    meas = [m for _, m in obs]
+    before = {k: float(device.factors.get(k, SERVE_DEFAULTS[k])) for k in ORDER}
+    return {"steps": len(obs), "mape_before_pct": _mape(_predict(obs, before), meas),
+            "mape_after_pct": _mape(_predict(obs, factors), meas), "factors": factors}
+
+
+def apply_serving(profile_data: dict[str, Any], factors: dict[str, float], report: dict[str, Any]) -> dict[str, Any]:
+    """The profile JSON with the fitted serving factors and their sources (like
+    planner/calibrate/core.apply for the training factors); marked not built in."""
+    data = dict(profile_data)
+    data["factors"] = {**data.get("factors", {}), **{k: round(v, 9) for k, v in factors.items()}}
+    data["builtin"] = False
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    sources = dict(data.get("sources", {}))
+    for k in factors:
+        sources[f"factors.{k}"] = (f"fitted by planner.serve.calibrate to {report['steps']} measured serving steps on "
+                                   f"{date} (step-time MAPE {report['mape_before_pct']:.1f}% -> "
+                                   f"{report['mape_after_pct']:.1f}%)")
+    data["sources"] = sources
+    data["measured"] = {**data.get("measured", {}), "serving_calibration": report}
+    profile_from_dict(data, str(data.get("name")))
+    return data
+
+
+def write_serving_profile(profile_path: str | Path, runs: list[dict[str, Any]], out: str | Path) -> dict[str, Any]:
+    """Fit the serving factors of the profile at `profile_path` to `runs` and write a calibrated
+    copy to `out` (atomically); returns the fit report."""
+    import json
+    src = Path(profile_path)
+    data = json.loads(src.read_text())
+    device = profile_from_dict(data, str(src))
+    factors = fit_serving(runs, device)
+    report = fit_report(runs, factors, device)
+    atomic_write_json(out, apply_serving(data, factors, report))
+    return report
