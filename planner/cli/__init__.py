@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "export": "planner.cli.export:export",
     "prepare-data": "planner.cli.data:prepare_data",
     "serve": "planner.cli.serve:serve",
+    "serve-bench": "planner.cli.serve_bench:serve_bench",
 }
 
 
