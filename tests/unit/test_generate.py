@@ -139,3 +139,13 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, kw, field) -> None:
         run_serving(CHATGLM, **args)
     assert err.value.field == field and "\n" not in str(err.value)
     assert not (tmp_path / METRICS_FILE).exists()
+
+
+def test_serve_bench_cli_refuses_bad_input_with_exit_2(tmp_path, capsys) -> None:
+    from planner.cli import main
+    out = tmp_path / "bench"
+    assert main(["serve-bench", "--model", "chatglm3-6b", "--scale", "tiny", "--prompt-len", "250",
+                 "--output-len", "10", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "exceed the model's context 256" in err
+    assert not out.exists()
