@@ -1,0 +1,135 @@
+"""The serving cost model (planner/serve/cost.py) pinned to values computed by hand.
+
+A toy device with round numbers: GEMMs at a flat 50% of 100 TFLOP/s (5e13 FLOP/s), memory at
+1000 GB/s (1e12 B/s), an intra-node link of 100 GB/s with 10 us per step. A toy model: h 64,
+2 layers, 4 heads of 16 with 2 KV heads (q 64, kv 32), a 2-matrix FFN of 128, vocabulary 100,
+no biases, RMSNorm, untied output. Per block: linear weights 64*128 + 64*64 + 64*128 + 128*64
+= 28,672; params 2 x (28,672 + 2 x 64) + 100 x 64 + (64 + 100 x 64) = 70,464.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from planner.errors import SpecError
+from planner.serve import cost
+from planner.serve.spec import Deployment, Workload
+from planner.specs.hardware import ClusterSpec, DeviceProfile, Link
+from planner.specs.model import ModelSpec
+
+NEUTRAL = {"prefill_compute_scale": 1.0, "decode_bw_efficiency": 1.0, "serve_comm_scale": 1.0,
+           "serve_step_overhead_s": 0.0, "memory_overhead_gb": 0.0}
+DEVICE = DeviceProfile(
+    name="toy", kind="gpu", memory_gb=10, peak_tflops={"bf16": 100, "fp16": 100, "fp32": 10},
+    hbm_bandwidth_gbps=1000, gemm_efficiency=((1.0, 0.5), (1e30, 0.5)), gpus_per_node=8,
+    intra_node=Link(name="nvlink", busbw_gbps=100, latency_us=10), inter_node=Link(name="ib", busbw_gbps=10, latency_us=0),
+    factors=NEUTRAL)
+MODEL = ModelSpec(name="toy", hidden=64, layers=2, heads=4, kv_groups=2, ffn_hidden=128, activation="gelu", vocab=100,
+                  max_seq=512, norm="rmsnorm", position="rotary", qkv_bias=False, linear_bias=False)
+
+
+def cluster(n: int = 1, device: DeviceProfile = DEVICE) -> ClusterSpec:
+    return ClusterSpec(nodes=1, gpus_per_node=n, device=device, intra_node=device.intra_node,
+                       inter_node=device.inter_node)
+
+
+def test_sizes():
+    assert MODEL.params == 70_464
+    assert cost.linear_weights(MODEL) == 28_672
+    assert cost.weight_bytes(MODEL, Deployment()) == 70_464 * 2
+    # int8: 57,344 block weights at 1 + 2/128 bytes (group-128 fp16 scales), the rest bf16
+    assert cost.weight_bytes(MODEL, Deployment(weight_precision="int8")) == pytest.approx(57_344 * 1.015625 + 13_120 * 2)
+    assert cost.weight_bytes(MODEL, Deployment(weight_precision="int4")) == pytest.approx(57_344 * 0.53125 + 13_120 * 2)
+    # one forward reads everything but the input embedding table (100 x 64)
+    assert cost.weight_read_bytes(MODEL, Deployment()) == 140_928 - 12_800
+    # 2 (K, V) x 2 layers x 2 KV heads x 16 x 2 bytes; fp8 halves it; TP 4 > 2 KV heads keeps one per rank
+    assert cost.kv_bytes_per_token(MODEL, Deployment()) == 256
+    assert cost.kv_bytes_per_token(MODEL, Deployment(kv_precision="fp8")) == 128
+    assert cost.kv_bytes_per_token_rank(MODEL, Deployment(tp=2)) == 128
+    assert cost.kv_bytes_per_token_rank(MODEL, Deployment(tp=4)) == 128
+
+
+def test_decode_memory_bound():
+    t = cost.decode_terms(MODEL, cluster(), Deployment(), 1, 100)
+    # weights 128,128 B + KV 100 tokens x 256 B, at 1e12 B/s
+    assert t["memory_s"] == pytest.approx((128_128 + 25_600) / 1e12)
+    # 2 layers x (2 x 28,672 GEMM + 4 x 100 x 64 attention) + 2 x 64 x 100 logits, at 5e13
+    assert t["compute_s"] == pytest.approx((2 * (57_344 + 25_600) + 12_800) / 5e13)
+    assert t["comm_s"] == 0.0
+    assert cost.decode_step_time_s(MODEL, cluster(), Deployment(), 1, 100) == pytest.approx(153_728e-12)
+    slow = dataclasses.replace(DEVICE, factors={**NEUTRAL, "decode_bw_efficiency": 0.5, "serve_step_overhead_s": 1e-3})
+    assert cost.decode_step_time_s(MODEL, cluster(device=slow), Deployment(), 1, 100) == pytest.approx(
+        2 * 153_728e-12 + 1e-3)
+
+
+def test_decode_compute_floor_at_large_batch():
+    # batch 4096 with 1 token each: GEMMs 2 x 4096 x 28,672 per layer dwarf the weight read
+    t = cost.decode_terms(MODEL, cluster(), Deployment(), 4096, 4096)
+    flops = 2 * (2 * 4096 * 28_672 + 4 * 4096 * 64) + 2 * 4096 * 64 * 100
+    assert t["compute_s"] == pytest.approx(flops / 5e13)
+    assert cost.decode_step_time_s(MODEL, cluster(), Deployment(), 4096, 4096) == pytest.approx(flops / 5e13)
+
+
+def test_prefill_compute_bound_and_chunks():
+    t = cost.prefill_terms(MODEL, cluster(), Deployment(), 100)
+    flops = 2 * (2 * 100 * 28_672 + 4 * 100 * 100 * 64) + 2 * 64 * 100   # logits of the last token only
+    assert t["compute_s"] == pytest.approx(flops / 5e13)
+    assert t["memory_s"] == pytest.approx(128_128 / 1e12)                  # the weight-read floor
+    assert cost.prefill_time_s(MODEL, cluster(), Deployment(), 100) == pytest.approx(flops / 5e13)
+    # a chunk of 50 after 50 cached tokens attends to 100 keys [SARATHI]
+    t2 = cost.prefill_terms(MODEL, cluster(), Deployment(), 50, 50)
+    assert t2["compute_s"] == pytest.approx((2 * (2 * 50 * 28_672 + 4 * 50 * 100 * 64) + 12_800) / 5e13)
+    whole = cost.prompt_time_s(MODEL, cluster(), Deployment(prefill_chunk=50), 100)
+    first = cost.prefill_time_s(MODEL, cluster(), Deployment(), 50, 0)
+    assert whole == pytest.approx(first + cost.prefill_time_s(MODEL, cluster(), Deployment(), 50, 50))
+
+
+def test_tp_all_reduces():
+    # TP 2, batch 4: per layer two all-reduces of 4 x 64 x 2 B = 512 B (ring bytes 512 x 2 x 1/2 at
+    # 1e11 B/s + 2 latency steps of 10 us), then the logits all-gather of 4 x 100 x 2 B = 800 B
+    # (800 x 1/2 / 1e11 + 1 step)
+    t = cost.decode_terms(MODEL, cluster(2), Deployment(tp=2), 4, 4)
+    ar = 512 / 1e11 + 2e-5
+    ag = 400 / 1e11 + 1e-5
+    assert t["comm_s"] == pytest.approx(2 * 2 * ar + ag)
+    # memory halves: weights / 2 and 4 tokens x 128 B per rank
+    assert t["memory_s"] == pytest.approx((128_128 / 2 + 4 * 128) / 1e12)
+
+
+def test_memory_and_kv_capacity():
+    # 1 MB device: 0.9 MB usable - weights 140,928 - activations (150 tokens x (2 x 64 + 2 x 128) x 2 B
+    # + 64 x 100 fp32 logits) = 900,000 - 140,928 - 115,200 - 25,600 = 618,272 B -> 150 blocks of 16 x 256 B
+    tiny = dataclasses.replace(DEVICE, memory_gb=0.001)
+    mem = cost.serve_memory(MODEL, cluster(device=tiny), Deployment(max_batch=64), Workload(prompt_len=100, output_len=50))
+    assert mem["weights"] == pytest.approx(140_928 / 1e9)
+    assert mem["activations"] == pytest.approx((115_200 + 25_600) / 1e9)
+    assert mem["kv_blocks"] == 150
+    assert mem["kv_capacity_tokens"] == 150 * 16
+    assert mem["blocks_per_sequence"] == 10                                # ceil(150 / 16)
+    assert mem["batch_limit"] == 15                                        # 150 // 10 < max_batch 64
+    assert mem["fits"]
+    small = dataclasses.replace(DEVICE, memory_gb=0.0003)
+    assert not cost.serve_memory(MODEL, cluster(device=small), Deployment(), Workload(prompt_len=100, output_len=50))["fits"]
+
+
+def test_infeasible_is_a_value_and_bad_input_raises():
+    w = Workload(prompt_len=100, output_len=50)
+    est = cost.estimate_serving(MODEL, cluster(), Deployment(kv_precision="fp8"), w)
+    assert not est.feasible and "FP8" in est.reasons[0]
+    est = cost.estimate_serving(MODEL, cluster(4), Deployment(tp=3), w)
+    assert not est.feasible and any("heads" in r for r in est.reasons)
+    with pytest.raises(SpecError, match="context of 512"):
+        cost.estimate_serving(MODEL, cluster(), Deployment(), Workload(prompt_len=500, output_len=50))
+
+
+def test_estimate_alone_latencies():
+    w = Workload(prompt_len=100, output_len=50)
+    est = cost.estimate_serving(MODEL, cluster(), Deployment(max_batch=8), w, requests=40)
+    assert est.feasible
+    assert est.ttft_alone_s == pytest.approx(cost.prefill_time_s(MODEL, cluster(), Deployment(), 100))
+    assert est.tpot_alone_s == pytest.approx((128_128 + 101 * 256) / 1e12)
+    assert est.max_qps > 0 and math.isfinite(est.e2e_p99_s) and est.e2e_p99_s >= est.e2e_p50_s
+    js = est.to_json()
+    assert js["deployment"]["max_batch"] == 8 and set(js["memory_gb"]) >= {"weights", "kv_cache", "activations", "runtime"}

@@ -1,0 +1,98 @@
+"""The continuous-batching simulation (planner/serve/queue.py) on cases checkable by hand:
+constant step times, so every latency is a sum of steps."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from planner.serve import queue
+from planner.serve.spec import Target, Workload
+
+
+def constant(prefill: float, decode: float, calls: list | None = None):
+    def pre(tokens: int, context: int) -> float:
+        if calls is not None:
+            calls.append(("prefill", tokens, context))
+        return prefill
+
+    def dec(batch: int, context_tokens: int) -> float:
+        if calls is not None:
+            calls.append(("decode", batch, context_tokens))
+        return decode
+    return pre, dec
+
+
+def test_one_request_alone():
+    calls: list = []
+    pre, dec = constant(0.1, 0.01, calls)
+    r = queue.simulate(pre, dec, Workload(prompt_len=10, output_len=4), 1.0, requests=1, max_batch=8)
+    assert r["ttft_s"]["p50"] == pytest.approx(0.1)                    # TTFT = the prefill
+    assert r["e2e_s"]["p50"] == pytest.approx(0.1 + 3 * 0.01)          # + (n - 1) decode steps
+    assert r["tpot_s"]["p50"] == pytest.approx(0.01)
+    # the decode steps attend to 11, 12, 13 tokens (prompt + generated, the new one included)
+    assert calls == [("prefill", 10, 0), ("decode", 1, 11), ("decode", 1, 12), ("decode", 1, 13)]
+
+
+def test_chunked_prefill_steps():
+    calls: list = []
+    pre, dec = constant(0.1, 0.01, calls)
+    queue.simulate(pre, dec, Workload(prompt_len=10, output_len=2), 1.0, requests=1, prefill_chunk=4)
+    assert calls == [("prefill", 4, 0), ("prefill", 4, 4), ("prefill", 2, 8), ("decode", 1, 11)]
+
+
+def test_batch_of_one_serialises():
+    pre, dec = constant(0.1, 0.01)
+    r = queue.simulate(pre, dec, Workload(prompt_len=10, output_len=4), math.inf, requests=2, max_batch=1)
+    # both at t = 0: the first ends at 0.13, the second starts then: TTFT 0.23, e2e 0.26
+    assert r["ttft_s"]["mean"] == pytest.approx((0.1 + 0.23) / 2)
+    assert r["e2e_s"]["mean"] == pytest.approx((0.13 + 0.26) / 2)
+    assert r["achieved_qps"] == pytest.approx(2 / 0.26)
+
+
+def test_batch_shares_decode_steps():
+    calls: list = []
+    pre, dec = constant(0.1, 0.01, calls)
+    r = queue.simulate(pre, dec, Workload(prompt_len=10, output_len=4), math.inf, requests=2, max_batch=2)
+    # two prefills (prefill first), then 3 decode steps of both: e2e 0.23 for both
+    assert r["e2e_s"]["p50"] == pytest.approx(0.23)
+    assert [c for c in calls if c[0] == "decode"] == [("decode", 2, 22), ("decode", 2, 24), ("decode", 2, 26)]
+
+
+def test_kv_blocks_bound_the_batch():
+    pre, dec = constant(0.1, 0.01)
+    # each request needs ceil(14 / 16) = 1 block; one block: serial although max_batch is 2
+    r = queue.simulate(pre, dec, Workload(prompt_len=10, output_len=4), math.inf, requests=2, max_batch=2, kv_blocks=1)
+    assert r["e2e_s"]["mean"] == pytest.approx((0.13 + 0.26) / 2)
+
+
+def test_saturation_throughput():
+    # output 1: a request is one prefill; all queued at 0 the engine completes 1 / 0.1 per second
+    pre, dec = constant(0.1, 0.01)
+    r = queue.simulate(pre, dec, Workload(prompt_len=10, output_len=1), math.inf, requests=50, max_batch=4)
+    assert r["achieved_qps"] == pytest.approx(10.0)
+    # below saturation (1 QPS, 0.1 s of work each) almost nobody waits; above it the queue grows
+    light = queue.simulate(pre, dec, Workload(prompt_len=10, output_len=1), 1.0, requests=200)
+    heavy = queue.simulate(pre, dec, Workload(prompt_len=10, output_len=1), 20.0, requests=200)
+    assert light["e2e_s"]["p50"] == pytest.approx(0.1)
+    assert heavy["e2e_s"]["p50"] > 3.0
+
+
+def test_seeded_lengths():
+    w = Workload(prompt_len=100, output_len=50, prompt_sigma=0.5, output_sigma=0.5, seed=3)
+    pre, dec = constant(0.1, 0.01)
+    a = queue.simulate(pre, dec, w, 2.0, requests=30)
+    b = queue.simulate(pre, dec, w, 2.0, requests=30)
+    c = queue.simulate(pre, dec, w, 2.0, requests=30, seed=4)
+    assert a == b and a != c
+
+
+def test_qps_at_target_bisection():
+    def run(rate: float) -> dict:          # latency equal to the rate: the answer is the target itself
+        return {"e2e_s": {"p50": rate, "p99": 2 * rate}}
+    assert queue.qps_at_target(run, Target(kind="p50", value=0.5), 1.0) == pytest.approx(0.5, rel=1e-2)
+    assert queue.qps_at_target(run, Target(kind="p99", value=0.5), 1.0) == pytest.approx(0.25, rel=1e-2)
+    assert queue.qps_at_target(run, Target(kind="p50", value=1e-4), 1.0) is None      # not even at no load
+    assert queue.qps_at_target(run, Target(kind="p50", value=5.0), 1.0) == queue.SUSTAINABLE
+    assert queue.qps_at_target(run, Target(kind="qps", value=0.8), 1.0) == 1.0
+    assert queue.qps_at_target(run, Target(kind="qps", value=1.5), 1.0) is None
