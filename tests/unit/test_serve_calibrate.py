@@ -1,0 +1,62 @@
+"""planner/serve/calibrate.py recovers known serving factors from synthetic measurements
+(steps generated with those factors on the tiny model, TP 1 and 2, memory- and compute-bound)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from planner.errors import SpecError
+from planner.serve import calibrate
+from planner.serve.cost import combine, decode_terms, prefill_terms
+from planner.serve.spec import Deployment
+from planner.specs.hardware import PROFILES_DIR, find_device, load_profile, parse_cluster
+from planner.specs.model import preset, scale
+
+TRUE = {"prefill_compute_scale": 1.7, "decode_bw_efficiency": 0.35, "serve_comm_scale": 3.0,
+        "serve_step_overhead_s": 0.002}
+MODEL = scale(preset("chatglm3-6b"), "tiny")
+
+
+def synthetic(tps=(1, 2), factors=TRUE) -> list[dict]:
+    dev = find_device("cpu")[0]
+    runs = []
+    for tp in tps:
+        dep = Deployment(tp=tp, max_batch=4, weight_precision="fp32", kv_precision="fp32")
+        c = parse_cluster(f"{tp}xcpu", dev)
+        steps = [{"batch": b, "context_tokens": b * ctx, "time_s": combine(decode_terms(MODEL, c, dep, b, b * ctx), factors)}
+                 for b in (1, 2, 4) for ctx in (20, 100, 300)]
+        pre = [{"tokens": n, "time_s": combine(prefill_terms(MODEL, c, dep, n), factors)} for n in (16, 64, 200)]
+        runs.append({"model": MODEL.to_dict(), "deployment": {"tp": tp, "max_batch": 4, "precision": "fp32"},
+                     "decode_steps": steps, "prefills": pre})
+    return runs
+
+
+def test_recovers_known_factors():
+    f = calibrate.fit_serving(synthetic())
+    for k, v in TRUE.items():
+        assert f[k] == pytest.approx(v, rel=1e-6), k
+
+
+def test_undetermined_factor_keeps_its_value():
+    # no TP run: nothing determines serve_comm_scale, which stays at the profile's default 1.0
+    f = calibrate.fit_serving(synthetic(tps=(1,)))
+    assert f["serve_comm_scale"] == 1.0
+    assert f["decode_bw_efficiency"] == pytest.approx(0.35, rel=1e-6)
+
+
+def test_writes_a_profile_copy(tmp_path):
+    runs = synthetic()
+    out = tmp_path / "cpu-serving.json"
+    rep = calibrate.write_serving_profile(PROFILES_DIR / "cpu.json", runs, out)
+    assert rep["mape_after_pct"] < 1e-6 < rep["mape_before_pct"]
+    data = json.loads(out.read_text())
+    assert data["builtin"] is False and "fitted by planner.serve.calibrate" in data["sources"]["factors.serve_comm_scale"]
+    assert load_profile(out).factors["decode_bw_efficiency"] == pytest.approx(0.35, rel=1e-6)
+
+
+def test_bad_runs():
+    with pytest.raises(SpecError):
+        calibrate.fit_serving([{"model": MODEL.to_dict()}])
+    with pytest.raises(SpecError):
+        calibrate.fit_serving([{"model": MODEL.to_dict(), "deployment": {"tp": 1}, "decode_steps": [], "prefills": []}])

@@ -1,0 +1,59 @@
+"""`planner serve` through the CLI entry point: the run directory and bad input (one line, exit 2,
+nothing written)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from planner.cli import main
+
+BASE = ["serve", "--model", "chatglm3-6b", "--gpus", "1xA100", "--prompt-len", "512", "--output-len", "256",
+        "--weight-precision", "bf16", "--requests", "40"]
+
+
+def run(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_writes_run_directory(capsys, tmp_path):
+    rc, out, err = run(capsys, *BASE, "--max-batch", "64", "--target-p50-ms", "5000", "--out-dir", str(tmp_path),
+                       "--name", "s")
+    assert rc == 0, err
+    d = tmp_path / "s"
+    assert sorted(p.name for p in d.iterdir()) == ["serve_plan.json", "serve_report.html", "serve_top.json",
+                                                   "vllm_serve.sh"]
+    plan = json.loads((d / "serve_plan.json").read_text())
+    assert plan["deployment"]["max_batch"] == 64 and plan["estimate"]["meets_target"] is True
+    assert plan["estimate"]["qps_at_target"] > 0 and plan["inputs"]["workload"]["prompt_len"] == 512
+    sh = (d / "vllm_serve.sh").read_text()
+    assert "vllm serve" in sh and "--tensor-parallel-size 1" in sh and "--max-num-seqs 64" in sh
+    assert "--gpu-memory-utilization 0.9" in sh and "--kv-cache-dtype" not in sh   # A100: no fp8
+    assert "data:image/png;base64," in (d / "serve_report.html").read_text()
+    assert "QPS@target" in out
+
+
+def test_fp8_on_hopper(capsys, tmp_path):
+    rc, _, err = run(capsys, *BASE, "--gpus", "1xH100-SXM", "--max-batch", "64", "--kv-precision", "fp8",
+                     "--out-dir", str(tmp_path), "--name", "h")
+    assert rc == 0, err
+    assert "--kv-cache-dtype fp8" in (tmp_path / "h" / "vllm_serve.sh").read_text()
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--target-p50-ms", "50"], "closest:"),
+    (["--target-qps", "100000"], "short of 100000"),
+    (["--kv-precision", "fp8"], "fp8"),
+    (["--prompt-len", "8000"], "context of 8192"),
+    (["--target-p50-ms", "-3"], "--target-p50-ms"),
+    (["--target-p50-ms", "100", "--target-qps", "3"], "one target"),
+    (["--prompt-len", "0"], "--prompt-len"),
+    (["--tp", "3"], "--tp"),
+])
+def test_bad_input_one_line(capsys, tmp_path, extra, needle):
+    rc, out, err = run(capsys, *BASE, "--max-batch", "16", *extra, "--out-dir", str(tmp_path), "--name", "bad")
+    assert rc == 2
+    assert err.startswith("error:") and err.count("\n") == 1 and needle in err
+    assert not (tmp_path / "bad").exists()
