@@ -7,8 +7,8 @@ had to be assumed. For each row the script builds the model (the public config.j
 planner.specs.hf.spec_from_hf, or a preset), the cluster (parse_cluster "NxGPU"), a Deployment and
 a Workload, and predicts the row's metric the way the source measured it:
 
-    ttft_s        prefill_time_s(prompt x batch tokens)           (static batch, first token)
-    e2e_s         prefill + one decode step per further token     (static batch)
+    ttft_s        prefill_time_s(prompt)                          (batch 1, first token)
+    e2e_s         prefill + one decode step per further token     (static batch; static_prefill_s)
     output_tok_s  batch x output / (prefill + decode steps)       (static batch throughput)
     decode_tok_s  batch / decode_step_time_s at the mean context  (decode phase alone)
     tpot_s        decode_step_time_s at the mean context
@@ -22,10 +22,13 @@ predicted / published - 1; MAPE per metric kind over the rows marked in_mape.
     .venv/bin/python benchmarks/serve_published.py           # table + MAPE; writes reports/bench-serve-published/comparison.json
     .venv/bin/python benchmarks/serve_published.py --json    # the same as JSON on stdout
     .venv/bin/python benchmarks/serve_published.py --rows T1,N1
+    .venv/bin/python benchmarks/serve_published.py --factor decode_bw_efficiency=0.7   # a what-if
+    .venv/bin/python benchmarks/serve_published.py --fit     # + one grid-fitted efficiency and step overhead
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
@@ -35,6 +38,8 @@ from typing import Any, Sequence
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from planner.calibrate.fit import with_factors  # noqa: E402
+from planner.cost.compute import block_gemms  # noqa: E402
 from planner.errors import SpecError  # noqa: E402
 from planner.rundir import atomic_write_json  # noqa: E402
 from planner.specs import ModelSpec, find_device, parse_cluster  # noqa: E402
@@ -47,6 +52,10 @@ OUT = ROOT / "reports" / "bench-serve-published" / "comparison.json"
 METRICS = ("ttft_s", "e2e_s", "tpot_s", "output_tok_s", "decode_tok_s", "max_qps", "memory_gb")
 WEIGHT_PRECISIONS = ("bf16", "int8", "int4")
 KV_PRECISIONS = ("bf16", "fp8", "int8")
+TIME_METRICS = ("ttft_s", "e2e_s", "tpot_s")
+DECODE_ALONE = ("decode_tok_s", "tpot_s")
+"""Metrics of a batch-1 decode step alone: memory-bound, so published / predicted x the
+profile's decode_bw_efficiency is the bandwidth share the engine reached (step overhead 0)."""
 REQUIRED = ("id", "source", "where", "engine", "model", "gpu", "gpus", "tp", "weight_precision", "kv_precision",
             "prompt_len", "output_len", "batch", "metric", "value", "in_mape", "assumptions")
 
@@ -140,15 +149,42 @@ def workload(row: Row):
     return spec.Workload(prompt_len=row.prompt_len, output_len=row.output_len)
 
 
-def static_batch(row: Row) -> tuple[float, float]:
-    """(prefill seconds, decode seconds) of one static batch: the batch's prompts in one prefill,
-    then output_len - 1 decode steps, step k holding batch x (prompt + k) KV tokens."""
+def static_prefill_s(row: Row) -> float:
+    """Seconds of one prefill step of `batch` prompts together, as the static-batch engines the
+    sources measured run it (TensorRT-LLM's gptSessionBenchmark, lmdeploy's static benchmark).
+    Batch 1 is cost.prefill_time_s itself. A batch reuses its terms: the weight-read floor and the
+    TP traffic of batch x prompt tokens (prefill_terms of that many tokens), and compute = the
+    block GEMMs over batch x prompt tokens + each sequence's own attention core (batch x 4 P^2 q
+    / tp per layer, not one sequence of batch x P tokens) + the output layer for batch rows, at
+    the profile's peak x GEMM efficiency, as cost.prefill_terms prices one sequence."""
     cost, _ = _serve()
     dep = deployment(row)
-    prefill = cost.prefill_time_s(row.model, row.cluster, dep, row.batch * row.prompt_len)
+    if row.batch == 1:
+        return cost.prefill_time_s(row.model, row.cluster, dep, row.prompt_len)
+    m, t, p, b = row.model, row.tp, row.prompt_len, row.batch
+    terms = dict(cost.prefill_terms(m, row.cluster, dep, b * p))
+    dev = row.cluster.device
+    prec = "bf16" if dev.supports("bf16") else "fp16"
+
+    def gemm_s(flops: float, one: float) -> float:
+        return flops / (dev.peak_flops(prec) * dev.gemm_eff(one, prec))
+
+    gemms, core = block_gemms(m, p, b, t)
+    per_layer = sum(gemm_s(g, g) for g in gemms) + gemm_s(core, 2.0 * p * p * m.dim_per_head)
+    logits = 2.0 * b * m.hidden * m.padded_vocab(t) / t
+    terms["compute_s"] = m.layers * per_layer + gemm_s(logits, logits)
+    return cost.combine(terms, cost.serve_factors(row.cluster))
+
+
+def static_batch(row: Row) -> tuple[float, float]:
+    """(prefill seconds, decode seconds) of one static batch: the batch's prompts in one prefill
+    step, then output_len - 1 decode steps, step k holding batch x (prompt + k) KV tokens (each
+    sequence's cached tokens plus its new one, cost.decode_step_time_s's context_tokens)."""
+    cost, _ = _serve()
+    dep = deployment(row)
     decode = sum(cost.decode_step_time_s(row.model, row.cluster, dep, row.batch, row.batch * (row.prompt_len + k))
                  for k in range(1, row.output_len))
-    return prefill, decode
+    return static_prefill_s(row), decode
 
 
 def mean_step(row: Row) -> float:
@@ -157,32 +193,63 @@ def mean_step(row: Row) -> float:
     return cost.decode_step_time_s(row.model, row.cluster, deployment(row), row.batch, context)
 
 
+def primitive_value(row: Row) -> float | None:
+    """The row's metric from the cost model's step times alone (None: needs estimate_serving)."""
+    m = row.metric
+    if m == "ttft_s":
+        return static_prefill_s(row)
+    if m == "e2e_s" and row.in_mape:
+        return sum(static_batch(row))
+    if m == "output_tok_s":
+        return row.batch * row.output_len / sum(static_batch(row))
+    if m == "decode_tok_s":
+        return row.batch / mean_step(row)
+    if m == "tpot_s":
+        return mean_step(row)
+    return None
+
+
 def predict(row: Row) -> dict[str, Any]:
     """The row's metric as the cost model predicts it, with estimate_serving's verdict."""
     cost, _ = _serve()
     est = cost.estimate_serving(row.model, row.cluster, deployment(row), workload(row))
-    m = row.metric
-    if m == "ttft_s":
-        value = static_batch(row)[0] if row.output_len == 1 else cost.prefill_time_s(
-            row.model, row.cluster, deployment(row), row.batch * row.prompt_len)
-    elif m == "e2e_s" and row.in_mape:
-        value = sum(static_batch(row))
-    elif m == "e2e_s":
+    value = primitive_value(row)
+    if value is None and row.metric == "e2e_s":
         value = est.e2e_p50_s
-    elif m == "output_tok_s":
-        value = row.batch * row.output_len / sum(static_batch(row))
-    elif m == "decode_tok_s":
-        value = row.batch / mean_step(row)
-    elif m == "tpot_s":
-        value = mean_step(row)
-    elif m == "max_qps":
-        value = est.max_qps
-    else:  # memory_gb: the estimate's per-GPU total (weights + KV cache + activations + runtime)
+    elif value is None and row.metric == "max_qps":
+        value = est.max_qps  # queue.saturation_qps: every request queued at time 0
+    elif value is None:  # memory_gb: the estimate's per-GPU total (weights + KV cache + activations + runtime)
         mem = est.memory_gb
         value = float(mem["total"] if "total" in mem else
                       sum(mem.get(k, 0.0) for k in ("weights", "kv_cache", "activations", "runtime")))
     return {"predicted": None if value is None else float(value), "feasible": bool(est.feasible),
             "reasons": list(est.reasons or []), "estimate_ttft_s": est.ttft_s, "estimate_tpot_s": est.tpot_s}
+
+
+def with_serve_factors(rows: Sequence[Row], factors: dict[str, float]) -> list[Row]:
+    """The rows with `factors` set in every row's device profile (the profiles' own values otherwise)."""
+    return [dataclasses.replace(r, cluster=dataclasses.replace(
+        r.cluster, device=with_factors(r.cluster.device, factors))) for r in rows] if factors else list(rows)
+
+
+EFFICIENCIES = tuple(round(0.5 + 0.025 * i, 3) for i in range(19))      # 0.50 .. 0.95
+OVERHEADS = tuple(round(0.00025 * i, 5) for i in range(21))              # 0 .. 5 ms
+
+
+def fit(rows: Sequence[Row]) -> dict[str, Any]:
+    """One decode_bw_efficiency and one serve_step_overhead_s for every GPU, the grid point
+    (EFFICIENCIES x OVERHEADS) of least MAPE over the in_mape rows that step times predict.
+    A what-if: 14 published rows from 5 engines, not a calibration of the profiles."""
+    use = [r for r in rows if r.in_mape and r.metric not in ("max_qps", "memory_gb")]
+    best = None
+    for eff in EFFICIENCIES:
+        for over in OVERHEADS:
+            f = {"decode_bw_efficiency": eff, "serve_step_overhead_s": over}
+            errs = [abs(primitive_value(r) / r.value - 1.0) for r in with_serve_factors(use, f)]
+            mape = sum(errs) / len(errs)
+            if best is None or mape < best[0]:
+                best = (mape, f)
+    return {"factors": best[1], "mape": best[0], "rows": len(use)}
 
 
 def compare(rows: Sequence[Row]) -> dict[str, Any]:
@@ -202,13 +269,21 @@ def compare(rows: Sequence[Row]) -> dict[str, Any]:
     every = [abs(x["error"]) for x in out if x["in_mape"] and x["error"] is not None]
     if every:
         mape["all"] = {"rows": len(every), "mape": sum(every) / len(every)}
-    return {"rows": out, "mape": mape}
+    cost, _ = _serve()
+    factors = {r.cluster.device.name: cost.serve_factors(r.cluster) for r in rows}
+    implied = {}
+    for r, x in zip(rows, out):
+        alone = r.batch == 1 and (r.metric in DECODE_ALONE or (r.metric == "output_tok_s" and r.prompt_len == 1))
+        if alone and x["predicted"]:
+            slower = x["published"] / x["predicted"] if r.metric == "tpot_s" else x["predicted"] / x["published"]
+            implied[r.id] = factors[r.cluster.device.name]["decode_bw_efficiency"] / slower
+    return {"rows": out, "mape": mape, "serve_factors": factors, "implied_decode_bw_efficiency": implied}
 
 
 def _fmt(metric: str, v: float | None) -> str:
     if v is None:
         return "-"
-    if metric.endswith("_s"):
+    if metric in TIME_METRICS:
         return f"{v * 1e3:.1f} ms"
     if metric == "memory_gb":
         return f"{v:.1f} GB"
@@ -231,7 +306,30 @@ def table(result: dict[str, Any]) -> str:
     lines.append("")
     lines.append("MAPE by metric (rows marked in_mape): " + ", ".join(
         f"{m} {v['mape']:.0%} ({v['rows']})" for m, v in result["mape"].items()))
+    lines.append("serving factors used: " + "; ".join(
+        f"{gpu}: " + ", ".join(f"{k}={v:g}" for k, v in f.items()) for gpu, f in result["serve_factors"].items()))
+    if result["implied_decode_bw_efficiency"]:
+        lines.append("decode_bw_efficiency the batch-1 decode rows imply (no step overhead): " + ", ".join(
+            f"{k} {v:.2f}" for k, v in result["implied_decode_bw_efficiency"].items()))
     return "\n".join(lines)
+
+
+def parse_factors(items: Sequence[str]) -> dict[str, float]:
+    cost, _ = _serve()
+    out = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        name = name.strip()
+        if name not in cost.SERVE_DEFAULTS:
+            raise SpecError("--factor", f"unknown serving factor {name!r}", f"use one of {', '.join(cost.SERVE_DEFAULTS)}")
+        try:
+            v = float(value)
+        except ValueError:
+            raise SpecError("--factor", f"{item!r} has no number", "write NAME=VALUE, e.g. decode_bw_efficiency=0.7") from None
+        if not v >= 0 or v != v or v == float("inf") or (v == 0 and name != "serve_step_overhead_s"):
+            raise SpecError("--factor", f"{name} must be a positive finite number, got {value!r}", "e.g. 0.7")
+        out[name] = v
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -239,9 +337,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the comparison as JSON")
     ap.add_argument("--rows", default="", help="comma-separated row ids (default: all)")
     ap.add_argument("--data", default=str(DATA), help="rows file (default: %(default)s)")
+    ap.add_argument("--factor", action="append", default=[], metavar="NAME=VALUE",
+                    help="set a serving factor for every GPU (e.g. decode_bw_efficiency=0.7); repeatable")
+    ap.add_argument("--fit", action="store_true",
+                    help="also grid-fit one decode_bw_efficiency and serve_step_overhead_s to the rows (a what-if)")
     args = ap.parse_args(argv)
     try:
         rows = load_rows(Path(args.data), [s.strip() for s in args.rows.split(",") if s.strip()] or None)
+        rows = with_serve_factors(rows, parse_factors(args.factor))
     except SpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -249,10 +352,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: --data: cannot read {args.data}: {exc}", file=sys.stderr)
         return 2
     result = compare(rows)
+    if args.fit:
+        result["fit"] = fitted = fit(rows)
+        result["after_fit"] = compare(with_serve_factors(rows, fitted["factors"]))["mape"]
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         print(table(result))
+        if args.fit:
+            f = result["fit"]
+            print(f"\nfit over {f['rows']} rows: " + ", ".join(f"{k}={v:g}" for k, v in f["factors"].items())
+                  + "; MAPE after: " + ", ".join(f"{m} {v['mape']:.0%} ({v['rows']})"
+                                                 for m, v in result["after_fit"].items()))
     atomic_write_json(OUT, result)
     return 0
 
