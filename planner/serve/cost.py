@@ -217,8 +217,9 @@ def prompt_time_s(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, promp
 
 def step_fns(model: ModelSpec, cluster: ClusterSpec, dep: Deployment) -> tuple[Callable[[int, int], float],
                                                                                Callable[[int, int], float]]:
-    """(prefill(tokens, context), decode(batch, context_tokens)) for the simulation, memoised:
-    decode is linear in context_tokens inside each term, so only its batch parts are cached."""
+    """(prefill(tokens, context), decode(batch, context_tokens)) for the simulation, memoised.
+    Where the memory term binds, decode is linear in context_tokens, so only its per-batch parts
+    are cached; where the compute floor may bind it is computed exactly."""
     f = serve_factors(cluster)
     pre: dict[tuple[int, int], float] = {}
     parts: dict[int, tuple[float, float, float]] = {}
@@ -237,8 +238,9 @@ def step_fns(model: ModelSpec, cluster: ClusterSpec, dep: Deployment) -> tuple[C
             d = decode_terms(model, cluster, dep, batch, batch)
             parts[batch] = (d["memory_s"] - batch * mem_per_ctx, d["compute_s"], d["comm_s"])
         mem0, comp, comm = parts[batch]
-        if context_tokens > 4 * batch and comp * f["prefill_compute_scale"] > 0.5 * (mem0 / f["decode_bw_efficiency"]):
-            # the attention term's GEMM efficiency depends on the context: exact path
+        if comp * f["prefill_compute_scale"] > 0.5 * (mem0 / f["decode_bw_efficiency"]):
+            # the compute floor may bind, and its attention term is not linear in the context
+            # (its GEMM efficiency depends on it): the exact path
             return combine(decode_terms(model, cluster, dep, batch, context_tokens), f)
         memory = mem0 + context_tokens * mem_per_ctx
         return combine({"compute_s": comp, "memory_s": memory, "comm_s": comm}, f)

@@ -133,3 +133,28 @@ def test_estimate_alone_latencies():
     assert est.max_qps > 0 and math.isfinite(est.e2e_p99_s) and est.e2e_p99_s >= est.e2e_p50_s
     js = est.to_json()
     assert js["deployment"]["max_batch"] == 8 and set(js["memory_gb"]) >= {"weights", "kv_cache", "activations", "runtime"}
+
+
+@pytest.mark.parametrize("gpus,size", [("1xA100", None), ("2xcpu", "tiny"), ("2xH100", None)])
+def test_memoised_step_functions_match_the_direct_ones(gpus, size):
+    from planner.specs.hardware import parse_cluster
+    from planner.specs.model import preset, scale
+    model, c = scale(preset("chatglm3-6b"), size), parse_cluster(gpus)
+    for dep in (Deployment(max_batch=256), Deployment(tp=2, weight_precision="int4")):
+        if dep.tp > c.world_size:
+            continue
+        pre, dec = cost.step_fns(model, c, dep)
+        for b, ctx in ((1, 1), (1, 700), (8, 8 * 300), (64, 64 * 1000), (256, 512), (256, 256 * 5), (256, 256 * 4000)):
+            assert dec(b, ctx) == pytest.approx(cost.decode_step_time_s(model, c, dep, b, ctx), rel=1e-9), (b, ctx)
+        assert pre(100, 50) == pytest.approx(cost.prefill_time_s(model, c, dep, 100, 50), rel=1e-12)
+
+
+def test_profile_fp8_flag():
+    from planner.errors import ProfileError
+    from planner.specs.hardware import PROFILES_DIR, find_device, profile_from_dict
+    import json
+    assert find_device("H100")[0].fp8 and find_device("L40S")[0].fp8
+    assert not find_device("A100")[0].fp8 and not find_device("cpu")[0].fp8
+    data = json.loads((PROFILES_DIR / "A100-80GB.json").read_text())
+    with pytest.raises(ProfileError, match="fp8"):
+        profile_from_dict({**data, "fp8": "yes"})
