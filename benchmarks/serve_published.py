@@ -19,7 +19,8 @@ A decode step's context is the KV tokens the batch holds: batch x (prompt + toke
 estimate_serving is also called for every row: an infeasible deployment is flagged. Error =
 predicted / published - 1; MAPE per metric kind over the rows marked in_mape.
 
-    .venv/bin/python benchmarks/serve_published.py           # table + MAPE; writes reports/bench-serve-published/comparison.json
+    .venv/bin/python benchmarks/serve_published.py           # table + MAPE
+                                     # (writes reports/bench-serve-published/comparison.json)
     .venv/bin/python benchmarks/serve_published.py --json    # the same as JSON on stdout
     .venv/bin/python benchmarks/serve_published.py --rows T1,N1
     .venv/bin/python benchmarks/serve_published.py --factor decode_bw_efficiency=0.7   # a what-if
@@ -321,11 +322,13 @@ def parse_factors(items: Sequence[str]) -> dict[str, float]:
         name, _, value = item.partition("=")
         name = name.strip()
         if name not in cost.SERVE_DEFAULTS:
-            raise SpecError("--factor", f"unknown serving factor {name!r}", f"use one of {', '.join(cost.SERVE_DEFAULTS)}")
+            raise SpecError("--factor", f"unknown serving factor {name!r}",
+                            f"use one of {', '.join(cost.SERVE_DEFAULTS)}")
         try:
             v = float(value)
         except ValueError:
-            raise SpecError("--factor", f"{item!r} has no number", "write NAME=VALUE, e.g. decode_bw_efficiency=0.7") from None
+            raise SpecError("--factor", f"{item!r} has no number",
+                            "write NAME=VALUE, e.g. decode_bw_efficiency=0.7") from None
         if not v >= 0 or v != v or v == float("inf") or (v == 0 and name != "serve_step_overhead_s"):
             raise SpecError("--factor", f"{name} must be a positive finite number, got {value!r}", "e.g. 0.7")
         out[name] = v
