@@ -21,24 +21,23 @@ device profile (SERVE_DEFAULTS), fitted by planner/serve/calibrate.py from measu
 """
 from __future__ import annotations
 
-import math
-from typing import Any, Callable
+from typing import Callable
 
 from planner.cost.comm import allgather_time, allreduce_time
 from planner.cost.compute import block_gemms
-from planner.cost.factors import factor as train_factor
 from planner.errors import SpecError
-from planner.serve.spec import KV_BYTES, WEIGHT_BYTES, Deployment, ServeEstimate, Target, Workload
+from planner.serve.memory import (GB, GPU_MEMORY_UTILIZATION, kv_bytes_per_token, kv_bytes_per_token_rank,
+                                  kv_heads_per_rank, linear_weights, serve_memory, weight_bytes, weight_read_bytes)
+from planner.serve.spec import Deployment, ServeEstimate, Target, Workload
 from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
 
-GB = 1e9
-GPU_MEMORY_UTILIZATION = 0.9
-"""vLLM's --gpu-memory-utilization default: the share of device memory the engine may fill [PA]."""
 ACT_BYTES = 2.0
 """Activations and all-reduced tensors in bf16/fp16 (weight-only quantization keeps them so)."""
-LOGIT_BYTES = 4.0
-"""vLLM's sampler upcasts the sampled rows' logits to fp32."""
+__all__ = ["GB", "GPU_MEMORY_UTILIZATION", "SERVE_DEFAULTS", "check_workload", "combine", "decode_step_time_s",
+           "decode_terms", "deployment_problems", "estimate_serving", "kv_bytes_per_token", "kv_bytes_per_token_rank",
+           "kv_heads_per_rank", "linear_weights", "prefill_terms", "prefill_time_s", "prompt_time_s", "serve_factor",
+           "serve_factors", "serve_memory", "step_fns", "weight_bytes", "weight_read_bytes"]
 
 SERVE_DEFAULTS: dict[str, float] = {
     "prefill_compute_scale": 1.0,
@@ -61,45 +60,6 @@ def serve_factor(cluster: ClusterSpec, name: str) -> float:
 
 def serve_factors(cluster: ClusterSpec) -> dict[str, float]:
     return {k: serve_factor(cluster, k) for k in SERVE_DEFAULTS}
-
-
-# --- sizes -------------------------------------------------------------------------------
-def linear_weights(model: ModelSpec) -> int:
-    """Weights of one block's matrices (QKV, attention output, FFN in and out): the ones
-    weight-only int8/int4 quantizes."""
-    h, q, kv, f, k = model.hidden, model.q_size, model.kv_size, model.ffn_hidden, model.ffn_in_matrices
-    return h * (q + 2 * kv) + q * h + k * h * f + f * h
-
-
-def weight_bytes(model: ModelSpec, dep: Deployment) -> float:
-    """Bytes of the whole model: block matrices at the weight precision (with group scales),
-    everything else (embedding, output layer, biases, norms) in bf16."""
-    quant = model.layers * linear_weights(model)
-    return quant * WEIGHT_BYTES[dep.weight_precision] + (model.params - quant) * 2.0
-
-
-def weight_read_bytes(model: ModelSpec, dep: Deployment) -> float:
-    """Bytes one forward reads: every weight but the input embedding table, of which only the
-    looked-up rows are touched (a tied embedding is read whole, as the output layer)."""
-    skip = model.embedding_params if not model.tied_embeddings else model.embedding_params - model.vocab * model.hidden
-    return weight_bytes(model, dep) - skip * 2.0
-
-
-def kv_heads_per_rank(model: ModelSpec, tp: int) -> int:
-    """KV heads one TP rank holds: vLLM splits them, and replicates them when tp exceeds
-    their count (each rank keeps at least one)."""
-    return math.ceil(model.kv_heads / tp)
-
-
-def kv_bytes_per_token(model: ModelSpec, dep: Deployment) -> float:
-    """KV-cache bytes of one token, whole model [P22 sec. 3.3]: 2 (K and V) x layers x kv_heads
-    x head_dim x bytes at the KV precision. Grouped-query heads (kv_groups) shrink it."""
-    return 2.0 * model.layers * model.kv_heads * model.dim_per_head * KV_BYTES[dep.kv_precision]
-
-
-def kv_bytes_per_token_rank(model: ModelSpec, dep: Deployment) -> float:
-    """KV-cache bytes of one token on one TP rank (kv_heads_per_rank of them)."""
-    return 2.0 * model.layers * kv_heads_per_rank(model, dep.tp) * model.dim_per_head * KV_BYTES[dep.kv_precision]
 
 
 def _precision(cluster: ClusterSpec, dep: Deployment) -> str:
@@ -245,39 +205,6 @@ def step_fns(model: ModelSpec, cluster: ClusterSpec, dep: Deployment) -> tuple[C
         memory = mem0 + context_tokens * mem_per_ctx
         return combine({"compute_s": comp, "memory_s": memory, "comm_s": comm}, f)
     return prefill, decode
-
-
-# --- memory -------------------------------------------------------------------------------
-def serve_memory(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, workload: Workload) -> dict[str, Any]:
-    """Per-GPU memory of one replica's rank, GB, and the paged KV cache it leaves [PA]:
-    weights / tp; activations of the profiling forward vLLM runs before sizing the cache
-    (max_num_batched_tokens = the prefill chunk, or the longest sequence, tokens x (2 x hidden
-    + (k + 1) x ffn_hidden / tp) x 2 bytes: residual, normed input and the FFN's input and
-    activation outputs, its largest live set; plus max_batch rows of fp32 logits / tp);
-    runtime: the profile's memory_overhead_gb (CUDA context, NCCL, CUDA graphs); KV cache: the
-    rest of gpu_memory_utilization (0.9) x capacity, in whole blocks of block_size tokens.
-    batch_limit: sequences of the workload's longest length (Workload.max_total) the cache
-    holds at once, each needing ceil(length / block_size) blocks, capped at max_batch."""
-    t = dep.tp
-    longest = workload.max_total()
-    chunk = dep.prefill_chunk or longest
-    capacity = cluster.memory_bytes * GPU_MEMORY_UTILIZATION
-    weights = weight_bytes(model, dep) / t
-    e = 4.0 if dep.weight_precision == "fp32" else ACT_BYTES
-    act = chunk * (2 * model.hidden + (model.ffn_in_matrices + 1) * model.ffn_hidden / t) * e
-    act += dep.max_batch * model.padded_vocab(t) / t * LOGIT_BYTES
-    runtime = (cluster.memory_headroom if cluster.memory_headroom is not None
-               else train_factor(cluster.device, "memory_overhead_gb")) * GB
-    free = capacity - weights - act - runtime
-    block = dep.block_size * kv_bytes_per_token_rank(model, dep)
-    blocks = max(0, int(free // block))
-    per_seq = math.ceil(longest / dep.block_size)
-    limit = min(dep.max_batch, blocks // per_seq)
-    kv = blocks * block
-    return {"weights": weights / GB, "kv_cache": kv / GB, "activations": act / GB, "runtime": runtime / GB,
-            "total": (weights + kv + act + runtime) / GB, "capacity": capacity / GB,
-            "kv_blocks": blocks, "kv_capacity_tokens": blocks * dep.block_size, "blocks_per_sequence": per_seq,
-            "batch_limit": limit, "fits": free > 0 and limit >= 1, "short_gb": max(0.0, -free) / GB}
 
 
 def deployment_problems(model: ModelSpec, cluster: ClusterSpec, dep: Deployment) -> list[str]:

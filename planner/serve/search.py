@@ -7,7 +7,6 @@ throughput and unloaded latency; the most promising `simulate` of them get the f
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
