@@ -5,9 +5,8 @@ planner.executor.serve_run.run_serving (KV cache, continuous batching, TP ranks 
 processes, Poisson arrivals) and its serve_metrics.json saved under --out/<name>/. Printed per
 deployment: measured TTFT, TPOT (mean) and achieved QPS, and beside them the serving cost
 model's prediction at the same rate (planner/serve/queue.py simulate with cost.step_fns) on
-the `cpu` profile: fitted with planner/serve/calibrate.py fit_serving on the even-numbered
-runs and tested on the odd-numbered ones when that function exists, else with the profile's
-default serving factors (marked "uncalibrated").
+the `cpu` profile, its serving factors fitted (planner/serve/calibrate.py fit_serving, on the
+measured prefill and decode step times) on the even-numbered runs and tested on the odd ones.
 
     flock /tmp/planner-cpu.lock .venv/bin/python benchmarks/serve_measure.py [--out reports/serve_measure]
 """
@@ -39,44 +38,47 @@ def name_of(size: str, tp: int, mb: int, rate: float) -> str:
     return f"{size}-tp{tp}-mb{mb}-r{rate:g}"
 
 
-def measure(out: Path, precision: str, seed: int) -> list[dict]:
+def measure(out: Path, precision: str, seed: int, threads: int) -> list[dict]:
     runs = []
     for size, tp, mb, rate in DEPLOYMENTS:
         spec = scale(preset("chatglm3-6b"), size)
         d = out / name_of(size, tp, mb, rate)
         t0 = time.perf_counter()
         m = run_serving(spec, tp=tp, max_batch=mb, workload=WORKLOADS[size], rate_qps=rate,
-                        requests=REQUESTS[size], seed=seed, timeout_s=120, precision=precision, out_dir=d)
+                        requests=REQUESTS[size], seed=seed, timeout_s=120, precision=precision, out_dir=d,
+                        threads=threads)
         print(f"measured {d.name}: {time.perf_counter() - t0:.1f} s, {m['requests']} requests "
               f"-> {d / METRICS_FILE}", flush=True)
         runs.append(m)
     return runs
 
 
-def fitted_cluster(fit_runs: list[dict]):
-    """The `cpu` profile for TP <= 2 processes, fitted on `fit_runs` when planner/serve/calibrate.py
-    offers fit_serving; (cluster, label)."""
-    cluster = parse_cluster("2xcpu")
-    try:
-        from planner.serve.calibrate import fit_serving
-    except ImportError:
-        return cluster, "uncalibrated (planner.serve.calibrate.fit_serving not available)"
-    try:
-        return fit_serving(fit_runs, cluster), "fitted on the even-numbered runs"
-    except TypeError as exc:  # TODO(issue 11): align with fit_serving's final signature
-        return cluster, f"uncalibrated (fit_serving call failed: {exc})"
+def fitted_device(fit_runs: list[dict]):
+    """The built-in `cpu` profile with its serving factors fitted on `fit_runs`
+    (planner/serve/calibrate.py fit_serving); (device, label, factors)."""
+    import dataclasses
+
+    from planner.serve.calibrate import fit_serving
+    from planner.specs.hardware import find_device
+    device = find_device("cpu")[0]
+    factors = fit_serving(fit_runs, device)
+    label = "fitted on the even-numbered runs: " + ", ".join(f"{k} {v:.4g}" for k, v in factors.items())
+    return dataclasses.replace(device, factors={**device.factors, **factors}), label, factors
 
 
-def predict(m: dict, cluster) -> dict:
+def predict(m: dict, device) -> dict:
+    """The cost model at the measured rate: simulate() with the deployment's step times on
+    tp x cpu processes (the cluster calibrate.py fits on), over the same requests (lengths and
+    arrival times) the measured run served (planner/executor/loadgen.py draws them alike)."""
     from planner.serve import queue
     from planner.serve.cost import step_fns
     from planner.serve.spec import Deployment, Workload
     from planner.specs.model import ModelSpec
     model = ModelSpec.from_dict(m["model"])
     dep = Deployment(tp=m["deployment"]["tp"], max_batch=m["deployment"]["max_batch"])
-    prefill, decode = step_fns(model, cluster, dep)
+    prefill, decode = step_fns(model, parse_cluster(f"{dep.tp}x{device.name}", device), dep)
     return queue.simulate(prefill, decode, Workload(**m["workload"]), m["rate_qps"], requests=m["requests_offered"],
-                          seed=m["seed"], max_batch=dep.max_batch)
+                          seed=m["seed"], max_batch=dep.max_batch, max_total=model.max_seq)
 
 
 def _pct(pred: float, meas: float) -> str:
@@ -89,10 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"],
                    help="weights and activations (bf16: what the cost model assumes)")
     p.add_argument("--seed", type=int, default=0, help="arrival-time seed")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per rank (1: TP 1 and TP 2 ranks alike get one core; steadier when the "
+                        "machine is shared)")
     args = p.parse_args(argv)
     out = Path(args.out)
-    runs = measure(out, args.precision, args.seed)
-    cluster, label = fitted_cluster(runs[0::2])
+    runs = measure(out, args.precision, args.seed, args.threads)
+    device, label, factors = fitted_device(runs[0::2])
     print(f"\nprediction: {label}")
     print(f"{'deployment':24} {'set':5} {'TTFT ms meas/pred':>22} {'TPOT ms meas/pred':>22} {'QPS meas/pred':>20}")
     rows = []
@@ -100,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         d = m["deployment"]
         name = name_of(m["model"]["name"].rsplit("-", 1)[-1], d["tp"], d["max_batch"], m["rate_qps"])
         try:
-            pr = predict(m, cluster)
+            pr = predict(m, device)
             pred = (pr["ttft_s"]["mean"], pr["tpot_s"]["mean"], pr["achieved_qps"])
         except Exception as exc:  # the cost model is another helper's, still moving: report, keep measuring
             print(f"  (no prediction for {name}: {type(exc).__name__}: {exc})")
@@ -112,7 +117,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{meas[2]:8.2f} / {pred[2]:6.2f} {_pct(pred[2], meas[2]):>5}")
         rows.append({"deployment": name, "set": split, "measured": dict(zip(("ttft_s", "tpot_s", "qps"), meas)),
                      "predicted": dict(zip(("ttft_s", "tpot_s", "qps"), pred))})
-    atomic_write_json(out / "summary.json", {"prediction": label, "precision": args.precision, "rows": rows})
+    for split in ("fit", "test"):
+        errs = [abs(r["predicted"][k] - r["measured"][k]) / r["measured"][k] for r in rows if r["set"] == split
+                for k in ("ttft_s", "tpot_s", "qps") if r["measured"][k]]
+        print(f"{split}: mean |error| over TTFT, TPOT, QPS {100 * sum(errs) / max(1, len(errs)):.0f}%")
+    atomic_write_json(out / "summary.json", {"prediction": label, "factors": factors, "precision": args.precision,
+                                             "rows": rows})
     return 0
 
 

@@ -6,88 +6,64 @@ machine a server thread and a client process would take CPU from the measured fo
 add their own latency to TTFT. What is measured is the engine (scheduling, prefill, decode),
 which is what the serving cost model predicts; HTTP framing is not part of it.
 
-Workload: the serving contract's `planner.serve.spec.Workload` (prompt_len, output_len,
-prompt_sigma, output_sigma, seed) or any object/dict with those fields: lengths are
-log-normal around the given medians when sigma > 0 (median * exp(sigma * N(0, 1)), rounded,
-at least 1), else fixed.
+Workload: the serving contract's `planner.serve.spec.Workload` (or a dict of its fields).
+Lengths and arrivals are drawn exactly as the cost model's simulation draws them
+(planner/serve/queue.py simulate(seed=seed, max_total=max_seq)): one random.Random(seed),
+first Workload.sample (log-normal lengths around the medians), then exponential gaps of mean
+1/rate. A measured run and its simulation therefore see the same requests, and predicted
+vs measured differ by the model, not by sampling. Prompt tokens come from a separate stream.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import random
 from typing import Any
 
 import numpy as np
 
 from planner.errors import SpecError
 from planner.executor.generate import Request
+from planner.serve.spec import Workload
 
 WORKLOAD_FIELDS = ("prompt_len", "output_len", "prompt_sigma", "output_sigma", "seed")
 
 
-@dataclass(frozen=True, slots=True)
-class WorkloadView:
-    """The Workload fields the load generator reads (planner.serve.spec.Workload carries them)."""
-
-    prompt_len: int
-    output_len: int
-    prompt_sigma: float = 0.0
-    output_sigma: float = 0.0
-    seed: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in WORKLOAD_FIELDS}
+def as_workload(workload: Any) -> Workload:
+    """A Workload from a Workload or a dict of its fields (Workload checks the values)."""
+    if isinstance(workload, Workload):
+        return workload
+    if not isinstance(workload, dict) or not {"prompt_len", "output_len"} <= set(workload):
+        raise SpecError("workload", f"needs prompt_len and output_len, got {workload!r}",
+                        "e.g. Workload(prompt_len=32, output_len=16)")
+    return Workload(**{k: workload[k] for k in WORKLOAD_FIELDS if k in workload})
 
 
-def as_workload(workload: Any) -> WorkloadView:
-    """Read a Workload (or a dict with its fields) and check it."""
-    get = workload.get if isinstance(workload, dict) else lambda k, d=None: getattr(workload, k, d)
-    try:
-        w = WorkloadView(prompt_len=int(get("prompt_len")), output_len=int(get("output_len")),
-                         prompt_sigma=float(get("prompt_sigma", 0.0)), output_sigma=float(get("output_sigma", 0.0)),
-                         seed=int(get("seed", 0)))
-    except (TypeError, ValueError):
-        raise SpecError("workload", f"needs integer prompt_len and output_len, got {workload!r}",
-                        "e.g. Workload(prompt_len=32, output_len=16)") from None
-    if w.prompt_len < 1 or w.output_len < 1 or w.prompt_sigma < 0 or w.output_sigma < 0:
-        raise SpecError("workload", f"lengths must be >= 1 and sigmas >= 0, got {w.to_dict()}",
-                        "e.g. --prompt-len 32 --output-len 16")
-    return w
-
-
-def poisson_arrivals(rate_qps: float, n: int, seed: int) -> np.ndarray:
+def poisson_arrivals(rate_qps: float, n: int, rng: random.Random) -> list[float]:
     """Arrival times (s) of n requests of a Poisson process of rate rate_qps: cumulative sums
-    of exponential gaps of mean 1/rate, the first arrival at t = 0."""
-    if not rate_qps > 0:
-        raise SpecError("--rate", f"must be > 0 requests/s, got {rate_qps}", "e.g. --rate 2")
-    gaps = np.random.default_rng(seed).exponential(1.0 / rate_qps, size=n)
-    gaps[0] = 0.0
-    return np.cumsum(gaps)
-
-
-def sample_lengths(median: int, sigma: float, n: int, rng: np.random.Generator, cap: int) -> list[int]:
-    if sigma == 0:
-        return [min(median, cap)] * n
-    draws = median * np.exp(sigma * rng.standard_normal(n))
-    return [int(min(cap, max(1, round(x)))) for x in draws]
+    of exponential gaps of mean 1/rate (the first one after a gap, as simulate() draws them)."""
+    if not (rate_qps > 0 and math.isfinite(rate_qps)):
+        raise SpecError("--rate", f"must be a finite rate > 0 requests/s, got {rate_qps}", "e.g. --rate 2")
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(1.0) / rate_qps
+        out.append(t)
+    return out
 
 
 def make_requests(workload: Any, rate_qps: float, n: int, seed: int, vocab: int, max_seq: int) -> list[Request]:
-    """n requests: Poisson arrivals (seed), prompt/output lengths and prompt tokens (workload.seed);
-    prompt + output fit the context `max_seq`."""
+    """n requests: lengths, then Poisson arrivals, from random.Random(seed) (simulate()'s draws);
+    prompt tokens from numpy (workload.seed); prompt + output fit the context `max_seq`."""
     w = as_workload(workload)
     if n < 1:
         raise SpecError("--requests", f"must be >= 1, got {n}", "e.g. --requests 16")
     if w.prompt_len + w.output_len > max_seq:
         raise SpecError("workload", f"prompt {w.prompt_len} + output {w.output_len} tokens exceed the model's "
                         f"context {max_seq}", "shorten the prompt or the output")
-    rng = np.random.default_rng(w.seed)
-    prompts = sample_lengths(w.prompt_len, w.prompt_sigma, n, rng, max_seq - 1)
-    outputs = sample_lengths(w.output_len, w.output_sigma, n, rng, max_seq - 1)
-    arrivals = poisson_arrivals(rate_qps, n, seed)
-    out = []
-    for i in range(n):
-        p = prompts[i]
-        o = min(outputs[i], max_seq - p)
-        out.append(Request(rid=i, prompt=rng.integers(0, vocab, size=p).tolist(), output_len=o,
-                           arrival_s=float(arrivals[i])))
-    return out
+    if not (rate_qps > 0 and math.isfinite(rate_qps)):
+        raise SpecError("--rate", f"must be a finite rate > 0 requests/s, got {rate_qps}", "e.g. --rate 2")
+    rng = random.Random(seed)
+    lens = w.sample(n, rng, max_seq)
+    arrivals = poisson_arrivals(rate_qps, n, rng)
+    tokens = np.random.default_rng(w.seed)
+    return [Request(rid=i, prompt=tokens.integers(0, vocab, size=p).tolist(), output_len=o, arrival_s=arrivals[i])
+            for i, (p, o) in enumerate(lens)]

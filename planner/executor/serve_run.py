@@ -71,12 +71,14 @@ def _resolve(run_dir_or_model: Any, out_dir: str | Path | None) -> tuple[ModelSp
 
 def run_serving(run_dir_or_model: Any, *, tp: int = 1, max_batch: int = 1, workload: Any, rate_qps: float,
                 requests: int, seed: int = 0, timeout_s: float = 120.0, precision: str = "fp32",
-                out_dir: str | Path | None = None, weights_seed: int = 1234) -> dict[str, Any]:
+                out_dir: str | Path | None = None, weights_seed: int = 1234,
+                threads: int | None = None) -> dict[str, Any]:
     """Serve `requests` seeded requests arriving at `rate_qps` (Poisson) with the model of
     `run_dir_or_model` (a run directory with plan.json, or a ModelSpec with `out_dir`) on `tp`
     TP ranks with `max_batch` cache slots; returns the metrics and writes
     out_dir/serve_metrics.json (default: the run directory). Requests still running at
-    `timeout_s` are dropped (timed_out: true)."""
+    `timeout_s` are dropped (timed_out: true). `threads`: torch threads per rank (default: the
+    cores over the TP ranks; 1 keeps runs comparable on a machine shared with other work)."""
     from planner.executor.loadgen import as_workload, make_requests
     spec, out = _resolve(run_dir_or_model, out_dir)
     w = as_workload(workload)
@@ -92,18 +94,32 @@ def run_serving(run_dir_or_model: Any, *, tp: int = 1, max_batch: int = 1, workl
         raise SpecError("--max-batch", f"must be >= 1, got {max_batch}", "e.g. --max-batch 4")
     if not timeout_s > 0:
         raise SpecError("--timeout", f"must be > 0 s, got {timeout_s}", "e.g. --timeout 120")
+    cores = os.cpu_count() or 1
+    threads = threads if threads is not None else max(1, cores // tp)
+    if threads < 1 or threads * tp > cores:
+        raise SpecError("--threads", f"{threads} threads x TP {tp} do not fit this machine's {cores} cores",
+                        f"use --threads <= {max(1, cores // tp)}")
     reqs = make_requests(w, rate_qps, requests, seed, spec.vocab, spec.max_seq)  # checks before any work
     cfg = {"model": spec.to_dict(), "tp": tp, "max_batch": max_batch, "workload": w.to_dict(),
            "rate_qps": rate_qps, "requests": requests, "seed": seed, "timeout_s": timeout_s,
            "precision": precision, "weights_seed": weights_seed,
-           "max_len": max(len(r.prompt) + r.output_len for r in reqs)}
+           "threads": threads, "max_len": max(len(r.prompt) + r.output_len for r in reqs)}
     start = time.perf_counter()
-    result = serve(cfg) if tp == 1 else _spawn(cfg)
+    if tp == 1:
+        import torch
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            result = serve(cfg)
+        finally:
+            torch.set_num_threads(before)
+    else:
+        result = _spawn(cfg)
     metrics = {"status": "ok", **{k: result[k] for k in ("ttft_s", "tpot_s", "e2e_s", "achieved_qps", "requests",
                                                          "requests_offered", "output_tokens")},
                "rate_qps": rate_qps, "timed_out": result["timed_out"],
                "deployment": {"tp": tp, "replicas": 1, "max_batch": max_batch, "precision": precision,
-                              "prefill_chunk": 0, "kv_cache": "padded"},
+                              "prefill_chunk": 0, "kv_cache": "padded", "threads_per_rank": threads},
                "model": spec.to_dict(), "workload": w.to_dict(), "seed": seed,
                "wall_s": time.perf_counter() - start,
                "decode_steps": result["decode_steps"], "prefills": result["prefills"]}
@@ -149,7 +165,7 @@ def _spawn(cfg: dict[str, Any]) -> dict[str, Any]:
         cfg_file, result_file = Path(tmp) / "config.json", Path(tmp) / "result.json"
         atomic_write_json(cfg_file, cfg)
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(tp),
-                   OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // tp)), PYTHONUNBUFFERED="1")
+                   OMP_NUM_THREADS=str(cfg.get("threads", 1)), PYTHONUNBUFFERED="1")
         cmd = [sys.executable, "-m", "planner.executor.serve_run", "--config", str(cfg_file),
                "--result", str(result_file)]
         procs: list[subprocess.Popen] = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 from planner.executor.generate import (CachedForward, Engine, KVCache, Request, build_model,  # noqa: E402
                                        greedy_cached, greedy_no_cache)
-from planner.executor.loadgen import make_requests, poisson_arrivals, sample_lengths  # noqa: E402
+from planner.executor.loadgen import make_requests, poisson_arrivals  # noqa: E402
 from planner.executor.parallel.groups import TPGroup  # noqa: E402
 from planner.executor.serve_run import METRICS_FILE, run_serving, summarise  # noqa: E402
 
@@ -76,26 +77,30 @@ def test_continuous_batching_gives_each_request_its_own_greedy_tokens() -> None:
 
 def test_poisson_arrivals_have_the_seeded_rate() -> None:
     rate, n = 5.0, 4000
-    t = poisson_arrivals(rate, n, seed=7)
-    gaps = np.diff(t)
-    assert t[0] == 0.0 and np.all(gaps >= 0)
+    t = np.array(poisson_arrivals(rate, n, random.Random(7)))
+    gaps = np.diff(np.concatenate(([0.0], t)))
+    assert np.all(gaps >= 0)
     assert abs(gaps.mean() - 1 / rate) / (1 / rate) < 0.05  # mean gap 0.2 s; 3 sigma = 4.7%
     assert abs((gaps < 1 / rate).mean() - (1 - math.exp(-1))) < 0.03  # P(gap < mean) = 1 - 1/e = 0.632
     counts = np.bincount(t.astype(int))[:-1]  # arrivals per whole second
     assert abs(counts.var() / counts.mean() - 1.0) < 0.2  # Poisson counts: variance = mean
-    assert np.array_equal(t, poisson_arrivals(rate, n, seed=7))
-    assert not np.array_equal(t, poisson_arrivals(rate, n, seed=8))
+    assert abs(len(counts) - n / rate) < 0.05 * n / rate  # 4000 arrivals take ~800 s
+    assert list(t) == poisson_arrivals(rate, n, random.Random(7))
+    assert list(t) != poisson_arrivals(rate, n, random.Random(8))
 
 
 def test_lengths_fixed_without_sigma_and_lognormal_around_the_median() -> None:
-    rng = np.random.default_rng(0)
-    assert sample_lengths(32, 0.0, 3, rng, 255) == [32, 32, 32]
-    draws = sample_lengths(100, 0.5, 4000, rng, 10_000)
-    assert abs(np.median(draws) - 100) < 5
-    assert abs(np.std(np.log(draws)) - 0.5) < 0.03
-    reqs = make_requests({"prompt_len": 20, "output_len": 8, "seed": 1}, 2.0, 4, 0, 1024, 256)
-    assert [(len(r.prompt), r.output_len) for r in reqs] == [(20, 8)] * 4
-    assert all(0 <= tok < 1024 for r in reqs for tok in r.prompt)
+    fixed = make_requests({"prompt_len": 20, "output_len": 8, "seed": 1}, 2.0, 4, 0, 1024, 256)
+    assert [(len(r.prompt), r.output_len) for r in fixed] == [(20, 8)] * 4
+    assert all(0 <= tok < 1024 for r in fixed for tok in r.prompt)
+    spread = make_requests({"prompt_len": 100, "output_len": 50, "prompt_sigma": 0.5, "output_sigma": 0.2},
+                           2.0, 2000, 3, 16, 10_000)
+    prompts = np.array([len(r.prompt) for r in spread])
+    assert abs(np.median(prompts) - 100) < 5 and abs(np.std(np.log(prompts)) - 0.5) < 0.03
+    assert abs(np.median([r.output_len for r in spread]) - 50) < 3
+    assert all(a.arrival_s < b.arrival_s for a, b in zip(spread, spread[1:]))
+    with pytest.raises(SpecError, match="--rate"):
+        make_requests({"prompt_len": 20, "output_len": 8}, float("inf"), 4, 0, 1024, 256)
 
 
 def test_summarise_pins_hand_computed_figures() -> None:
