@@ -14,10 +14,15 @@ stays bit-identical and the TP collectives are the layers' own (Megatron-style, 
   position, learned positions, ALiBi), causal over the cache, masked beyond each slot's
   length. Logits are vocab-parallel: the last position's slices are all-gathered over the
   TP group and the padded rows dropped, so the greedy argmax is the single-process one.
-- Engine: continuous batching (Yu et al. 2022, "Orca", iteration-level scheduling): between
-  decode steps, arrived requests join (each prefill is its own step) while slots are free,
-  and finished ones (output_len tokens or eos) leave. Under TP, rank 0 schedules and
-  broadcasts each step (op, slots, tokens) to the other ranks, which run the same forward.
+- Engine: continuous batching (Yu et al. 2022, "Orca", iteration-level scheduling) with the
+  policy of planner/serve/queue.py simulate (vLLM's default scheduler: waiting prefills first,
+  bounded by max_batch sequences): every step, arrived requests are queued; if one waits and a
+  slot is free, the step is its prefill (one prompt per step); else it is a decode of every
+  running sequence, after which finished ones (output_len tokens or eos) leave. Each step
+  records its forward seconds (time_s) and the engine's own seconds before it since the
+  previous step ended (host_s: scheduling, the step broadcast; 0 after an idle wait). Under
+  TP, rank 0 schedules and broadcasts each step (op, slots, tokens) to the other ranks, which
+  run the same forward.
 """
 from __future__ import annotations
 
@@ -234,23 +239,37 @@ class Engine:
         self.channel = StepChannel(fwd.tp)
         self.prefills: list[dict] = []
         self.decode_steps: list[dict] = []
+        self._last_end: float | None = None
+        self._idle = True
+
+    def _host_s(self, t0: float) -> float:
+        """Seconds since the previous step ended that went to the engine itself (scheduling,
+        the step broadcast to the TP ranks, request bookkeeping): 0 after an idle wait."""
+        host = 0.0 if self._idle or self._last_end is None else max(0.0, t0 - self._last_end)
+        self._idle = False
+        return host
 
     def _prefill(self, req: Request, slot: int) -> int:
+        t_host = time.perf_counter()
         self.channel.send(OP_PREFILL, [slot], req.prompt)
         self.cache.lengths[slot] = 0
         t0 = time.perf_counter()
         nxt = int(self.fwd(self.cache, torch.tensor([req.prompt]), [slot]).argmax(-1))
-        self.prefills.append({"tokens": len(req.prompt), "time_s": time.perf_counter() - t0})
+        self._last_end = time.perf_counter()
+        self.prefills.append({"tokens": len(req.prompt), "time_s": self._last_end - t0,
+                              "host_s": self._host_s(t_host) + (t0 - t_host)})
         return nxt
 
     def _decode(self, running: list[Request]) -> list[int]:
+        t_host = time.perf_counter()
         slots, tokens = [r.slot for r in running], [r.tokens[-1] for r in running]
         self.channel.send(OP_DECODE, slots, tokens)
         context = sum(self.cache.lengths[i] + 1 for i in slots)  # tokens attended, the new one included
         t0 = time.perf_counter()
         nxt = self.fwd(self.cache, torch.tensor(tokens)[:, None], slots).argmax(-1).tolist()
-        self.decode_steps.append({"batch": len(slots), "context_tokens": context,
-                                  "time_s": time.perf_counter() - t0})
+        self._last_end = time.perf_counter()
+        self.decode_steps.append({"batch": len(slots), "context_tokens": context, "time_s": self._last_end - t0,
+                                  "host_s": self._host_s(t_host) + (t0 - t_host)})
         return nxt
 
     def _done(self, req: Request) -> bool:
@@ -267,14 +286,16 @@ class Engine:
         running: list[Request] = []
         finished: list[Request] = []
         free = list(range(self.max_batch))
+        self._idle = True
         try:
             while (waiting or queue or running) and now() < deadline_s:
                 while waiting and waiting[0].arrival_s <= now():
                     queue.append(waiting.pop(0))
                 if not queue and not running:
                     time.sleep(max(0.0, min(waiting[0].arrival_s - now(), deadline_s - now())))
+                    self._idle = True
                     continue
-                while queue and free:  # join: each prefill is its own step
+                if queue and free:  # prefill first: one waiting prompt is this step
                     req = queue.pop(0)
                     req.slot = free.pop(0)
                     req.tokens.append(self._prefill(req, req.slot))
@@ -282,13 +303,13 @@ class Engine:
                     running.append(req)
                     if self._done(req):
                         self._leave(req, running, free, finished, now())
-                if running:
-                    for req, tok in zip(list(running), self._decode(running)):
-                        req.tokens.append(tok)
-                    t = now()
-                    for req in list(running):  # leave
-                        if self._done(req):
-                            self._leave(req, running, free, finished, t)
+                    continue
+                for req, tok in zip(list(running), self._decode(running)):
+                    req.tokens.append(tok)
+                t = now()
+                for req in list(running):  # leave
+                    if self._done(req):
+                        self._leave(req, running, free, finished, t)
         finally:
             self.channel.send(OP_STOP, [], [])
         return finished

@@ -7,8 +7,8 @@ add their own latency to TTFT. What is measured is the engine (scheduling, prefi
 which is what the serving cost model predicts; HTTP framing is not part of it.
 
 Workload: the serving contract's `planner.serve.spec.Workload` (or a dict of its fields).
-Lengths and arrivals are drawn exactly as the cost model's simulation draws them
-(planner/serve/queue.py simulate(seed=seed, max_total=max_seq)): one random.Random(seed),
+Lengths and arrivals come from the cost model's own draw, planner/serve/queue.py
+draw_requests (what simulate(seed=seed, max_total=max_seq) serves): one random.Random(seed),
 first Workload.sample (log-normal lengths around the medians), then exponential gaps of mean
 1/rate. A measured run and its simulation therefore see the same requests, and predicted
 vs measured differ by the model, not by sampling. Prompt tokens come from a separate stream.
@@ -23,6 +23,7 @@ import numpy as np
 
 from planner.errors import SpecError
 from planner.executor.generate import Request
+from planner.serve.queue import draw_requests
 from planner.serve.spec import Workload
 
 WORKLOAD_FIELDS = ("prompt_len", "output_len", "prompt_sigma", "output_sigma", "seed")
@@ -51,7 +52,7 @@ def poisson_arrivals(rate_qps: float, n: int, rng: random.Random) -> list[float]
 
 
 def make_requests(workload: Any, rate_qps: float, n: int, seed: int, vocab: int, max_seq: int) -> list[Request]:
-    """n requests: lengths, then Poisson arrivals, from random.Random(seed) (simulate()'s draws);
+    """n requests: lengths and Poisson arrivals from queue.draw_requests (simulate()'s draw);
     prompt tokens from numpy (workload.seed); prompt + output fit the context `max_seq`."""
     w = as_workload(workload)
     if n < 1:
@@ -61,9 +62,7 @@ def make_requests(workload: Any, rate_qps: float, n: int, seed: int, vocab: int,
                         f"context {max_seq}", "shorten the prompt or the output")
     if not (rate_qps > 0 and math.isfinite(rate_qps)):
         raise SpecError("--rate", f"must be a finite rate > 0 requests/s, got {rate_qps}", "e.g. --rate 2")
-    rng = random.Random(seed)
-    lens = w.sample(n, rng, max_seq)
-    arrivals = poisson_arrivals(rate_qps, n, rng)
+    lens, arrivals = draw_requests(w, rate_qps, n, seed, max_seq)
     tokens = np.random.default_rng(w.seed)
     return [Request(rid=i, prompt=tokens.integers(0, vocab, size=p).tolist(), output_len=o, arrival_s=arrivals[i])
             for i, (p, o) in enumerate(lens)]

@@ -8,12 +8,13 @@ batching, and writes serve_metrics.json atomically (the contract of issue 11):
   ttft_s {mean, p50, p99}, tpot_s {mean, p50, p99}, e2e_s {mean, p50, p99}, achieved_qps,
   requests (finished), requests_offered, rate_qps, deployment {tp, replicas, max_batch,
   precision, prefill_chunk}, model (ModelSpec.to_dict()), workload, decode_steps
-  [{batch, context_tokens, time_s}], prefills [{tokens, time_s}], wall_s, timed_out.
+  [{batch, context_tokens, time_s, host_s}], prefills [{tokens, time_s, host_s}], wall_s, timed_out.
 
 TTFT runs from a request's arrival to its first token (queueing included); TPOT is
 (finish - first token) / (tokens - 1) per request; achieved QPS is finished requests over the
-time from the first arrival to the last finish. Times are taken after a warm-up (two short
-requests served and discarded: nanoGPT bench.py's burn-in).
+time from the first arrival to the last finish. Times are taken after a warm-up
+(warm_up_requests: each prompt length of the run once, and every decode batch size, served and
+discarded). Each step also records host_s, the engine's own seconds before it (generate.py).
 """
 from __future__ import annotations
 
@@ -131,7 +132,7 @@ def serve(cfg: dict[str, Any], tp_group: Any = None) -> dict[str, Any]:
     """One rank's part: build the TP slice, warm up, serve; rank 0 returns the measurements."""
     import torch
 
-    from planner.executor.generate import CachedForward, Engine, Request, build_model
+    from planner.executor.generate import CachedForward, Engine, build_model
     from planner.executor.loadgen import make_requests
     from planner.executor.parallel.groups import SINGLE
     spec = ModelSpec.from_dict(cfg["model"])
@@ -143,18 +144,27 @@ def serve(cfg: dict[str, Any], tp_group: Any = None) -> dict[str, Any]:
         engine.follow()  # warm-up
         engine.follow()
         return {}
-    plen = max(1, min(8, cfg["max_len"] - 2))
-    warm = [Request(rid=-1 - i, prompt=[1] * plen, output_len=min(2, cfg["max_len"] - plen)) for i in range(2)]
-    engine.run(warm)
+    reqs = make_requests(cfg["workload"], cfg["rate_qps"], cfg["requests"], cfg["seed"], spec.vocab, spec.max_seq)
+    engine.run(warm_up_requests(reqs, cfg["max_batch"], cfg["max_len"]))
     engine.prefills.clear()
     engine.decode_steps.clear()
-    reqs = make_requests(cfg["workload"], cfg["rate_qps"], cfg["requests"], cfg["seed"], spec.vocab, spec.max_seq)
     finished = engine.run(reqs, deadline_s=cfg["timeout_s"])
     out = summarise(finished, len(reqs), engine.prefills, engine.decode_steps)
     out["timed_out"] = len(finished) < len(reqs)
     if cfg.get("record_tokens"):  # the tests compare the generated tokens with the plain model's
         out["outputs"] = {str(r.rid): r.tokens for r in finished}
     return out
+
+
+def warm_up_requests(reqs: list, max_batch: int, max_len: int) -> list:
+    """Requests served and discarded before the timed run: one per distinct prompt length of
+    `reqs`, all at time 0, with 2, 3, ... max_batch + 1 output tokens, so every prefill shape
+    and every decode batch size the run will meet has been executed once (the CPU kernels
+    build per shape on first use, as vLLM captures a CUDA graph per batch size at start-up)."""
+    from planner.executor.generate import Request
+    lengths = sorted({len(r.prompt) for r in reqs})
+    return [Request(rid=-1 - i, prompt=[1] * p, output_len=max(1, min(2 + i % max_batch, max_len - p)))
+            for i, p in enumerate(lengths)]
 
 
 def _spawn(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -2,14 +2,18 @@
 
 Input: serve_metrics.json documents written by planner/executor/serve_run.py (`model`:
 ModelSpec.to_dict(), `deployment`: {tp, max_batch, precision, prefill_chunk}, `decode_steps`:
-[{batch, context_tokens, time_s}], `prefills`: [{tokens, time_s}]). Every measured step is
+[{batch, context_tokens, time_s, host_s}], `prefills`: [{tokens, time_s, host_s}]). A step's
+measured seconds are its forward (time_s) plus the engine's own time before it (host_s, absent
+in older files: 0), the whole step as the engine's clock sees it. Every step is
 
-    time = max(compute x prefill_compute_scale, memory / decode_bw_efficiency)
-           + comm x serve_comm_scale + serve_step_overhead_s
+    time = max(compute x compute_scale, memory / decode_bw_efficiency)
+           + comm x serve_comm_scale + serve_step_overhead_s + tp_steps x serve_tp_step_s
 
-with the factor-free terms from cost.prefill_terms / decode_terms. Once it is known which side
-of each max() binds, that is linear in x = (prefill_compute_scale, 1/decode_bw_efficiency,
-serve_comm_scale, serve_step_overhead_s): a least-squares problem (numpy lstsq) on relative
+(planner/serve/cost.py combine; compute_scale: prefill_compute_scale for prefills,
+decode_compute_scale for decode steps) with the factor-free terms from cost.prefill_terms /
+decode_terms. Once it is known which side of each max() binds, that is linear in x =
+(prefill_compute_scale, decode_compute_scale, 1/decode_bw_efficiency, serve_comm_scale,
+serve_step_overhead_s, serve_tp_step_s): a least-squares problem (numpy lstsq) on relative
 errors (each row divided by its measured time). The binding side is taken from the current
 factors and the fit repeated until it no longer changes. A factor no row determines (no TP
 runs: no comm; no compute-bound step) keeps its current value.
@@ -30,11 +34,16 @@ from planner.serve.spec import KV_BYTES, WEIGHT_BYTES, Deployment
 from planner.specs.hardware import DeviceProfile, find_device, parse_cluster, profile_from_dict
 from planner.specs.model import ModelSpec
 
-ORDER = ("prefill_compute_scale", "decode_bw_efficiency", "serve_comm_scale", "serve_step_overhead_s")
+ORDER = ("prefill_compute_scale", "decode_compute_scale", "decode_bw_efficiency", "serve_comm_scale",
+         "serve_step_overhead_s", "serve_tp_step_s")
+MAY_BE_ZERO = (4, 5)
+"""Columns of the fit that may come out 0 (the fixed per-step seconds); the scales must be > 0."""
+Obs = tuple[dict[str, float], float, bool]
 
 
-def _observations(run: dict[str, Any], device: DeviceProfile) -> list[tuple[dict[str, float], float]]:
-    """(factor-free terms, measured seconds) of every step of one serve_metrics.json."""
+def _observations(run: dict[str, Any], device: DeviceProfile) -> list[Obs]:
+    """(factor-free terms, measured seconds, is a decode step) of every step of one
+    serve_metrics.json; measured = time_s + host_s."""
     try:
         model = ModelSpec.from_dict(run["model"])
         d = run["deployment"]
@@ -48,18 +57,33 @@ def _observations(run: dict[str, Any], device: DeviceProfile) -> list[tuple[dict
                         "pass files written by planner.executor.serve_run") from None
     cluster = parse_cluster(f"{dep.tp}x{device.name}", device)
     obs = []
-    for s in steps:
-        if s["time_s"] > 0:
-            obs.append((decode_terms(model, cluster, dep, int(s["batch"]), int(s["context_tokens"])), float(s["time_s"])))
-    for s in prefills:
-        if s["time_s"] > 0:
-            obs.append((prefill_terms(model, cluster, dep, int(s["tokens"]), int(s.get("context", 0))),
-                        float(s["time_s"])))
+    try:
+        for s in steps:
+            if s["time_s"] > 0:
+                obs.append((decode_terms(model, cluster, dep, int(s["batch"]), int(s["context_tokens"])),
+                            float(s["time_s"]) + float(s.get("host_s", 0.0)), True))
+        for s in prefills:
+            if s["time_s"] > 0:
+                obs.append((prefill_terms(model, cluster, dep, int(s["tokens"]), int(s.get("context", 0))),
+                            float(s["time_s"]) + float(s.get("host_s", 0.0)), False))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SpecError("serve_metrics.json", f"has a malformed step ({exc})",
+                        "pass files written by planner.executor.serve_run") from None
     return obs
 
 
-def _predict(obs: list[tuple[dict[str, float], float]], f: dict[str, float]) -> list[float]:
-    return [combine(t, f) for t, _ in obs]
+def _predict(obs: list[Obs], f: dict[str, float]) -> list[float]:
+    return [combine(t, f, decode) for t, _, decode in obs]
+
+
+def _columns(terms: dict[str, float], decode: bool, f: dict[str, float]) -> list[float]:
+    """One row of the linear system: the terms multiplying x (ORDER, 1/decode_bw_efficiency in
+    place of decode_bw_efficiency) once the binding side of the max() is taken from `f`."""
+    scale = f["decode_compute_scale"] if decode else f["prefill_compute_scale"]
+    compute_bound = terms["compute_s"] * scale >= terms["memory_s"] / f["decode_bw_efficiency"]
+    c = terms["compute_s"] if compute_bound else 0.0
+    return [0.0 if decode else c, c if decode else 0.0, 0.0 if compute_bound else terms["memory_s"],
+            terms["comm_s"], 1.0, terms.get("tp_steps", 0.0)]
 
 
 def _mape(pred: list[float], meas: list[float]) -> float:
@@ -79,29 +103,36 @@ def fit_serving(runs: list[dict[str, Any]], device: DeviceProfile | None = None,
     f = {k: float(device.factors.get(k, SERVE_DEFAULTS[k])) for k in ORDER}
     if start:
         f.update(start)
-    meas = np.array([m for _, m in obs])
+    meas = np.array([m for _, m, _ in obs])
+    # the binding side of each max() follows the start: start also from larger compute scales, so
+    # a compute-bound regime the defaults hide can be found; keep the best fit
+    starts = [f] + [{**f, k: f[k] * m} for k in ("decode_compute_scale", "prefill_compute_scale") for m in (2.0, 4.0)]
+    fits = [_fit_from(obs, meas, s0, iters) for s0 in starts]
+    return min(fits, key=lambda g: float(np.sum((np.array(_predict(obs, g)) / meas - 1.0) ** 2)))
+
+
+def _fit_from(obs: list[Obs], meas: np.ndarray, f: dict[str, float], iters: int) -> dict[str, float]:
+    """Alternate: binding sides from `f`, then the linear least squares; until `f` is stable."""
+    n = len(ORDER)
     for _ in range(iters):
-        cols = np.zeros((len(obs), 4))
-        for i, (t, _) in enumerate(obs):
-            compute_bound = t["compute_s"] * f["prefill_compute_scale"] >= t["memory_s"] / f["decode_bw_efficiency"]
-            cols[i] = (t["compute_s"] if compute_bound else 0.0, 0.0 if compute_bound else t["memory_s"],
-                       t["comm_s"], 1.0)
-        x_now = np.array([f["prefill_compute_scale"], 1.0 / f["decode_bw_efficiency"], f["serve_comm_scale"],
-                          f["serve_step_overhead_s"]])
-        free = [j for j in range(4) if np.any(cols[:, j] > 0)]
+        cols = np.array([_columns(t, decode, f) for t, _, decode in obs])
+        x_now = np.array([1.0 / f[k] if k == "decode_bw_efficiency" else f[k] for k in ORDER])
+        free = [j for j in range(n) if np.any(cols[:, j] > 0)]
         x = x_now.copy()
         while free:
-            fixed = [j for j in range(4) if j not in free]
+            fixed = [j for j in range(n) if j not in free]
             rhs = meas - cols[:, fixed] @ x_now[fixed]
             a = cols[:, free] / meas[:, None]
             sol, *_ = np.linalg.lstsq(a, rhs / meas, rcond=None)
-            bad = [free[k] for k, v in enumerate(sol) if v <= 0 and free[k] != 3 or v < 0]
+            bad = [free[k] for k, v in enumerate(sol) if v < 0 or (v == 0 and free[k] not in MAY_BE_ZERO)]
             if not bad:
                 x[free] = sol
                 break
+            for j in bad:  # a negative fixed term is 0; a non-positive scale keeps its current value
+                if j in MAY_BE_ZERO:
+                    x_now[j] = x[j] = 0.0
             free = [j for j in free if j not in bad]
-        new = {"prefill_compute_scale": float(x[0]), "decode_bw_efficiency": float(1.0 / x[1]),
-               "serve_comm_scale": float(x[2]), "serve_step_overhead_s": float(x[3])}
+        new = {k: float(1.0 / x[j] if k == "decode_bw_efficiency" else x[j]) for j, k in enumerate(ORDER)}
         if all(math.isclose(new[k], f[k], rel_tol=1e-9, abs_tol=1e-12) for k in ORDER):
             break
         f = new
@@ -113,7 +144,7 @@ def fit_report(runs: list[dict[str, Any]], factors: dict[str, float], device: De
     if device is None:
         device = find_device("cpu")[0]
     obs = [o for r in runs for o in _observations(r, device)]
-    meas = [m for _, m in obs]
+    meas = [m for _, m, _ in obs]
     before = {k: float(device.factors.get(k, SERVE_DEFAULTS[k])) for k in ORDER}
     return {"steps": len(obs), "mape_before_pct": _mape(_predict(obs, before), meas),
             "mape_after_pct": _mape(_predict(obs, factors), meas), "factors": factors}

@@ -14,19 +14,24 @@ Sources (cited where used):
 - [SA]  Agrawal et al. 2023, "SARATHI: Efficient LLM Inference by Piggybacking Decodes with
         Chunked Prefills" (arXiv 2308.16369): a prompt prefilled in chunks, each chunk's
         queries attending to the chunks before it.
-Every time is the factor-free term (`*_terms`) combined with four named serving factors of the
+Every time is the factor-free term (`*_terms`) combined with six named serving factors of the
 device profile (SERVE_DEFAULTS), fitted by planner/serve/calibrate.py from measured runs:
-    time = max(compute x prefill_compute_scale, memory / decode_bw_efficiency)
-           + comm x serve_comm_scale + serve_step_overhead_s
+    time = max(compute x compute_scale, memory / decode_bw_efficiency)
+           + comm x serve_comm_scale + serve_step_overhead_s + tp_steps x serve_tp_step_s
+compute_scale is prefill_compute_scale for a prefill and decode_compute_scale for a decode step
+(few-row GEMMs reach a lower share of the efficiency curve than a prompt's); tp_steps is 1 under
+TP (the driver sends each step's inputs to the TP workers: vLLM's broadcast of the scheduler
+output) and 0 without.
 """
 from __future__ import annotations
 
 from typing import Callable
 
 from planner.cost.comm import allgather_time, allreduce_time
-from planner.cost.compute import block_gemms
+from planner.cost.compute import LINEAR_CHUNK, block_gemms, ffn_time_divisors, linear_core_flops
 from planner.errors import SpecError
-from planner.serve.memory import (GB, GPU_MEMORY_UTILIZATION, kv_bytes_per_token, kv_bytes_per_token_rank,
+from planner.serve.memory import (GB, GPU_MEMORY_UTILIZATION, cache_read_bytes, kv_bytes_per_token,
+                                  kv_bytes_per_token_rank,
                                   kv_heads_per_rank, linear_weights, serve_memory, weight_bytes, weight_read_bytes)
 from planner.serve.spec import Deployment, ServeEstimate, Target, Workload
 from planner.specs.hardware import ClusterSpec
@@ -50,6 +55,11 @@ SERVE_DEFAULTS: dict[str, float] = {
     # multiplier on the TP all-reduce / logits all-gather time at the link's busbw and latency
     "serve_step_overhead_s": 0.0,
     # fixed seconds per engine step: scheduling, sampling, kernel launches, host sync
+    "decode_compute_scale": 1.0,
+    # multiplier on the decode compute floor (GEMMs of `batch` rows, attention, logits)
+    "serve_tp_step_s": 0.0,
+    # fixed seconds per engine step under TP: the step's inputs sent from the driver to the
+    # TP workers and their start in step (on top of the layers' collectives in comm)
 }
 
 
@@ -119,14 +129,19 @@ def prefill_terms(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, token
         raise SpecError("prefill", f"needs tokens >= 1 and context >= 0, got {tokens}, {context}", "")
     t, k = dep.tp, _slowdown(cluster, dep)
     gemms, _ = block_gemms(model, tokens, 1, t)
-    per_layer = sum(_gemm_s(cluster, dep, g, g) for g in gemms)
+    per_layer = sum(_gemm_s(cluster, dep, g, g) / e for g, e in zip(gemms, ffn_time_divisors(model)))
     keys = context + tokens
-    core = 4.0 * tokens * keys * model.q_size / t
-    per_layer += _gemm_s(cluster, dep, core, 2.0 * tokens * keys * model.dim_per_head)
+    if model.linear_attention:  # chunked, the earlier chunks' state carried: no context term
+        c = min(LINEAR_CHUNK, tokens)
+        per_layer += _gemm_s(cluster, dep, linear_core_flops(model, tokens, 1, t), 2.0 * c * c * model.dim_per_head)
+    else:
+        core = 4.0 * tokens * keys * model.q_size / t
+        per_layer += _gemm_s(cluster, dep, core, 2.0 * tokens * keys * model.dim_per_head)
     logits = 2.0 * model.hidden * model.padded_vocab(t) / t
     compute = (model.layers * per_layer + _gemm_s(cluster, dep, logits, logits)) * k
     memory = weight_read_bytes(model, dep) / t / _hbm(cluster) * k
-    return {"compute_s": compute, "memory_s": memory, "comm_s": _tp_comm_s(model, cluster, dep, tokens, 1)}
+    return {"compute_s": compute, "memory_s": memory, "comm_s": _tp_comm_s(model, cluster, dep, tokens, 1),
+            "tp_steps": 1.0 if t > 1 else 0.0}
 
 
 def decode_terms(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, batch: int,
@@ -142,20 +157,28 @@ def decode_terms(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, batch:
         raise SpecError("decode", f"needs batch >= 1 and context_tokens >= batch, got {batch}, {context_tokens}", "")
     t, k = dep.tp, _slowdown(cluster, dep)
     gemms, _ = block_gemms(model, 1, batch, t)
-    per_layer = sum(_gemm_s(cluster, dep, g, g) for g in gemms)
-    core = 4.0 * context_tokens * model.q_size / t
-    per_layer += _gemm_s(cluster, dep, core, 2.0 * model.dim_per_head * context_tokens / batch)
+    per_layer = sum(_gemm_s(cluster, dep, g, g) / e for g, e in zip(gemms, ffn_time_divisors(model)))
+    if model.linear_attention:  # each sequence's new token against its d x d state
+        per_layer += _gemm_s(cluster, dep, linear_core_flops(model, 1, batch, t), 2.0 * model.dim_per_head ** 2)
+    else:
+        core = 4.0 * context_tokens * model.q_size / t
+        per_layer += _gemm_s(cluster, dep, core, 2.0 * model.dim_per_head * context_tokens / batch)
     logits = 2.0 * batch * model.hidden * model.padded_vocab(t) / t
     compute = (model.layers * per_layer + _gemm_s(cluster, dep, logits, logits)) * k
-    read = weight_read_bytes(model, dep) / t + context_tokens * kv_bytes_per_token_rank(model, dep)
+    read = weight_read_bytes(model, dep) / t + cache_read_bytes(model, dep, batch, context_tokens)
     memory = read / _hbm(cluster) * k
-    return {"compute_s": compute, "memory_s": memory, "comm_s": _tp_comm_s(model, cluster, dep, batch, batch)}
+    return {"compute_s": compute, "memory_s": memory, "comm_s": _tp_comm_s(model, cluster, dep, batch, batch),
+            "tp_steps": 1.0 if t > 1 else 0.0}
 
 
-def combine(terms: dict[str, float], f: dict[str, float]) -> float:
-    """Step seconds from factor-free terms and the serving factors (module docstring)."""
-    return (max(terms["compute_s"] * f["prefill_compute_scale"], terms["memory_s"] / f["decode_bw_efficiency"])
-            + terms["comm_s"] * f["serve_comm_scale"] + f["serve_step_overhead_s"])
+def combine(terms: dict[str, float], f: dict[str, float], decode: bool = False) -> float:
+    """Step seconds from factor-free terms and the serving factors (module docstring); `decode`:
+    the terms are a decode step's (decode_compute_scale on compute), else a prefill's."""
+    scale = f.get("decode_compute_scale", SERVE_DEFAULTS["decode_compute_scale"]) if decode \
+        else f["prefill_compute_scale"]
+    return (max(terms["compute_s"] * scale, terms["memory_s"] / f["decode_bw_efficiency"])
+            + terms["comm_s"] * f["serve_comm_scale"] + f["serve_step_overhead_s"]
+            + terms.get("tp_steps", 0.0) * f.get("serve_tp_step_s", 0.0))
 
 
 def prefill_time_s(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, tokens: int, context: int = 0) -> float:
@@ -166,7 +189,7 @@ def prefill_time_s(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, toke
 def decode_step_time_s(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, batch: int,
                        context_tokens: int) -> float:
     """Seconds of one decode step of the running batch (one engine step, overhead included)."""
-    return combine(decode_terms(model, cluster, dep, batch, context_tokens), serve_factors(cluster))
+    return combine(decode_terms(model, cluster, dep, batch, context_tokens), serve_factors(cluster), decode=True)
 
 
 def prompt_time_s(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, prompt: int) -> float:
@@ -196,14 +219,15 @@ def step_fns(model: ModelSpec, cluster: ClusterSpec, dep: Deployment) -> tuple[C
     def decode(batch: int, context_tokens: int) -> float:
         if batch not in parts:
             d = decode_terms(model, cluster, dep, batch, batch)
-            parts[batch] = (d["memory_s"] - batch * mem_per_ctx, d["compute_s"], d["comm_s"])
-        mem0, comp, comm = parts[batch]
-        if comp * f["prefill_compute_scale"] > 0.5 * (mem0 / f["decode_bw_efficiency"]):
+            parts[batch] = (d["memory_s"] - batch * mem_per_ctx, d["compute_s"], d["comm_s"], d["tp_steps"])
+        mem0, comp, comm, tp_steps = parts[batch]
+        if comp * f["decode_compute_scale"] > 0.5 * (mem0 / f["decode_bw_efficiency"]):
             # the compute floor may bind, and its attention term is not linear in the context
             # (its GEMM efficiency depends on it): the exact path
-            return combine(decode_terms(model, cluster, dep, batch, context_tokens), f)
+            return combine(decode_terms(model, cluster, dep, batch, context_tokens), f, decode=True)
         memory = mem0 + context_tokens * mem_per_ctx
-        return combine({"compute_s": comp, "memory_s": memory, "comm_s": comm}, f)
+        terms = {"compute_s": comp, "memory_s": memory, "comm_s": comm, "tp_steps": tp_steps}
+        return combine(terms, f, decode=True)
     return prefill, decode
 
 

@@ -39,6 +39,24 @@ def _stats(x: list[float]) -> dict[str, float]:
     return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}
 
 
+def draw_requests(workload: Workload, rate_qps: float, n: int, seed: int,
+                  max_total: int | None = None) -> tuple[list[tuple[int, int]], list[float]]:
+    """The n requests that simulate() serves and planner/executor/loadgen.py sends: one
+    random.Random(seed), first Workload.sample (n (prompt, output) lengths), then n exponential
+    gaps of mean 1/rate_qps summed into arrival times (math.inf: all at 0, the gaps still drawn).
+    One function, so a measured run and its simulation serve exactly the same requests."""
+    if n < 1 or not rate_qps > 0:
+        raise ValueError(f"need n >= 1 and rate > 0, got {n}, {rate_qps}")
+    rng = random.Random(seed)
+    lens = workload.sample(n, rng, max_total)
+    arrival, t = [], 0.0
+    for _ in lens:
+        gap = rng.expovariate(1.0)
+        t += 0.0 if math.isinf(rate_qps) else gap / rate_qps
+        arrival.append(t)
+    return lens, arrival
+
+
 def simulate(prefill_fn: StepFn, decode_fn: StepFn, workload: Workload, rate_qps: float, *, requests: int = 300,
              seed: int | None = None, max_batch: int = 1, kv_blocks: int | None = None, block_size: int = 16,
              prefill_chunk: int = 0, max_total: int | None = None) -> dict[str, Any]:
@@ -50,13 +68,7 @@ def simulate(prefill_fn: StepFn, decode_fn: StepFn, workload: Workload, rate_qps
     e2e_s, the achieved throughput and the steps run."""
     if requests < 1 or not rate_qps > 0:
         raise ValueError(f"need requests >= 1 and rate > 0, got {requests}, {rate_qps}")
-    rng = random.Random(workload.seed if seed is None else seed)
-    lens = workload.sample(requests, rng, max_total)
-    arrival, t = [], 0.0
-    for _ in lens:
-        gap = rng.expovariate(1.0)
-        t += 0.0 if math.isinf(rate_qps) else gap / rate_qps
-        arrival.append(t)
+    lens, arrival = draw_requests(workload, rate_qps, requests, workload.seed if seed is None else seed, max_total)
     prompt = [p for p, _ in lens]
     out = [o for _, o in lens]
     need = [math.ceil((p + o) / block_size) for p, o in lens]

@@ -124,8 +124,8 @@ def test_run_serving_writes_the_contract_keys(tmp_path) -> None:
     assert {"p50", "p99"} <= set(m["e2e_s"]) and m["achieved_qps"] > 0 and m["requests"] == 6
     assert m["deployment"]["tp"] == 1 and m["deployment"]["max_batch"] == 4 and m["deployment"]["precision"] == "fp32"
     assert m["model"] == CHATGLM.to_dict()
-    assert set(m["decode_steps"][0]) == {"batch", "context_tokens", "time_s"}
-    assert set(m["prefills"][0]) == {"tokens", "time_s"} and len(m["prefills"]) == 6
+    assert set(m["decode_steps"][0]) == {"batch", "context_tokens", "time_s", "host_s"}
+    assert set(m["prefills"][0]) == {"tokens", "time_s", "host_s"} and len(m["prefills"]) == 6
     assert sum(s["batch"] for s in m["decode_steps"]) == m["output_tokens"] - 6  # the first token comes from prefill
 
 
@@ -154,3 +154,31 @@ def test_serve_bench_cli_refuses_bad_input_with_exit_2(tmp_path, capsys) -> None
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "exceed the model's context 256" in err
     assert not out.exists()
+
+
+def test_engine_follows_the_simulated_scheduling_policy() -> None:
+    """Requests all at time 0 over 2 slots: the engine's steps (prefill first, one prompt per
+    step, then a decode of the running batch) are the simulation's, step for step."""
+    from planner.serve import queue
+    from planner.serve.spec import Workload
+    w = Workload(prompt_len=8, output_len=4, prompt_sigma=0.5, output_sigma=0.5)
+    lens, _ = queue.draw_requests(w, math.inf, 5, seed=3, max_total=CHATGLM.max_seq)
+    calls: list = []
+    queue.simulate(lambda n, c: calls.append(("prefill", n)) or 1e-3,
+                   lambda b, c: calls.append(("decode", b, c)) or 1e-3, w, math.inf, requests=5, seed=3,
+                   max_batch=2, max_total=CHATGLM.max_seq)
+    engine = Engine(CachedForward(build_model(CHATGLM), CHATGLM), max_batch=2, max_len=64)
+    engine.run([Request(rid=i, prompt=[1] * p, output_len=o) for i, (p, o) in enumerate(lens)])
+    assert [s["tokens"] for s in engine.prefills] == [c[1] for c in calls if c[0] == "prefill"]
+    assert [(s["batch"], s["context_tokens"]) for s in engine.decode_steps] == \
+        [c[1:] for c in calls if c[0] == "decode"]
+    # the engine's own seconds are recorded beside each forward; the first step follows an idle wait
+    assert engine.prefills[0]["host_s"] >= 0 and all(s["host_s"] >= 0 for s in engine.decode_steps)
+
+
+def test_warm_up_covers_each_prompt_length_and_batch_size() -> None:
+    from planner.executor.serve_run import warm_up_requests
+    reqs = [Request(rid=i, prompt=[0] * p, output_len=3) for i, p in enumerate((5, 9, 5, 12))]
+    warm = warm_up_requests(reqs, max_batch=2, max_len=13)
+    assert [len(r.prompt) for r in warm] == [5, 9, 12]
+    assert [r.output_len for r in warm] == [2, 3, 1]  # 2, 3, then clipped to the cache (13 - 12)

@@ -14,7 +14,7 @@ from planner.specs.hardware import PROFILES_DIR, find_device, load_profile, pars
 from planner.specs.model import preset, scale
 
 TRUE = {"prefill_compute_scale": 1.7, "decode_bw_efficiency": 0.35, "serve_comm_scale": 3.0,
-        "serve_step_overhead_s": 0.002}
+        "serve_step_overhead_s": 0.002, "decode_compute_scale": 4.0, "serve_tp_step_s": 0.004}
 MODEL = scale(preset("chatglm3-6b"), "tiny")
 
 
@@ -24,8 +24,12 @@ def synthetic(tps=(1, 2), factors=TRUE) -> list[dict]:
     for tp in tps:
         dep = Deployment(tp=tp, max_batch=4, weight_precision="fp32", kv_precision="fp32")
         c = parse_cluster(f"{tp}xcpu", dev)
-        steps = [{"batch": b, "context_tokens": b * ctx, "time_s": combine(decode_terms(MODEL, c, dep, b, b * ctx), factors)}
-                 for b in (1, 2, 4) for ctx in (20, 100, 300)]
+        # measured = forward (time_s) + the engine's own time (host_s): split it 80/20
+        steps = []
+        for b in (1, 2, 4, 8):
+            for ctx in (20, 100, 300):
+                t = combine(decode_terms(MODEL, c, dep, b, b * ctx), factors, decode=True)
+                steps.append({"batch": b, "context_tokens": b * ctx, "time_s": 0.8 * t, "host_s": 0.2 * t})
         pre = [{"tokens": n, "time_s": combine(prefill_terms(MODEL, c, dep, n), factors)} for n in (16, 64, 200)]
         runs.append({"model": MODEL.to_dict(), "deployment": {"tp": tp, "max_batch": 4, "precision": "fp32"},
                      "decode_steps": steps, "prefills": pre})
@@ -60,3 +64,37 @@ def test_bad_runs():
         calibrate.fit_serving([{"model": MODEL.to_dict()}])
     with pytest.raises(SpecError):
         calibrate.fit_serving([{"model": MODEL.to_dict(), "deployment": {"tp": 1}, "decode_steps": [], "prefills": []}])
+
+
+def test_combine_pins_the_decode_scale_and_tp_step_term():
+    f = {"prefill_compute_scale": 2.0, "decode_compute_scale": 5.0, "decode_bw_efficiency": 0.5,
+         "serve_comm_scale": 3.0, "serve_step_overhead_s": 0.001, "serve_tp_step_s": 0.01}
+    t = {"compute_s": 0.1, "memory_s": 0.2, "comm_s": 0.02, "tp_steps": 1.0}
+    # prefill: max(0.1 x 2, 0.2 / 0.5) = 0.4; + 0.02 x 3 + 0.001 + 1 x 0.01
+    assert combine(t, f) == pytest.approx(0.4 + 0.06 + 0.001 + 0.01)
+    # decode: max(0.1 x 5, 0.4) = 0.5 (the compute floor binds)
+    assert combine(t, f, decode=True) == pytest.approx(0.5 + 0.06 + 0.001 + 0.01)
+    # no TP: no step term
+    assert combine({**t, "tp_steps": 0.0}, f, decode=True) == pytest.approx(0.5 + 0.06 + 0.001)
+
+
+def test_terms_count_one_tp_step_under_tp_only():
+    dev = find_device("cpu")[0]
+    for tp, want in ((1, 0.0), (2, 1.0)):
+        c = parse_cluster(f"{tp}xcpu", dev)
+        assert decode_terms(MODEL, c, Deployment(tp=tp), 2, 10)["tp_steps"] == want
+        assert prefill_terms(MODEL, c, Deployment(tp=tp), 10)["tp_steps"] == want
+
+
+def test_host_seconds_count_in_the_measured_step():
+    dev = find_device("cpu")[0]
+    run = {"model": MODEL.to_dict(), "deployment": {"tp": 1, "max_batch": 1},
+           "decode_steps": [{"batch": 1, "context_tokens": 5, "time_s": 0.003, "host_s": 0.001}],
+           "prefills": [{"tokens": 4, "time_s": 0.01}]}  # no host_s (older files): 0
+    assert [(m, d) for _, m, d in calibrate._observations(run, dev)] == [(0.004, True), (0.01, False)]
+
+
+def test_malformed_step_is_a_spec_error():
+    run = {"model": MODEL.to_dict(), "deployment": {"tp": 1}, "decode_steps": [{"batch": 1, "time_s": 0.1}]}
+    with pytest.raises(SpecError):
+        calibrate.fit_serving([run])

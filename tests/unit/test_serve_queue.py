@@ -96,3 +96,26 @@ def test_qps_at_target_bisection():
     assert queue.qps_at_target(run, Target(kind="p50", value=5.0), 1.0) == queue.SUSTAINABLE
     assert queue.qps_at_target(run, Target(kind="qps", value=0.8), 1.0) == 1.0
     assert queue.qps_at_target(run, Target(kind="qps", value=1.5), 1.0) is None
+
+
+def test_draw_requests_is_sample_then_gaps_from_one_seeded_stream():
+    import random
+    w = Workload(prompt_len=10, output_len=4)  # no sigma: sample draws nothing from the stream
+    lens, arrival = queue.draw_requests(w, 2.0, 3, seed=5)
+    rng = random.Random(5)
+    g = [rng.expovariate(1.0) for _ in range(3)]
+    assert lens == [(10, 4)] * 3
+    assert arrival == pytest.approx([g[0] / 2, (g[0] + g[1]) / 2, (g[0] + g[1] + g[2]) / 2])
+    assert queue.draw_requests(w, math.inf, 3, seed=5)[1] == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError):
+        queue.draw_requests(w, 0.0, 3, seed=5)
+
+
+def test_loadgen_sends_the_simulated_requests():
+    pytest.importorskip("torch")
+    from planner.executor.loadgen import make_requests
+    w = Workload(prompt_len=20, output_len=8, prompt_sigma=0.4, output_sigma=0.4)
+    lens, arrival = queue.draw_requests(w, 3.0, 12, seed=9, max_total=64)
+    reqs = make_requests(w, 3.0, 12, 9, vocab=100, max_seq=64)
+    assert [(len(r.prompt), r.output_len) for r in reqs] == lens
+    assert [r.arrival_s for r in reqs] == arrival
