@@ -1,6 +1,7 @@
 """Options shared by several commands, and turning them into specs."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,6 +22,60 @@ def model_options(f: Callable) -> Callable:
                      help="A preset (glm-10b, glm-130b, chatglm-6b, chatglm2-6b, chatglm3-6b, glm-4-9b) "
                           "or a Hugging Face config.json.")(f)
     return f
+
+
+VARIANT_HELP = ("A model-variant what-if (repeatable; docs/variants.md): linear-attention, ffn-sparsity=F "
+                "(0 < F < 1, structured pruning of the FFN), share-layers=K (K consecutive blocks share "
+                "parameters; K divides the layers), sparse-gemm-efficiency=E (0 < E <= 1, FFN GEMM time / E). "
+                "The base model is shown next to the variant.")
+
+
+def variant_option(f: Callable) -> Callable:
+    """--variant, repeatable (planner search, estimate, serve)."""
+    return click.option("--variant", "variants", multiple=True, metavar="VARIANT", help=VARIANT_HELP)(f)
+
+
+def _number(text: str, kind: type, flag: str) -> Any:
+    try:
+        return kind(text)
+    except ValueError:
+        raise SpecError("--variant", f"{flag}={text!r} is not a {'whole ' if kind is int else ''}number",
+                        f"e.g. --variant {flag}={'2' if kind is int else '0.5'}") from None
+
+
+def apply_variants(model: ModelSpec, variants: tuple[str, ...] | list[str]) -> ModelSpec:
+    """The model with the --variant what-ifs applied (ModelSpec.attention_kind, ffn_sparsity,
+    share_layers, sparse_gemm_efficiency), its name suffixed with the variant label. Bad or
+    inapplicable variants raise SpecError (one line, exit 2)."""
+    if not variants:
+        return model
+    fields: dict[str, Any] = {}
+    for raw in variants:
+        key, _, value = raw.strip().lower().partition("=")
+        if key in fields or (key == "linear-attention" and "attention_kind" in fields):
+            raise SpecError("--variant", f"{key} given twice", "give each variant once")
+        if key == "linear-attention":
+            if value:
+                raise SpecError("--variant", f"linear-attention takes no value, got {raw!r}", "--variant linear-attention")
+            fields["attention_kind"] = "linear"
+        elif key == "ffn-sparsity":
+            f = _number(value, float, key)
+            if not 0.0 < f < 1.0:
+                raise SpecError("--variant ffn-sparsity", f"must be in (0, 1), got {value}",
+                                "e.g. --variant ffn-sparsity=0.5 (half the FFN columns pruned)")
+            fields["ffn_sparsity"] = f
+        elif key == "share-layers":
+            fields["share_layers"] = _number(value, int, key)
+        elif key == "sparse-gemm-efficiency":
+            fields["sparse_gemm_efficiency"] = _number(value, float, key)
+        else:
+            raise SpecError("--variant", f"unknown variant {raw!r}",
+                            "use linear-attention, ffn-sparsity=F, share-layers=K or sparse-gemm-efficiency=E")
+    if "sparse_gemm_efficiency" in fields and "ffn_sparsity" not in fields:
+        raise SpecError("--variant sparse-gemm-efficiency", "applies to a pruned FFN only",
+                        "add --variant ffn-sparsity=F")
+    spec = dataclasses.replace(model, **fields)
+    return dataclasses.replace(spec, name=f"{model.name}+{spec.variant_label}")
 
 
 def cluster_options(f: Callable) -> Callable:
@@ -103,7 +158,7 @@ def load_train(model: ModelSpec, cluster: ClusterSpec, global_batch: int | None,
 
 def load_inputs(kw: dict[str, Any]) -> tuple[ModelSpec, ClusterSpec, TrainSpec]:
     """Pop the shared options from a command's kwargs and build the three specs."""
-    model = load_model(kw.pop("model_arg"), kw.pop("scale"))
+    model = apply_variants(load_model(kw.pop("model_arg"), kw.pop("scale")), kw.pop("variants", ()))
     cluster = load_cluster(kw.pop("gpus"), kw.pop("profile_path"), kw.pop("inter_gbps"),
                            kw.pop("inter_latency_us"), kw.pop("intra_gbps"), cpu_mem_gb=kw.pop("cpu_mem_gb"),
                            nvme_gbps=kw.pop("nvme_gbps"), memory_headroom=kw.pop("memory_headroom"))
@@ -118,3 +173,63 @@ def common_inputs(f: Callable) -> Callable:
     return model_options(cluster_options(train_options(f)))
 
 
+
+
+# --- --variant: the variant next to its base ----------------------------------------------------
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _ratio(base: float | None, var: float | None) -> str:
+    return "-" if not base or var is None else f"{var / base:.2f}x"
+
+
+def training_comparison(base_model: ModelSpec, base: Any, model: ModelSpec, est: Any) -> list[tuple[str, str, str, str]]:
+    """(figure, base, variant, variant / base) rows of two training estimates of one plan."""
+    gb = 1e9
+    rows = [("parameters", base_model.params, model.params, ",.0f"),
+            ("step time s", base.step_time_s, est.step_time_s, ".4f"),
+            ("tokens/s", base.tokens_per_s, est.tokens_per_s, ",.0f"),
+            ("model TFLOPs per step", base.model_flops_per_step / 1e12, est.model_flops_per_step / 1e12, ",.2f"),
+            ("peak memory GB", base.peak_memory_gb, est.peak_memory_gb, ".3f"),
+            ("model states GB (peak stage)", _states(base) / gb, _states(est) / gb, ".3f"),
+            ("activations GB (peak stage)", base.stage_memory[base.peak_stage].activations / gb,
+             est.stage_memory[est.peak_stage].activations / gb, ".3f")]
+    return [(k, _fmt(a, f), _fmt(b, f), _ratio(a, b)) for k, a, b, f in rows]
+
+
+def _states(est: Any) -> float:
+    m = est.stage_memory[est.peak_stage]
+    return m.params + m.grads + m.optimizer
+
+
+def serving_comparison(base_model: ModelSpec, base: Any, model: ModelSpec, est: Any,
+                       dep: Any) -> list[tuple[str, str, str, str]]:
+    """(figure, base, variant, variant / base) rows of two serving estimates of one deployment."""
+    from planner.serve.memory import kv_bytes_per_token, state_bytes_per_sequence
+
+    def ms(x: float | None) -> float | None:
+        return None if x is None else x * 1e3
+    rows = [("parameters", base_model.params, model.params, ",.0f"),
+            ("weights GB per GPU", base.memory_gb["weights"], est.memory_gb["weights"], ".3f"),
+            ("KV bytes per token", kv_bytes_per_token(base_model, dep), kv_bytes_per_token(model, dep), ",.0f"),
+            ("state bytes per sequence", state_bytes_per_sequence(base_model, dep),
+             state_bytes_per_sequence(model, dep), ",.0f"),
+            ("max batch (memory)", base.batch_limit, est.batch_limit, "d"),
+            ("TTFT ms (alone)", ms(base.ttft_alone_s), ms(est.ttft_alone_s), ",.2f"),
+            ("TPOT ms (alone)", ms(base.tpot_alone_s), ms(est.tpot_alone_s), ",.3f"),
+            ("TTFT ms (at rate)", ms(base.ttft_s), ms(est.ttft_s), ",.2f"),
+            ("TPOT ms (at rate)", ms(base.tpot_s), ms(est.tpot_s), ",.3f"),
+            ("max QPS", base.max_qps, est.max_qps, ",.2f")]
+    return [(k, _fmt(a, f), _fmt(b, f), _ratio(a, b)) for k, a, b, f in rows]
+
+
+def comparison_table(title: str, rows: list[tuple[str, str, str, str]], base_name: str, name: str) -> Any:
+    from rich.table import Table
+    t = Table(title=title)
+    t.add_column("figure")
+    for col in (f"base {base_name}", f"variant {name}", "variant/base"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(*r)
+    return t

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from planner.cli.common import common_inputs, load_inputs
+from planner.cli.common import common_inputs, comparison_table, load_inputs, training_comparison, variant_option
 from planner.errors import SpecError
 from planner.report.plan_text import (headroom_gb, headroom_text, host_bytes_per_rank, host_memory_text,
                                       plan_memory_flag, short_variants)
@@ -172,6 +172,7 @@ def _print_search(console: Console, result, cluster, run_dir: Path, written: lis
 
 @click.command()
 @common_inputs
+@variant_option
 @click.option("--name", default=None, help="Run directory name (default: <model>_<gpus>).")
 @click.option("--out-dir", default="reports", show_default=True, type=click.Path(file_okay=False),
               help="Parent of the run directory.")
@@ -361,6 +362,7 @@ def _int_list(text: str | None, flag: str) -> tuple[int, ...]:
 
 @click.command()
 @common_inputs
+@variant_option
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree.")
 @click.option("--pp", type=int, default=1, show_default=True, help="Pipeline-parallel degree.")
 @click.option("--zero", type=int, default=0, show_default=True, help="ZeRO stage 0-3 (0-1 with --pp > 1).")
@@ -435,6 +437,8 @@ def estimate(ctx: click.Context, **kw: Any) -> None:
                         f"batch {train.global_batch}", "choose --micro-batch and --global-batch so that "
                         "global batch = micro-batch x accumulation x dp")
     est = cost_estimate(model, cluster, train, plan)
+    compare = training_comparison(model.base(), cost_estimate(model.base(), cluster, train, plan), model, est) \
+        if model.variant_label else None
     runtime = runtime_problems(plan)
     written: list[str] = []
     moved = None
@@ -458,10 +462,15 @@ def estimate(ctx: click.Context, **kw: Any) -> None:
                    host_memory_per_node_gb=host * cluster.gpus_per_node / GB,
                    host_memory_capacity_gb=cluster.host.cpu_memory_gb, runtime_warnings=runtime,
                    written=[str(write_dir / n) for n in written])
+        if compare:
+            doc["variant_comparison"] = {"base": model.base().name, "variant": model.name,
+                                         "rows": [dict(zip(("figure", "base", "variant", "ratio"), r)) for r in compare]}
         click.echo(json.dumps(doc))
         return
     out = _console()
     _print_estimate(out, plan, est, cluster)
+    if compare:
+        out.print(comparison_table(f"--variant: {model.describe()}", compare, model.base().name, model.name))
     for problem in runtime:
         out.print(f"warning: {problem}; this estimate is for comparison with Megatron-LM only")
     if write_dir is not None:

@@ -9,7 +9,8 @@ from typing import Any
 import click
 from rich.table import Table
 
-from planner.cli.common import load_cluster, load_model, model_options
+from planner.cli.common import (apply_variants, comparison_table, load_cluster, load_model, model_options,
+                                 serving_comparison, variant_option)
 from planner.cli.search import _command_line, _console
 from planner.errors import SpecError
 from planner.serve.outputs import latency_curve, launch_script, render_report, write_serve_run
@@ -55,6 +56,7 @@ def _table(ranked: list[ServeEstimate], top: int) -> Table:
 
 @click.command()
 @model_options
+@variant_option
 @click.option("--gpus", required=True, metavar="[NODESx]GPUSxTYPE", help="e.g. 1xA100, 8xH100, 2xcpu.")
 @click.option("--profile", "profile_path", default=None, metavar="PROFILE.JSON",
               help="A measured or calibrated profile replacing the built-in one.")
@@ -87,7 +89,7 @@ def serve(ctx: click.Context, **kw: Any) -> None:
     """Find how to serve a model on the GPUs (TP x replicas, batch, precisions, prefill chunk) and
     write serve_plan.json, serve_top.json, vllm_serve.sh and serve_report.html."""
     command = _command_line(ctx)
-    model = load_model(kw["model_arg"], kw["scale"])
+    model = apply_variants(load_model(kw["model_arg"], kw["scale"]), kw["variants"])
     cluster = load_cluster(kw["gpus"], kw["profile_path"], None, None, None)
     workload = Workload(prompt_len=kw["prompt_len"], output_len=kw["output_len"], prompt_sigma=kw["prompt_sigma"],
                         output_sigma=kw["output_sigma"], seed=kw["seed"])
@@ -153,4 +155,11 @@ def serve(ctx: click.Context, **kw: Any) -> None:
                   f"{result.evaluated} deployments, {result.infeasible} infeasible")
     console.print(_table(ranked, kw["top"]))
     console.print(f"best: {best.deployment.describe()}")
+    if model.variant_label:
+        from planner.serve.cost import estimate_serving
+        base = estimate_serving(model.base(), cluster, best.deployment, workload, target=target,
+                                requests=kw["requests"], seed=kw["seed"])
+        console.print(comparison_table(f"--variant on {best.deployment.describe()}: {model.describe()}",
+                                       serving_comparison(model.base(), base, model, best, best.deployment),
+                                       model.base().name, model.name))
     console.print(f"wrote {run_dir}/: {', '.join(written)}")

@@ -13,6 +13,11 @@ TrainSpec.attention chooses the kernel the executor runs (README "The cost model
   flash kernel has no dropout, so SDPA falls back to its math path, which stores s x s per
   head like eager.
 
+- "linear": causal linear attention (ModelSpec.attention_kind = "linear"; Katharopoulos et
+  al. 2020, arXiv 2006.16236), whatever TrainSpec.attention says: the executor's kernel keeps
+  only q, k, v and recomputes its chunked forward in backward (like flash), never an s x s
+  tensor.
+
 Selective recompute (checkpointing the attention core, Korthikanti et al. 2022, sec. 5)
 only saves memory where the scores are stored: eager or math.
 """
@@ -21,11 +26,13 @@ from __future__ import annotations
 from planner.specs.model import ModelSpec
 from planner.specs.train import TrainSpec
 
-KERNELS = ("flash", "eager", "math")
+KERNELS = ("flash", "eager", "math", "linear")
 
 
 def attention_kernel(model: ModelSpec, train: TrainSpec, device_kind: str) -> str:
-    """The kernel that actually runs: flash, eager or math (the CPU's SDPA fallback)."""
+    """The kernel that actually runs: flash, eager, math (the CPU's SDPA fallback) or linear."""
+    if model.linear_attention:
+        return "linear"
     if train.attention == "eager":
         return "eager"
     if device_kind == "cpu" and model.attention_dropout > 0:
@@ -35,12 +42,13 @@ def attention_kernel(model: ModelSpec, train: TrainSpec, device_kind: str) -> st
 
 def stores_scores(kernel: str) -> bool:
     """Whether the kernel keeps an s x s tensor per head for backward."""
-    return kernel != "flash"
+    return kernel in ("eager", "math")
 
 
 def recomputes_scores(kernel: str) -> bool:
-    """Whether the kernel's backward recomputes QK^T (flash: yes)."""
-    return kernel == "flash"
+    """Whether the kernel's backward recomputes its core forward (flash: QK^T; linear: the
+    whole chunked forward)."""
+    return kernel in ("flash", "linear")
 
 
 def selective_saves_memory(model: ModelSpec, train: TrainSpec, device_kind: str) -> bool:

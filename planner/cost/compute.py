@@ -13,21 +13,47 @@ from planner.cost.attention import KERNELS
 from planner.specs.hardware import DeviceProfile
 from planner.specs.model import ModelSpec
 
+LINEAR_CHUNK = 64
+"""Tokens per chunk of the executor's causal linear attention (planner/executor/model.py
+linear_attention): quadratic inside a chunk, a d x d state carried across chunks."""
+
+
+def linear_core_flops(model: ModelSpec, s: int, b: int, t: int) -> float:
+    """Forward FLOPs of causal linear attention on one TP rank (Katharopoulos et al. 2020,
+    arXiv 2006.16236, eq. 4-6, in the chunked form the executor runs), C = min(LINEAR_CHUNK, s),
+    n = heads/t, g = KV heads/t, d head dim:
+        within chunks: phi(Q) phi(K)^T and @ V, 2 x 2 s C d per query head;
+        across chunks: phi(Q) @ S (2 s d^2 per query head) and the states' updates
+        phi(K)^T V (2 s d^2 per KV head)
+    = 2 b s d (2 C n + (n + g) d). Linear in s: no s^2 term. (The normaliser's d-wide dot
+    products are left out: < 1/d of the rest.)"""
+    c = min(LINEAR_CHUNK, s)
+    n, g, d = model.heads / t, model.kv_heads / t, model.dim_per_head
+    return 2.0 * b * s * d * (2.0 * c * n + (n + g) * d)
+
+
+def ffn_time_divisors(model: ModelSpec) -> tuple[float, ...]:
+    """Per weight GEMM of block_gemms (QKV, out, FFN in, FFN out), what its time is divided by:
+    ModelSpec.sparse_gemm_efficiency on the two FFN GEMMs of a pruned FFN, else 1."""
+    e = model.sparse_gemm_efficiency if model.ffn_sparsity else 1.0
+    return (1.0, 1.0, e, e)
+
 
 def block_gemms(model: ModelSpec, s: int, b: int, t: int) -> tuple[tuple[float, ...], float]:
     """Forward FLOPs of one block on one TP rank: (weight GEMMs, attention-core GEMMs).
 
     Weight GEMMs: QKV projection, attention output, FFN input matrices, FFN output.
     Attention core: QK^T and attention-over-values, 2 b s^2 q each (all heads; no causal
-    halving, as in eq. 3).
+    halving, as in eq. 3); linear attention: linear_core_flops. A pruned FFN
+    (ModelSpec.ffn_sparsity) has ffn_size columns: its two GEMMs scale by about (1 - F).
     """
     tokens = s * b
-    h, q, kv, f, k = model.hidden, model.q_size, model.kv_size, model.ffn_hidden, model.ffn_in_matrices
+    h, q, kv, f, k = model.hidden, model.q_size, model.kv_size, model.ffn_size, model.ffn_in_matrices
     qkv = 2.0 * tokens * h * (q + 2 * kv) / t
     out = 2.0 * tokens * q * h / t
     ffn_in = 2.0 * tokens * h * f * k / t
     ffn_out = 2.0 * tokens * f * h / t
-    core = 2.0 * 2.0 * b * s * s * q / t
+    core = linear_core_flops(model, s, b, t) if model.linear_attention else 2.0 * 2.0 * b * s * s * q / t
     return (qkv, out, ffn_in, ffn_out), core
 
 
@@ -45,7 +71,10 @@ def logits_forward_flops(model: ModelSpec, s: int, b: int, t: int = 1) -> float:
 def flash_recompute_flops(model: ModelSpec, s: int, b: int, t: int = 1) -> float:
     """Extra backward FLOPs of flash attention on one TP rank: it recomputes the scores QK^T
     (2 b s^2 q / t; Dao et al. 2022, arXiv 2205.14135, Algorithm 4) instead of storing them.
-    Hardware FLOPs only, never model FLOPs."""
+    Hardware FLOPs only, never model FLOPs. Linear attention's kernel recomputes its whole
+    forward (linear_core_flops) in backward instead of keeping its chunk states."""
+    if model.linear_attention:
+        return linear_core_flops(model, s, b, t)
     return 2.0 * b * s * s * model.q_size / t
 
 
@@ -67,15 +96,17 @@ def block_compute_times(model: ModelSpec, device: DeviceProfile, s: int, b: int,
     Backward runs two GEMMs of each forward shape (input and weight gradient): 2x forward.
     """
     gemms, core = block_gemms(model, s, b, t)
-    fwd = sum(gemm_time(device, g, precision, compute_scale) for g in gemms)
+    fwd = sum(gemm_time(device, g, precision, compute_scale) / e for g, e in zip(gemms, ffn_time_divisors(model)))
     return fwd, core_time(model, device, core, s, precision, attention_scale)
 
 
 def core_time(model: ModelSpec, device: DeviceProfile, flops: float, s: int, precision: str,
               attention_scale: float) -> float:
     """Seconds of attention-core FLOPs: a batch of b x heads/t small GEMMs (s x d by d x s,
-    or s x s by s x d: 2 s^2 d each), at the efficiency of one of them."""
-    one = 2.0 * s * s * model.dim_per_head
+    or s x s by s x d: 2 s^2 d each), at the efficiency of one of them (linear attention: one
+    chunk's C x d by d x C, 2 C^2 d)."""
+    c = min(LINEAR_CHUNK, s) if model.linear_attention else s
+    one = 2.0 * c * c * model.dim_per_head
     return flops / (device.peak_flops(precision) * device.gemm_eff(one, precision)) * attention_scale
 
 
@@ -88,10 +119,11 @@ def block_elementwise_bytes(model: ModelSpec, s: int, b: int, t: int, act_bytes:
     - sharded by TP: rotary on q/k/v, the FFN activation (GLU);
     - attention scores, only for a kernel that materialises them (eager, math): the softmax
       (read, write) and the attention dropout (read, write, mask) when attention_dropout > 0.
-      Flash fuses both into its kernel.
+      Flash fuses both into its kernel; linear attention has none, but its feature map
+      elu(x) + 1 on q and k (read, write).
     """
     assert kernel in KERNELS, kernel
-    h, q, kv, f, k = model.hidden, model.q_size, model.kv_size, model.ffn_hidden, model.ffn_in_matrices
+    h, q, kv, f, k = model.hidden, model.q_size, model.kv_size, model.ffn_size, model.ffn_in_matrices
     sb = s * b
     e = act_bytes
     rep = sb * h * (2 * 2 * e + 2 * 2 * e)                      # two norms, two residual adds
@@ -99,7 +131,9 @@ def block_elementwise_bytes(model: ModelSpec, s: int, b: int, t: int, act_bytes:
         rep += sb * h * 2 * (2 * e + 1)                         # two dropouts: read, write, mask
     sharded = sb * e * ((q + 2 * kv) * 2 + (k * f + f) * 2)     # rotary on q/k/v, activation (GLU)
     scores = 0.0
-    if kernel != "flash":
+    if kernel == "linear":
+        sharded += sb * e * (q + kv) * 2
+    elif kernel != "flash":
         per_score = 2 * e                                       # softmax: read, write
         if model.attention_dropout > 0:
             per_score += 2 * e + 1                              # dropout: read, write, mask

@@ -61,6 +61,10 @@ def _core_bytes(model: ModelSpec, s: int, b: int, t: int, e: float, kernel: str)
     scores, the attention output)."""
     n, g, d = model.heads / t, model.kv_heads / t, model.dim_per_head
     out = e * b * s * n * d                                    # attention output (SDPA / P V and the dense linear)
+    if kernel == "linear":
+        # causal linear attention (planner/executor/model.py _LinearAttention) keeps q, k, v
+        # only and recomputes its chunks in backward: no s x s term, no logsumexp
+        return e * b * s * (n + 2 * g) * d + out
     if kernel == "flash":
         # q, k, v (rotary outputs and a copy of v) and the fp32 logsumexp b x heads x s
         return e * b * s * (n + 2 * g) * d + FP32 * b * n * s + out
@@ -101,14 +105,17 @@ def block_activation_bytes(model: ModelSpec, s: int, b: int, t: int, *, sequence
         core = e * b * s * (n + 2 * g) * d + e * b * s * n * d
     else:
         core = _core_bytes(model, s, b, t, e, kernel)
-    ffn = e * b * s * model.ffn_hidden / t * (4 if model.glu else 2)
+    ffn = e * b * s * model.ffn_size / t * (4 if model.glu else 2)
     masks = 2 * BOOL * b * sr * h if model.hidden_dropout > 0 else 0.0
     return base + core + ffn + masks
 
 
 def mask_bytes(model: ModelSpec, s: int, b: int, t: int, e: float) -> float:
     """The additive attention mask, causal and within-document: b 1 s s in the activation
-    dtype (ALiBi: b (a/T) s s, the per-head biases folded in)."""
+    dtype (ALiBi: b (a/T) s s, the per-head biases folded in); linear attention builds none
+    (segments are masked chunk by chunk)."""
+    if model.linear_attention:
+        return 0.0
     heads = model.heads / t if model.position == "alibi" else 1
     return e * b * heads * s * s
 

@@ -168,8 +168,10 @@ def _layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
         last_stage_time=last + last_tp, first_stage_tp=first_tp, last_stage_tp=last_tp,
         block_act_bytes=act, block_act_bytes_full_recompute=act_full,
         block_work_bytes=work, first_stage_act_bytes=first_act, last_stage_act_bytes=last_act,
-        block_psi=blk.total, first_stage_psi=fst.total, last_stage_psi=lst.total,
-        block_small=blk.small(thr), first_stage_small=fst.small(thr), last_stage_small=lst.small(thr),
+        # share_layers K: K blocks hold one set of parameters (ModelSpec.share_layers; PP refused)
+        block_psi=blk.total / model.share_layers, first_stage_psi=fst.total, last_stage_psi=lst.total,
+        block_small=blk.small(thr) / model.share_layers, first_stage_small=fst.small(thr),
+        last_stage_small=lst.small(thr),
         fixed_bytes=f["memory_overhead_gb"] * GB,
         in_flight=in_flight,
         block_numels=blk.numels, first_stage_numels=fst.numels, last_stage_numels=lst.numels,

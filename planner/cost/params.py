@@ -56,7 +56,7 @@ def _norm(model: ModelSpec) -> tuple[int, ...]:
 @lru_cache(maxsize=4096)
 def block_tensors(model: ModelSpec, t: int) -> Tensors:
     """One transformer block on one TP rank."""
-    h, q, kv, f, k = model.hidden, model.q_size, model.kv_size, model.ffn_hidden, model.ffn_in_matrices
+    h, q, kv, f, k = model.hidden, model.q_size, model.kv_size, model.ffn_size, model.ffn_in_matrices
     out = list(_norm(model))                                    # input norm (replicated)
     out.append(h * (q + 2 * kv) // t)                           # QKV weight (column)
     if model.qkv_bias:
@@ -94,8 +94,10 @@ def last_stage_tensors(model: ModelSpec, t: int, pp: int) -> Tensors:
 
 
 def stage_tensors(model: ModelSpec, t: int, pp: int, stage: int, blocks: int) -> Tensors:
-    """Every parameter tensor one device of `stage` holds when it has `blocks` blocks."""
-    out = block_tensors(model, t).numels * blocks
+    """Every parameter tensor one device of `stage` holds when it has `blocks` blocks (with
+    share_layers K, blocks / K sets: K consecutive blocks use one; PP is refused with sharing,
+    planner.specs.validate)."""
+    out = block_tensors(model, t).numels * -(-blocks // model.share_layers)
     if stage == 0:
         out = first_stage_tensors(model, t).numels + out
     if stage == pp - 1:

@@ -27,22 +27,33 @@ LOGIT_BYTES = 4.0
 def linear_weights(model: ModelSpec) -> int:
     """Weights of one block's matrices (QKV, attention output, FFN in and out): the ones
     weight-only int8/int4 quantizes."""
-    h, q, kv, f, k = model.hidden, model.q_size, model.kv_size, model.ffn_hidden, model.ffn_in_matrices
+    h, q, kv, f, k = model.hidden, model.q_size, model.kv_size, model.ffn_size, model.ffn_in_matrices
     return h * (q + 2 * kv) + q * h + k * h * f + f * h
 
 
 def weight_bytes(model: ModelSpec, dep: Deployment) -> float:
     """Bytes of the whole model: block matrices at the weight precision (with group scales),
-    everything else (embedding, output layer, biases, norms) in bf16."""
-    quant = model.layers * linear_weights(model)
-    return quant * WEIGHT_BYTES[dep.weight_precision] + (model.params - quant) * 2.0
+    everything else (embedding, output layer, biases, norms) in bf16. Shared layers
+    (ModelSpec.share_layers K) are held once: layers / K blocks."""
+    return _weights(model, dep, model.unique_layers)
+
+
+def _weights(model: ModelSpec, dep: Deployment, blocks: int) -> float:
+    quant = blocks * linear_weights(model)
+    rest = blocks * (model.layer_params - linear_weights(model)) + model.embedding_params + model.output_params
+    return quant * WEIGHT_BYTES[dep.weight_precision] + rest * 2.0
 
 
 def weight_read_bytes(model: ModelSpec, dep: Deployment) -> float:
     """Bytes one forward reads: every weight but the input embedding table, of which only the
-    looked-up rows are touched (a tied embedding is read whole, as the output layer)."""
+    looked-up rows are touched (a tied embedding is read whole, as the output layer).
+
+    Shared layers are read by every layer that uses them (all `layers` blocks, not layers / K):
+    one block's matrices (hundreds of MB at GLM sizes; tiny-model blocks aside) exceed any
+    GPU's L2 cache (50 MB on H100), so the K uses of one weight set are K reads from HBM. Only
+    the memory footprint (weight_bytes) shrinks; decode's weight traffic does not."""
     skip = model.embedding_params if not model.tied_embeddings else model.embedding_params - model.vocab * model.hidden
-    return weight_bytes(model, dep) - skip * 2.0
+    return _weights(model, dep, model.layers) - skip * 2.0
 
 
 def kv_heads_per_rank(model: ModelSpec, tp: int) -> int:
@@ -53,13 +64,38 @@ def kv_heads_per_rank(model: ModelSpec, tp: int) -> int:
 
 def kv_bytes_per_token(model: ModelSpec, dep: Deployment) -> float:
     """KV-cache bytes of one token, whole model [P22 sec. 3.3]: 2 (K and V) x layers x kv_heads
-    x head_dim x bytes at the KV precision. Grouped-query heads (kv_groups) shrink it."""
+    x head_dim x bytes at the KV precision. Grouped-query heads (kv_groups) shrink it. Linear
+    attention keeps no per-token cache (0): state_bytes_per_sequence instead."""
+    if model.linear_attention:
+        return 0.0
     return 2.0 * model.layers * model.kv_heads * model.dim_per_head * KV_BYTES[dep.kv_precision]
 
 
 def kv_bytes_per_token_rank(model: ModelSpec, dep: Deployment) -> float:
-    """KV-cache bytes of one token on one TP rank (kv_heads_per_rank of them)."""
+    """KV-cache bytes of one token on one TP rank (kv_heads_per_rank of them); 0 for linear attention."""
+    if model.linear_attention:
+        return 0.0
     return 2.0 * model.layers * kv_heads_per_rank(model, dep.tp) * model.dim_per_head * KV_BYTES[dep.kv_precision]
+
+
+def state_bytes_per_sequence(model: ModelSpec, dep: Deployment, tp: int = 1) -> float:
+    """Linear attention's recurrent state of one sequence on one of `tp` ranks (Katharopoulos et
+    al. 2020, arXiv 2006.16236, sec. 3.4: the RNN form): per layer and KV head the d x d sum of
+    phi(k) v^T and the d-wide normaliser sum of phi(k), at the KV precision, whatever the
+    context length: layers x kv_heads x (d^2 + d) x bytes. 0 for softmax attention."""
+    if not model.linear_attention:
+        return 0.0
+    d = model.dim_per_head
+    return model.layers * kv_heads_per_rank(model, tp) * (d * d + d) * KV_BYTES[dep.kv_precision]
+
+
+def cache_read_bytes(model: ModelSpec, dep: Deployment, batch: int, context_tokens: int) -> float:
+    """What one decode step reads of the cache on one TP rank: the KV of `context_tokens`
+    tokens [P22], or, with linear attention, the `batch` sequences' fixed states (read and
+    written back once each)."""
+    if model.linear_attention:
+        return 2.0 * batch * state_bytes_per_sequence(model, dep, dep.tp)
+    return context_tokens * kv_bytes_per_token_rank(model, dep)
 
 
 # --- memory -------------------------------------------------------------------------------
@@ -79,15 +115,22 @@ def serve_memory(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, worklo
     capacity = cluster.memory_bytes * GPU_MEMORY_UTILIZATION
     weights = weight_bytes(model, dep) / t
     e = 4.0 if dep.weight_precision == "fp32" else ACT_BYTES
-    act = chunk * (2 * model.hidden + (model.ffn_in_matrices + 1) * model.ffn_hidden / t) * e
+    act = chunk * (2 * model.hidden + (model.ffn_in_matrices + 1) * model.ffn_size / t) * e
     act += dep.max_batch * model.padded_vocab(t) / t * LOGIT_BYTES
     runtime = (cluster.memory_headroom if cluster.memory_headroom is not None
                else train_factor(cluster.device, "memory_overhead_gb")) * GB
     free = capacity - weights - act - runtime
-    block = dep.block_size * kv_bytes_per_token_rank(model, dep)
-    blocks = max(0, int(free // block))
     per_seq = math.ceil(longest / dep.block_size)
-    limit = min(dep.max_batch, blocks // per_seq)
+    if model.linear_attention:
+        # one fixed state per sequence: the batch limit is the states that fit; the queue's KV
+        # blocks are then sized so that `limit` sequences of any admitted length always fit
+        state = state_bytes_per_sequence(model, dep, t)
+        limit = min(dep.max_batch, max(0, int(free // state)))
+        blocks, block = limit * per_seq, limit * state / max(1, limit * per_seq)
+    else:
+        block = dep.block_size * kv_bytes_per_token_rank(model, dep)
+        blocks = max(0, int(free // block))
+        limit = min(dep.max_batch, blocks // per_seq)
     kv = blocks * block
     return {"weights": weights / GB, "kv_cache": kv / GB, "activations": act / GB, "runtime": runtime / GB,
             "total": (weights + kv + act + runtime) / GB, "capacity": capacity / GB,

@@ -17,6 +17,18 @@ NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("pre", "post", "deepnorm")
 ACTIVATIONS = ("gelu", "swiglu", "geglu")
 POSITIONS = ("rotary", "learned", "alibi")
+ATTENTION_KINDS = ("softmax", "linear")
+FFN_ALIGN = 8
+"""A pruned FFN keeps a multiple of this many columns, so every TP degree the planner
+considers (1, 2, 4, 8: TP stays in a node of 8) divides it."""
+SPARSE_GEMM_EFFICIENCY = 1.0
+"""Default ModelSpec.sparse_gemm_efficiency. Structured pruning (whole FFN rows/columns
+removed) leaves dense, smaller matrices: the GEMM runs at the dense kernel's efficiency for
+its size (the profile's gemm_efficiency curve already lowers it for smaller GEMMs), so no
+extra penalty (1.0). For semi-structured 2:4 sparsity on Ampere/Hopper sparse tensor cores,
+Mishra et al. 2021 ("Accelerating Sparse Deep Neural Networks", arXiv 2104.08378, sec. 4)
+measure 1.3-1.6x GEMM speedups where 2x is ideal at F = 0.5: an efficiency of 0.65-0.8
+(pass `sparse-gemm-efficiency=0.7` to model that kernel)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -74,6 +86,20 @@ class ModelSpec:
     rope_interleaved: bool = True
     """Rotated pairs: (2i, 2i+1) (ChatGLM, transformers' GlmForCausalLM) or, False, (i, i + r/2)
     (llama's rotate_half)."""
+    # --- model-variant what-ifs (docs/variants.md); the defaults are the model as published ---
+    attention_kind: str = "softmax"
+    """softmax, or linear: causal linear attention with the elu(x) + 1 feature map (Katharopoulos
+    et al. 2020, "Transformers are RNNs", arXiv 2006.16236): no s x s scores, a d x d state per
+    KV head instead of a KV cache."""
+    ffn_sparsity: float = 0.0
+    """Share F of the FFN's inner columns pruned (structured: whole rows/columns removed, so
+    the matrices are smaller): ffn_size = ffn_hidden x (1 - F), rounded to FFN_ALIGN."""
+    share_layers: int = 1
+    """K consecutive blocks share one set of parameters (ALBERT-style cross-layer sharing, Lan
+    et al. 2019, arXiv 1909.11942): parameters, gradients and optimizer states of layers / K
+    blocks; compute and activations of all layers."""
+    sparse_gemm_efficiency: float = SPARSE_GEMM_EFFICIENCY
+    """Divides the FFN GEMM time of a pruned FFN (ffn_sparsity > 0): see SPARSE_GEMM_EFFICIENCY."""
 
     def __post_init__(self) -> None:
         for field in ("hidden", "layers", "heads", "ffn_hidden", "vocab", "max_seq"):
@@ -110,10 +136,71 @@ class ModelSpec:
             raise SpecError("model.rope_interleaved", f"must be true or false, got {self.rope_interleaved!r}",
                             "use true (ChatGLM, GLM) or false (llama)")
         for field, allowed in (("activation", ACTIVATIONS), ("norm", NORMS),
-                               ("norm_position", NORM_POSITIONS), ("position", POSITIONS)):
+                               ("norm_position", NORM_POSITIONS), ("position", POSITIONS),
+                               ("attention_kind", ATTENTION_KINDS)):
             if getattr(self, field) not in allowed:
                 raise SpecError(f"model.{field}", f"unknown value {getattr(self, field)!r}",
                                 f"use one of {', '.join(allowed)}")
+        self._check_variants()
+
+    def _check_variants(self) -> None:
+        f, k, g = self.ffn_sparsity, self.share_layers, self.sparse_gemm_efficiency
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f < 1.0:
+            raise SpecError("--variant ffn-sparsity", f"must be in (0, 1), got {f!r}",
+                            "e.g. --variant ffn-sparsity=0.5 (half the FFN columns pruned)")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1 or self.layers % k:
+            raise SpecError("--variant share-layers", f"{k!r} does not divide the {self.layers} layers",
+                            f"use a divisor of {self.layers}, e.g. share-layers=2")
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 < g <= 1.0:
+            raise SpecError("--variant sparse-gemm-efficiency", f"must be in (0, 1], got {g!r}",
+                            "1 for structured pruning (dense smaller GEMMs), ~0.7 for 2:4 sparse kernels")
+        if self.attention_kind == "linear" and self.position == "alibi":
+            raise SpecError("--variant linear-attention", f"{self.name} uses ALiBi, a bias on the s x s scores "
+                            "that linear attention never forms", "use it with a rotary or learned-position model")
+
+    # --- variants ---------------------------------------------------------------------
+    @property
+    def linear_attention(self) -> bool:
+        return self.attention_kind == "linear"
+
+    @property
+    def ffn_size(self) -> int:
+        """FFN inner size per matrix as built: ffn_hidden, or after pruning ffn_sparsity of it,
+        ffn_hidden x (1 - F) rounded to a multiple of FFN_ALIGN (at least FFN_ALIGN)."""
+        if not self.ffn_sparsity:
+            return self.ffn_hidden
+        return max(FFN_ALIGN, int(round(self.ffn_hidden * (1.0 - self.ffn_sparsity) / FFN_ALIGN)) * FFN_ALIGN)
+
+    @property
+    def unique_layers(self) -> int:
+        """Blocks with parameters of their own: layers / share_layers."""
+        return self.layers // self.share_layers
+
+    @property
+    def variant_label(self) -> str:
+        """'' for the model as published, else e.g. 'linattn+ffn0.5+share2' (reports, names)."""
+        parts = []
+        if self.linear_attention:
+            parts.append("linattn")
+        if self.ffn_sparsity:
+            parts.append(f"ffn{self.ffn_sparsity:g}")
+            if self.sparse_gemm_efficiency != SPARSE_GEMM_EFFICIENCY:
+                parts.append(f"sgemm{self.sparse_gemm_efficiency:g}")
+        if self.share_layers > 1:
+            parts.append(f"share{self.share_layers}")
+        return "+".join(parts)
+
+    def base(self) -> "ModelSpec":
+        """The same model without variants (the --variant comparison's base column)."""
+        label = self.variant_label
+        name = self.name[:-len(label) - 1] if label and self.name.endswith("+" + label) else self.name
+        return dataclasses.replace(self, name=name, attention_kind="softmax", ffn_sparsity=0.0, share_layers=1,
+                                   sparse_gemm_efficiency=SPARSE_GEMM_EFFICIENCY)
+
+    def describe(self) -> str:
+        """One line: name, shape and the variant, if any."""
+        text = f"{self.name}: {self.layers} x h {self.hidden}, {self.heads} heads, FFN {self.ffn_size}"
+        return text + (f" (variant {self.variant_label})" if self.variant_label else "")
 
     # --- derived shapes -------------------------------------------------------------
     @property
@@ -160,7 +247,7 @@ class ModelSpec:
 
     @property
     def ffn_params(self) -> int:
-        h, f, k = self.hidden, self.ffn_hidden, self.ffn_in_matrices
+        h, f, k = self.hidden, self.ffn_size, self.ffn_in_matrices
         weights = k * h * f + f * h
         biases = (k * f + h) if self.linear_bias else 0
         return weights + biases
@@ -188,8 +275,8 @@ class ModelSpec:
 
     @property
     def params(self) -> int:
-        """Total parameters Psi."""
-        return self.layers * self.layer_params + self.embedding_params + self.output_params
+        """Total parameters Psi (shared blocks counted once: unique_layers)."""
+        return self.unique_layers * self.layer_params + self.embedding_params + self.output_params
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -33,6 +33,9 @@ def plan_problems(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan
     if model.ffn_hidden % plan.tp:
         out.append(f"tp {plan.tp} does not divide the FFN size {model.ffn_hidden}: "
                    f"use a TP degree dividing {math.gcd(model.heads, model.kv_heads, model.ffn_hidden)}")
+    if model.share_layers > 1 and plan.pp > 1:
+        out.append(f"share-layers {model.share_layers} with pp {plan.pp}: a shared block's parameters would "
+                   "have to live on several stages (DeepSpeed's pipeline cannot tie them): use pp 1")
     if plan.pp * plan.interleave > model.layers:
         out.append(f"pp {plan.pp} x interleave {plan.interleave} exceeds the {model.layers} layers")
     if plan.stage_layers:
