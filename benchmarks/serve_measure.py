@@ -145,7 +145,7 @@ def qps_table(out: Path, device, args) -> list[dict]:
         spec = scale(preset("chatglm3-6b"), size)
         run = _runner(spec, device, tp, mb, WORKLOADS[size], QPS_REQUESTS[size], args.seed)
         sat = queue.saturation_qps(run)
-        pred = queue.qps_at_target(run, Target("e2e", "p50", target_ms / 1e3), sat)
+        pred = queue.qps_at_target(run, Target(kind="p50", value=target_ms / 1e3, metric="e2e"), sat)
         t0 = time.perf_counter()
         centre = pred or sat / 2
         meas, probes = measured_qps_at_target(size, tp, mb, target_ms / 1e3, centre / 2.5, min(centre * 2.5, sat),

@@ -72,9 +72,17 @@ def profile(quick: bool, out: str | None, model_arg: str | None, scale: str | No
 @click.option("--out", "out", default=None, metavar="PROFILE.JSON",
               help="Where to write the calibrated profile (default: over --profile; required for a built-in one).")
 @click.option("--no-layers", is_flag=True, help="Fit to the runs only, not to the profile's per-block timings.")
-def calibrate(run_dirs: tuple[str, ...], profile_path: str | None, out: str | None, no_layers: bool) -> None:
+@click.option("--serving", is_flag=True,
+              help="The runs are serving runs (serve_metrics.json, planner serve-bench): fit the serving factors "
+                   "(automatic when every RUN_DIR holds a serve_metrics.json); --profile defaults to the cpu one.")
+def calibrate(run_dirs: tuple[str, ...], profile_path: str | None, out: str | None, no_layers: bool,
+              serving: bool) -> None:
     """Fit the cost model's runtime factors to measured runs (metrics.json) and write them into the profile."""
     import json
+
+    if serving or all(_serve_metrics(d).is_file() for d in run_dirs):
+        _calibrate_serving(run_dirs, profile_path, out)
+        return
 
     from rich.console import Console
     from rich.table import Table
@@ -129,3 +137,43 @@ def _short(plan) -> str:
     """A plan in one short cell, e.g. Z1 1x2x1 mb2 ga4 full bf16."""
     return (f"Z{plan.zero} {plan.tp}x{plan.pp}x{plan.dp} mb{plan.micro_batch} ga{plan.grad_accum} "
             f"{plan.recompute} {plan.precision}")
+
+
+def _serve_metrics(run_dir: str) -> Path:
+    """A serving run's metrics: the file itself, or serve_metrics.json in the directory."""
+    p = Path(run_dir)
+    return p if p.is_file() and p.suffix == ".json" else p / "serve_metrics.json"
+
+
+def _calibrate_serving(run_dirs: tuple[str, ...], profile_path: str | None, out: str | None) -> None:
+    """Fit the serving factors (planner/serve/calibrate.py) to serving runs; write the profile."""
+    import json
+
+    from planner.serve.calibrate import ORDER, write_serving_profile
+    from planner.specs.hardware import PROFILES_DIR
+
+    runs = []
+    for d in run_dirs:
+        f = _serve_metrics(d)
+        try:
+            runs.append(json.loads(f.read_text()))
+        except (OSError, ValueError) as exc:
+            raise SpecError("RUN_DIRS", f"{f}: no readable serve_metrics.json ({exc.__class__.__name__})",
+                            "pass directories written by planner serve-bench") from None
+    profile_path = profile_path or str(PROFILES_DIR / "cpu.json")
+    try:
+        raw = json.loads(Path(profile_path).read_text())
+    except (OSError, ValueError) as exc:
+        raise SpecError("--profile", f"cannot read {profile_path} ({exc.__class__.__name__})",
+                        "pass a profile JSON") from None
+    if out is None:
+        if raw.get("builtin", True) is not False:
+            raise SpecError("--out", f"{profile_path} is a built-in profile", "write the calibrated copy elsewhere: "
+                            "--out profiles/<name>-serving.json")
+        out = profile_path
+    rep = write_serving_profile(profile_path, runs, out)
+    click.echo(f"{len(runs)} serving run(s), {rep['steps']} steps: step-time MAPE {rep['mape_before_pct']:.1f}% -> "
+               f"{rep['mape_after_pct']:.1f}%")
+    for k in ORDER:
+        click.echo(f"  {k} = {rep['factors'][k]:.4g}")
+    click.echo(f"wrote {out}; use it: planner serve --profile {out} ...")

@@ -98,3 +98,23 @@ def test_malformed_step_is_a_spec_error():
     run = {"model": MODEL.to_dict(), "deployment": {"tp": 1}, "decode_steps": [{"batch": 1, "time_s": 0.1}]}
     with pytest.raises(SpecError):
         calibrate.fit_serving([run])
+
+
+def test_calibrate_cli_takes_serving_runs(tmp_path, capsys):
+    from planner.cli import main
+    dirs = []
+    for i, run in enumerate(synthetic()):
+        d = tmp_path / f"run{i}"
+        d.mkdir()
+        (d / "serve_metrics.json").write_text(json.dumps(run))
+        dirs.append(str(d))
+    out = tmp_path / "cpu-serving.json"
+    # serve_metrics.json in every directory: a serving calibration without --serving
+    assert main(["calibrate", *dirs, "--out", str(out)]) == 0
+    assert load_profile(out).factors["decode_compute_scale"] == pytest.approx(4.0, rel=1e-6)
+    # a built-in profile is not overwritten; a missing run is one line; nothing written
+    assert main(["calibrate", "--serving", *dirs]) == 2
+    assert main(["calibrate", "--serving", str(tmp_path / "none"), "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "built-in profile" in err[0] and "serve_metrics.json" in err[1]
+    assert not (tmp_path / "x.json").exists()
