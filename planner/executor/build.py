@@ -32,6 +32,9 @@ def build_module(plan: Plan, spec: ModelSpec, groups: Groups, attention: str = "
     stages = plan.layers_per_stage(spec.layers)
     flags = block_flags(spec, stages, plan.checkpointed_per_stage(spec.layers))
     selective = plan.recompute == "selective"
+    if plan.pp > 1 and spec.share_layers > 1:
+        raise ExecutionError("plan.pp", f"share-layers {spec.share_layers} cannot run under pp {plan.pp} (a shared "
+                             "block's parameters would live on several stages)", "use pp 1")
     if plan.pp == 1:
         return GLMModel(spec, flags, selective, tp=groups.tp, attention=attention, seed=seed)
     return build_pipeline(spec, groups, stages, flags, selective, attention, seed)

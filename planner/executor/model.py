@@ -9,7 +9,10 @@ Faithful to the variants the presets name (ChatGLM/GLM-130B code, THUDM):
 - GELU MLP or GeGLU/SwiGLU (Shazeer 2020), fused [gate | up] as ChatGLM2's dense_h_to_4h;
 - multi-head or grouped/multi-query attention (kv_groups), fused [q | k | v] projection;
 - hidden dropout after the attention output and after the FFN output, attention dropout on
-  the probabilities (ModelSpec.hidden_dropout / attention_dropout), only while training.
+  the probabilities (ModelSpec.hidden_dropout / attention_dropout), only while training;
+- the what-if variants (docs/variants.md): causal linear attention (attention_kind "linear",
+  Katharopoulos et al. 2020; no attention dropout: there are no probabilities), a pruned FFN
+  (ffn_size columns) and K consecutive blocks sharing parameters (share_layers).
 
 Every linear is a Megatron-style tensor-parallel layer (planner/executor/parallel/tensor.py);
 TP = 1 runs the same code with groups of size 1. Attention is TrainSpec.attention: "flash"
@@ -146,7 +149,8 @@ class StageCache:
             bias = slopes[None, :, None, None] * dist[:, None]  # b n s s
         else:
             bias = torch.zeros(allowed.shape, device=segments.device)
-        out = {"mask": bias.to(dtype).masked_fill(~allowed, float("-inf"))}
+        # linear attention masks documents chunk by chunk (linear_attention): no s x s mask
+        out = {} if spec.linear_attention else {"mask": bias.to(dtype).masked_fill(~allowed, float("-inf"))}
         rot = rotary_dims(spec)
         if spec.position == "rotary" and rot:
             inv = 1.0 / (spec.rope_theta ** (torch.arange(0, rot, 2, device=pos.device, dtype=torch.float32) / rot))
@@ -237,6 +241,68 @@ def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     return torch.matmul(probs.view(b, kv, (n // kv) * s, s), v).view(b, n, s, d)
 
 
+LINEAR_CHUNK = 64
+"""Tokens per chunk of linear_attention (planner.cost.compute.LINEAR_CHUNK, the same number)."""
+
+
+def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor,
+                     chunk: int = LINEAR_CHUNK) -> torch.Tensor:
+    """Causal linear attention (Katharopoulos et al. 2020, arXiv 2006.16236, eq. 4-6) with the
+    feature map phi(x) = elu(x) + 1, within documents: out_i = phi(q_i) S_i / phi(q_i) z_i,
+    S_i = sum phi(k_j) v_j^T and z_i = sum phi(k_j) over j <= i of i's document.
+
+    q: b n s d, k and v: b g s d (the query heads of a KV group consecutive), segments: b s
+    document ids, contiguous within a row (packing). Chunks of `chunk` tokens: inside a chunk
+    the masked quadratic form, across chunks a d x d state per KV head for the document open at
+    the chunk boundary (reset when a new document starts). In fp32; returns q's dtype."""
+    b, n, s, d = q.shape
+    g = k.shape[1]
+    qf = (F.elu(q.float()) + 1.0).view(b, g, n // g, s, d)
+    kf, vf = F.elu(k.float()) + 1.0, v.float()
+    state = qf.new_zeros(b, g, d, d)
+    norm = qf.new_zeros(b, g, d)
+    prev = None  # b: document of the token before this chunk
+    outs = []
+    for lo in range(0, s, chunk):
+        hi = min(lo + chunk, s)
+        qc, kc, vc, sc = qf[:, :, :, lo:hi], kf[:, :, lo:hi], vf[:, :, lo:hi], segments[:, lo:hi]
+        causal = torch.ones(hi - lo, hi - lo, dtype=torch.bool, device=q.device).tril()
+        allowed = ((sc[:, :, None] == sc[:, None, :]) & causal).to(qf.dtype)  # b c c
+        scores = torch.einsum("bgmid,bgjd->bgmij", qc, kc) * allowed[:, None, None]
+        num = torch.einsum("bgmij,bgjd->bgmid", scores, vc)
+        den = scores.sum(-1)
+        if prev is not None:
+            carry = (sc == prev[:, None]).to(qf.dtype)[:, None, None]  # b 1 1 c: same document as the state
+            num = num + torch.einsum("bgmid,bgde->bgmie", qc, state) * carry[..., None]
+            den = den + torch.einsum("bgmid,bgd->bgmi", qc, norm) * carry
+        outs.append(num / den[..., None])  # den > 0: phi > 0 and each token attends to itself
+        last = sc[:, -1]
+        own = (sc == last[:, None]).to(qf.dtype)[:, None, :, None]  # b 1 c 1: keys of the open document
+        keep = (last == prev).to(qf.dtype) if prev is not None else torch.zeros_like(last, dtype=qf.dtype)
+        state = state * keep[:, None, None, None] + torch.einsum("bgjd,bgje->bgde", kc * own, vc)
+        norm = norm * keep[:, None, None] + (kc * own).sum(2)
+        prev = last
+    return torch.cat(outs, dim=3).reshape(b, n, s, d).to(q.dtype)
+
+
+class _LinearAttention(torch.autograd.Function):
+    """linear_attention keeping only q, k, v (and the segment ids) for backward, which runs the
+    chunked forward again (like flash attention's recompute): no chunk scores or states kept."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, segments):
+        ctx.save_for_backward(q, k, v, segments)
+        return linear_attention(q, k, v, segments)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, segments = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+            gq, gk, gv = torch.autograd.grad(linear_attention(*leaves, segments), leaves, grad)
+        return gq, gk, gv, None
+
+
 class SelfAttention(nn.Module):
     def __init__(self, spec: ModelSpec, layer: int, tp: TPGroup, attention: str, cache: StageCache,
                  seed: int) -> None:
@@ -262,6 +328,8 @@ class SelfAttention(nn.Module):
             q, k = rotary(q, shared["cos"], shared["sin"], il), rotary(k, shared["cos"], shared["sin"], il)
             v = v.contiguous()  # else the saved v (a view) keeps the whole QKV output alive
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # b n s d
+        if self.spec.linear_attention:
+            return _LinearAttention.apply(q, k, v, segments).transpose(1, 2).flatten(2)
         p = self.spec.attention_dropout if self.training else 0.0
         with tp_rng() if p > 0 else contextlib.nullcontext():  # heads differ per TP rank
             # torch has no memory-efficient CPU kernel with dropout: SDPA would fall back to its
@@ -292,13 +360,14 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, spec: ModelSpec, layer: int, tp: TPGroup, seed: int) -> None:
         super().__init__()
-        if spec.ffn_hidden % tp.size:
-            raise ValueError(f"TP {tp.size} must divide the FFN size {spec.ffn_hidden}")
+        if spec.ffn_size % tp.size:
+            raise ValueError(f"TP {tp.size} must divide the FFN size {spec.ffn_size}")
         self.spec = spec
         name = f"layers.{layer}.mlp"
-        self.dense_h_to_4h = ColumnParallelLinear(spec.hidden, (spec.ffn_hidden,) * spec.ffn_in_matrices,
+        # ffn_size: ffn_hidden, or fewer columns for a pruned FFN (ModelSpec.ffn_sparsity)
+        self.dense_h_to_4h = ColumnParallelLinear(spec.hidden, (spec.ffn_size,) * spec.ffn_in_matrices,
                                                   spec.linear_bias, tp, f"{name}.dense_h_to_4h", seed)
-        self.dense_4h_to_h = RowParallelLinear(spec.ffn_hidden, spec.hidden, spec.linear_bias, tp,
+        self.dense_4h_to_h = RowParallelLinear(spec.ffn_size, spec.hidden, spec.linear_bias, tp,
                                                f"{name}.dense_4h_to_h", seed, std=scaled_std(spec.layers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -458,6 +527,20 @@ def block_flags(spec: ModelSpec, stage_layers: tuple[int, ...], checkpointed: tu
     return flags
 
 
+def share_blocks(blocks: list[Block], k: int) -> None:
+    """ModelSpec.share_layers: blocks i with i % k > 0 use the parameters of block i - i % k (its
+    norms, QKV and output projections and FFN modules), so K consecutive blocks hold one set;
+    nn.Module.parameters() yields each once, so DeepSpeed keeps one set of model states. Each
+    block keeps its own checkpoint flag, attention kernel and stage cache."""
+    for i, blk in enumerate(blocks):
+        if k > 1 and i % k:
+            first = blocks[i - i % k]
+            blk.input_layernorm, blk.post_attention_layernorm = first.input_layernorm, first.post_attention_layernorm
+            blk.self_attention.query_key_value = first.self_attention.query_key_value
+            blk.self_attention.dense = first.self_attention.dense
+            blk.mlp = first.mlp
+
+
 class GLMModel(nn.Module):
     """The whole layer list in one process (pp == 1): embedding -> blocks -> norm -> output."""
 
@@ -469,6 +552,7 @@ class GLMModel(nn.Module):
         self.position = PositionEmbedding(spec, tp, seed) if spec.position == "learned" else None
         self.layers = nn.ModuleList(Block(spec, i, c, selective, tp=tp, attention=attention, cache=cache, seed=seed)
                                     for i, c in enumerate(checkpoint_flags))
+        share_blocks(list(self.layers), spec.share_layers)
         self.final = FinalNorm(spec, tp)
         self.output = None if spec.tied_embeddings else OutputLayer(spec, tp, seed)
         self.loss_fn = LMLoss(spec.vocab, tp)
