@@ -6,7 +6,7 @@ ModelSpec.to_dict(), `deployment`: {tp, max_batch, precision, prefill_chunk}, `d
 measured seconds are its forward (time_s) plus the engine's own time before it (host_s, absent
 in older files: 0), the whole step as the engine's clock sees it. Every step is
 
-    time = max(compute x compute_scale, memory / decode_bw_efficiency)
+    time = max(compute x compute_scale, memory / decode_bw_efficiency)   (CPU: their sum, cost._serial)
            + comm x serve_comm_scale + serve_step_overhead_s + tp_steps x serve_tp_step_s
 
 (planner/serve/cost.py combine; compute_scale: prefill_compute_scale for prefills,
@@ -80,9 +80,11 @@ def _columns(terms: dict[str, float], decode: bool, f: dict[str, float]) -> list
     """One row of the linear system: the terms multiplying x (ORDER, 1/decode_bw_efficiency in
     place of decode_bw_efficiency) once the binding side of the max() is taken from `f`."""
     scale = f["decode_compute_scale"] if decode else f["prefill_compute_scale"]
+    serial = bool(terms.get("serial", 0.0))  # CPU: compute + memory, both sides count
     compute_bound = terms["compute_s"] * scale >= terms["memory_s"] / f["decode_bw_efficiency"]
-    c = terms["compute_s"] if compute_bound else 0.0
-    return [0.0 if decode else c, c if decode else 0.0, 0.0 if compute_bound else terms["memory_s"],
+    c = terms["compute_s"] if compute_bound or serial else 0.0
+    m = terms["memory_s"] if serial or not compute_bound else 0.0
+    return [0.0 if decode else c, c if decode else 0.0, m,
             terms["comm_s"], 1.0, terms.get("tp_steps", 0.0)]
 
 

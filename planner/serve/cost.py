@@ -16,7 +16,7 @@ Sources (cited where used):
         queries attending to the chunks before it.
 Every time is the factor-free term (`*_terms`) combined with six named serving factors of the
 device profile (SERVE_DEFAULTS), fitted by planner/serve/calibrate.py from measured runs:
-    time = max(compute x compute_scale, memory / decode_bw_efficiency)
+    time = max(compute x compute_scale, memory / decode_bw_efficiency)   (GPU; on CPU: their sum)
            + comm x serve_comm_scale + serve_step_overhead_s + tp_steps x serve_tp_step_s
 compute_scale is prefill_compute_scale for a prefill and decode_compute_scale for a decode step
 (few-row GEMMs reach a lower share of the efficiency curve than a prompt's); tp_steps is 1 under
@@ -111,6 +111,15 @@ def _tp_comm_s(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, tokens: 
     return 2 * model.layers * ar + ag
 
 
+def _serial(cluster: ClusterSpec) -> float:
+    """1.0 where a step's weight/KV reads and its FLOPs add instead of overlapping (CPU 'devices':
+    the same cores stream the weights and run the FMAs of a few-row GEMM, no separate copy
+    engine or warp scheduler hides one behind the other; measured on this machine, a small-model
+    decode step grows by ~0.8 ms per extra row from batch 1, where the memory term alone binds
+    under max()); 0.0 on GPUs (the roofline max() [P22])."""
+    return 1.0 if cluster.device.kind == "cpu" else 0.0
+
+
 def _hbm(cluster: ClusterSpec) -> float:
     return cluster.device.hbm_bandwidth_gbps * 1e9
 
@@ -141,7 +150,7 @@ def prefill_terms(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, token
     compute = (model.layers * per_layer + _gemm_s(cluster, dep, logits, logits)) * k
     memory = weight_read_bytes(model, dep) / t / _hbm(cluster) * k
     return {"compute_s": compute, "memory_s": memory, "comm_s": _tp_comm_s(model, cluster, dep, tokens, 1),
-            "tp_steps": 1.0 if t > 1 else 0.0}
+            "tp_steps": 1.0 if t > 1 else 0.0, "serial": _serial(cluster)}
 
 
 def decode_terms(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, batch: int,
@@ -168,7 +177,7 @@ def decode_terms(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, batch:
     read = weight_read_bytes(model, dep) / t + cache_read_bytes(model, dep, batch, context_tokens)
     memory = read / _hbm(cluster) * k
     return {"compute_s": compute, "memory_s": memory, "comm_s": _tp_comm_s(model, cluster, dep, batch, batch),
-            "tp_steps": 1.0 if t > 1 else 0.0}
+            "tp_steps": 1.0 if t > 1 else 0.0, "serial": _serial(cluster)}
 
 
 def combine(terms: dict[str, float], f: dict[str, float], decode: bool = False) -> float:
@@ -176,7 +185,8 @@ def combine(terms: dict[str, float], f: dict[str, float], decode: bool = False) 
     the terms are a decode step's (decode_compute_scale on compute), else a prefill's."""
     scale = f.get("decode_compute_scale", SERVE_DEFAULTS["decode_compute_scale"]) if decode \
         else f["prefill_compute_scale"]
-    return (max(terms["compute_s"] * scale, terms["memory_s"] / f["decode_bw_efficiency"])
+    comp, mem = terms["compute_s"] * scale, terms["memory_s"] / f["decode_bw_efficiency"]
+    return ((comp + mem if terms.get("serial", 0.0) else max(comp, mem))
             + terms["comm_s"] * f["serve_comm_scale"] + f["serve_step_overhead_s"]
             + terms.get("tp_steps", 0.0) * f.get("serve_tp_step_s", 0.0))
 
@@ -205,7 +215,8 @@ def step_fns(model: ModelSpec, cluster: ClusterSpec, dep: Deployment) -> tuple[C
     are cached; where the compute floor may bind it is computed exactly."""
     f = serve_factors(cluster)
     pre: dict[tuple[int, int], float] = {}
-    parts: dict[int, tuple[float, float, float]] = {}
+    parts: dict[int, tuple[float, float, float, float, float]] = {}
+    exact: dict[tuple[int, int], float] = {}
     one = decode_terms(model, cluster, dep, 1, 1)
     two = decode_terms(model, cluster, dep, 1, 2)
     mem_per_ctx = two["memory_s"] - one["memory_s"]
@@ -219,12 +230,16 @@ def step_fns(model: ModelSpec, cluster: ClusterSpec, dep: Deployment) -> tuple[C
     def decode(batch: int, context_tokens: int) -> float:
         if batch not in parts:
             d = decode_terms(model, cluster, dep, batch, batch)
-            parts[batch] = (d["memory_s"] - batch * mem_per_ctx, d["compute_s"], d["comm_s"], d["tp_steps"])
-        mem0, comp, comm, tp_steps = parts[batch]
-        if comp * f["decode_compute_scale"] > 0.5 * (mem0 / f["decode_bw_efficiency"]):
-            # the compute floor may bind, and its attention term is not linear in the context
-            # (its GEMM efficiency depends on it): the exact path
-            return combine(decode_terms(model, cluster, dep, batch, context_tokens), f, decode=True)
+            parts[batch] = (d["memory_s"] - batch * mem_per_ctx, d["compute_s"], d["comm_s"], d["tp_steps"],
+                            d["serial"])
+        mem0, comp, comm, tp_steps, serial = parts[batch]
+        if serial or comp * f["decode_compute_scale"] > 0.5 * (mem0 / f["decode_bw_efficiency"]):
+            # the compute floor may bind (always counts where serial), and its attention term is
+            # not linear in the context (its GEMM efficiency depends on it): the exact path
+            key = (batch, context_tokens)
+            if key not in exact:
+                exact[key] = combine(decode_terms(model, cluster, dep, batch, context_tokens), f, decode=True)
+            return exact[key]
         memory = mem0 + context_tokens * mem_per_ctx
         terms = {"compute_s": comp, "memory_s": memory, "comm_s": comm, "tp_steps": tp_steps}
         return combine(terms, f, decode=True)

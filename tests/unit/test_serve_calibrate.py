@@ -118,3 +118,15 @@ def test_calibrate_cli_takes_serving_runs(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "built-in profile" in err[0] and "serve_metrics.json" in err[1]
     assert not (tmp_path / "x.json").exists()
+
+
+def test_combine_adds_memory_and_compute_where_serial():
+    f = {"prefill_compute_scale": 2.0, "decode_compute_scale": 5.0, "decode_bw_efficiency": 0.5,
+         "serve_comm_scale": 3.0, "serve_step_overhead_s": 0.001, "serve_tp_step_s": 0.01}
+    t = {"compute_s": 0.1, "memory_s": 0.2, "comm_s": 0.02, "tp_steps": 1.0, "serial": 1.0}
+    # CPU: 0.1 x 2 + 0.2 / 0.5 = 0.6 (prefill), 0.1 x 5 + 0.4 = 0.9 (decode); + 0.06 + 0.001 + 0.01
+    assert combine(t, f) == pytest.approx(0.6 + 0.071)
+    assert combine(t, f, decode=True) == pytest.approx(0.9 + 0.071)
+    # the fit's row carries both sides: [prefill scale, decode scale, 1/eff, comm, overhead, tp step]
+    assert calibrate._columns(t, True, f) == [0.0, 0.1, 0.2, 0.02, 1.0, 1.0]
+    assert calibrate._columns({**t, "serial": 0.0}, True, f) == [0.0, 0.1, 0.0, 0.02, 1.0, 1.0]

@@ -64,6 +64,25 @@ def test_decode_memory_bound():
         2 * 153_728e-12 + 1e-3)
 
 
+def test_cpu_adds_memory_and_compute():
+    # a CPU 'device' streams the weights and runs the FMAs on the same cores: no overlap, the
+    # step is memory + compute (cost._serial), where the GPU roofline takes their max
+    cpu = dataclasses.replace(DEVICE, kind="cpu")
+    t = cost.decode_terms(MODEL, cluster(device=cpu), Deployment(), 1, 100)
+    assert t["serial"] == 1.0 and cost.decode_terms(MODEL, cluster(), Deployment(), 1, 100)["serial"] == 0.0
+    # memory 153,728 B at 1e12 B/s + compute (2 x (57,344 + 25,600) + 12,800) = 178,688 FLOPs at 5e13
+    assert cost.decode_step_time_s(MODEL, cluster(device=cpu), Deployment(), 1, 100) == pytest.approx(
+        153_728e-12 + 178_688 / 5e13)
+    # prefill of 100 tokens: its compute (as below) + the 128,128 B weight read
+    flops = 2 * (2 * 100 * 28_672 + 4 * 100 * 100 * 64) + 2 * 64 * 100
+    assert cost.prefill_time_s(MODEL, cluster(device=cpu), Deployment(), 100) == pytest.approx(
+        flops / 5e13 + 128_128 / 1e12)
+    # step_fns (the simulation's memoised path) agrees with the direct one
+    pre, dec = cost.step_fns(MODEL, cluster(device=cpu), Deployment())
+    assert dec(1, 100) == pytest.approx(153_728e-12 + 178_688 / 5e13)
+    assert pre(100, 0) == pytest.approx(flops / 5e13 + 128_128 / 1e12)
+
+
 def test_decode_compute_floor_at_large_batch():
     # batch 4096 with 1 token each: GEMMs 2 x 4096 x 28,672 per layer dwarf the weight read
     t = cost.decode_terms(MODEL, cluster(), Deployment(), 4096, 4096)
