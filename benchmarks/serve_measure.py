@@ -83,16 +83,18 @@ def _runner(model, device, dep_tp: int, max_batch: int, workload: dict, requests
     """rate -> simulate() of the deployment with the device's step times, over the requests
     the measured run serves (queue.draw_requests, as planner/executor/loadgen.py)."""
     from planner.serve import queue
-    from planner.serve.cost import step_fns
+    from planner.serve.cost import serve_factor, step_fns
     from planner.serve.spec import Deployment, Workload
     dep = Deployment(tp=dep_tp, max_batch=max_batch)
-    prefill, decode = step_fns(model, parse_cluster(f"{dep.tp}x{device.name}", device), dep)
+    cluster = parse_cluster(f"{dep.tp}x{device.name}", device)
+    prefill, decode = step_fns(model, cluster, dep)
+    wake = serve_factor(cluster, "serve_wake_s")
     cache: dict = {}
 
     def run(rate: float) -> dict:
         if rate not in cache:
             cache[rate] = queue.simulate(prefill, decode, Workload(**workload), rate, requests=requests, seed=seed,
-                                         max_batch=max_batch, max_total=model.max_seq)
+                                         max_batch=max_batch, max_total=model.max_seq, wake_s=wake)
         return cache[rate]
     return run
 

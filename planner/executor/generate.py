@@ -19,8 +19,9 @@ stays bit-identical and the TP collectives are the layers' own (Megatron-style, 
   bounded by max_batch sequences): every step, arrived requests are queued; if one waits and a
   slot is free, the step is its prefill (one prompt per step); else it is a decode of every
   running sequence, after which finished ones (output_len tokens or eos) leave. Each step
-  records its forward seconds (time_s) and the engine's own seconds before it since the
-  previous step ended (host_s: scheduling, the step broadcast; 0 after an idle wait). Under
+  records its forward seconds (time_s), the engine's own seconds before it since the
+  previous step ended (host_s: scheduling, the step broadcast; 0 after an idle wait) and
+  whether it is the first step after an idle wait (after_idle: the engine slept for an arrival). Under
   TP, rank 0 schedules and broadcasts each step (op, slots, tokens) to the other ranks, which
   run the same forward.
 """
@@ -256,8 +257,9 @@ class Engine:
         t0 = time.perf_counter()
         nxt = int(self.fwd(self.cache, torch.tensor([req.prompt]), [slot]).argmax(-1))
         self._last_end = time.perf_counter()
+        idle = self._idle
         self.prefills.append({"tokens": len(req.prompt), "time_s": self._last_end - t0,
-                              "host_s": self._host_s(t_host) + (t0 - t_host)})
+                              "host_s": self._host_s(t_host) + (t0 - t_host), "after_idle": idle})
         return nxt
 
     def _decode(self, running: list[Request]) -> list[int]:
@@ -268,8 +270,9 @@ class Engine:
         t0 = time.perf_counter()
         nxt = self.fwd(self.cache, torch.tensor(tokens)[:, None], slots).argmax(-1).tolist()
         self._last_end = time.perf_counter()
+        idle = self._idle
         self.decode_steps.append({"batch": len(slots), "context_tokens": context, "time_s": self._last_end - t0,
-                                  "host_s": self._host_s(t_host) + (t0 - t_host)})
+                                  "host_s": self._host_s(t_host) + (t0 - t_host), "after_idle": idle})
         return nxt
 
     def _done(self, req: Request) -> bool:

@@ -8,7 +8,8 @@ batching, and writes serve_metrics.json atomically (the contract of issue 11):
   ttft_s {mean, p50, p99}, tpot_s {mean, p50, p99}, e2e_s {mean, p50, p99}, achieved_qps,
   requests (finished), requests_offered, rate_qps, deployment {tp, replicas, max_batch,
   precision, prefill_chunk}, model (ModelSpec.to_dict()), workload, decode_steps
-  [{batch, context_tokens, time_s, host_s}], prefills [{tokens, time_s, host_s}], wall_s, timed_out.
+  [{batch, context_tokens, time_s, host_s, after_idle}], prefills [{tokens, time_s, host_s,
+  after_idle}], wall_s, timed_out.
 
 TTFT runs from a request's arrival to its first token (queueing included); TPOT is
 (finish - first token) / (tokens - 1) per request; achieved QPS is finished requests over the

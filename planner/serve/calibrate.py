@@ -8,12 +8,13 @@ in older files: 0), the whole step as the engine's clock sees it. Every step is
 
     time = max(compute x compute_scale, memory / decode_bw_efficiency)   (CPU: their sum, cost._serial)
            + comm x serve_comm_scale + serve_step_overhead_s + tp_steps x serve_tp_step_s
+           + after_idle x serve_wake_s   (after_idle: the step's field, absent in older files: 0)
 
 (planner/serve/cost.py combine; compute_scale: prefill_compute_scale for prefills,
 decode_compute_scale for decode steps) with the factor-free terms from cost.prefill_terms /
 decode_terms. Once it is known which side of each max() binds, that is linear in x =
 (prefill_compute_scale, decode_compute_scale, 1/decode_bw_efficiency, serve_comm_scale,
-serve_step_overhead_s, serve_tp_step_s): a least-squares problem (numpy lstsq) on relative
+serve_step_overhead_s, serve_tp_step_s, serve_wake_s): a least-squares problem (numpy lstsq) on relative
 errors (each row divided by its measured time). The binding side is taken from the current
 factors and the fit repeated until it no longer changes. A factor no row determines (no TP
 runs: no comm; no compute-bound step) keeps its current value.
@@ -35,8 +36,8 @@ from planner.specs.hardware import DeviceProfile, find_device, parse_cluster, pr
 from planner.specs.model import ModelSpec
 
 ORDER = ("prefill_compute_scale", "decode_compute_scale", "decode_bw_efficiency", "serve_comm_scale",
-         "serve_step_overhead_s", "serve_tp_step_s")
-MAY_BE_ZERO = (4, 5)
+         "serve_step_overhead_s", "serve_tp_step_s", "serve_wake_s")
+MAY_BE_ZERO = (4, 5, 6)
 """Columns of the fit that may come out 0 (the fixed per-step seconds); the scales must be > 0."""
 Obs = tuple[dict[str, float], float, bool]
 
@@ -60,11 +61,13 @@ def _observations(run: dict[str, Any], device: DeviceProfile) -> list[Obs]:
     try:
         for s in steps:
             if s["time_s"] > 0:
-                obs.append((decode_terms(model, cluster, dep, int(s["batch"]), int(s["context_tokens"])),
+                obs.append(({**decode_terms(model, cluster, dep, int(s["batch"]), int(s["context_tokens"])),
+                             "wake": float(bool(s.get("after_idle", False)))},
                             float(s["time_s"]) + float(s.get("host_s", 0.0)), True))
         for s in prefills:
             if s["time_s"] > 0:
-                obs.append((prefill_terms(model, cluster, dep, int(s["tokens"]), int(s.get("context", 0))),
+                obs.append(({**prefill_terms(model, cluster, dep, int(s["tokens"]), int(s.get("context", 0))),
+                             "wake": float(bool(s.get("after_idle", False)))},
                             float(s["time_s"]) + float(s.get("host_s", 0.0)), False))
     except (KeyError, TypeError, ValueError) as exc:
         raise SpecError("serve_metrics.json", f"has a malformed step ({exc})",
@@ -85,7 +88,7 @@ def _columns(terms: dict[str, float], decode: bool, f: dict[str, float]) -> list
     c = terms["compute_s"] if compute_bound or serial else 0.0
     m = terms["memory_s"] if serial or not compute_bound else 0.0
     return [0.0 if decode else c, c if decode else 0.0, m,
-            terms["comm_s"], 1.0, terms.get("tp_steps", 0.0)]
+            terms["comm_s"], 1.0, terms.get("tp_steps", 0.0), terms.get("wake", 0.0)]
 
 
 def _mape(pred: list[float], meas: list[float]) -> float:

@@ -18,6 +18,7 @@ Every time is the factor-free term (`*_terms`) combined with six named serving f
 device profile (SERVE_DEFAULTS), fitted by planner/serve/calibrate.py from measured runs:
     time = max(compute x compute_scale, memory / decode_bw_efficiency)   (GPU; on CPU: their sum)
            + comm x serve_comm_scale + serve_step_overhead_s + tp_steps x serve_tp_step_s
+           (+ serve_wake_s on the first step after an idle wait: planner/serve/queue.py simulate)
 compute_scale is prefill_compute_scale for a prefill and decode_compute_scale for a decode step
 (few-row GEMMs reach a lower share of the efficiency curve than a prompt's); tp_steps is 1 under
 TP (the driver sends each step's inputs to the TP workers: vLLM's broadcast of the scheduler
@@ -60,6 +61,10 @@ SERVE_DEFAULTS: dict[str, float] = {
     "serve_tp_step_s": 0.0,
     # fixed seconds per engine step under TP: the step's inputs sent from the driver to the
     # TP workers and their start in step (on top of the layers' collectives in comm)
+    "serve_wake_s": 0.0,
+    # fixed seconds added to the first step after the engine sat idle waiting for an arrival:
+    # the process woken from its sleep, its core's caches and clock run down by the wait
+    # (measured on this CPU: tiny prefills 2.4-3.6 ms after a wait, 1.6-2.1 ms back to back)
 }
 
 
@@ -188,7 +193,8 @@ def combine(terms: dict[str, float], f: dict[str, float], decode: bool = False) 
     comp, mem = terms["compute_s"] * scale, terms["memory_s"] / f["decode_bw_efficiency"]
     return ((comp + mem if terms.get("serial", 0.0) else max(comp, mem))
             + terms["comm_s"] * f["serve_comm_scale"] + f["serve_step_overhead_s"]
-            + terms.get("tp_steps", 0.0) * f.get("serve_tp_step_s", 0.0))
+            + terms.get("tp_steps", 0.0) * f.get("serve_tp_step_s", 0.0)
+            + terms.get("wake", 0.0) * f.get("serve_wake_s", 0.0))
 
 
 def prefill_time_s(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, tokens: int, context: int = 0) -> float:

@@ -59,12 +59,13 @@ def draw_requests(workload: Workload, rate_qps: float, n: int, seed: int,
 
 def simulate(prefill_fn: StepFn, decode_fn: StepFn, workload: Workload, rate_qps: float, *, requests: int = 300,
              seed: int | None = None, max_batch: int = 1, kv_blocks: int | None = None, block_size: int = 16,
-             prefill_chunk: int = 0, max_total: int | None = None) -> dict[str, Any]:
+             prefill_chunk: int = 0, max_total: int | None = None, wake_s: float = 0.0) -> dict[str, Any]:
     """Serve `requests` requests arriving at `rate_qps` (math.inf: all at time 0) on one engine.
 
     prefill_fn(tokens, context) and decode_fn(batch, context_tokens) give step seconds
     (context_tokens: tokens attended by the whole batch, each sequence's cached tokens plus its
-    new one). Returns mean/p50/p99 of ttft_s, tpot_s (per output token after the first) and
+    new one). wake_s: added to the first step after the engine sat idle waiting for an arrival
+    (cost.SERVE_DEFAULTS serve_wake_s; the first step of all included). Returns mean/p50/p99 of ttft_s, tpot_s (per output token after the first) and
     e2e_s, the achieved throughput and the steps run."""
     if requests < 1 or not rate_qps > 0:
         raise ValueError(f"need requests >= 1 and rate > 0, got {requests}, {rate_qps}")
@@ -81,7 +82,7 @@ def simulate(prefill_fn: StepFn, decode_fn: StepFn, workload: Workload, rate_qps
     prefilling: deque[int] = deque()
     decoding: list[int] = []
     ctx_sum = 0
-    nxt, finished, now, last_decode, steps = 0, 0, 0.0, True, 0
+    nxt, finished, now, last_decode, steps, idle = 0, 0, 0.0, True, 0, True
     while finished < requests:
         while nxt < requests and arrival[nxt] <= now:
             waiting.append(nxt)
@@ -95,8 +96,12 @@ def simulate(prefill_fn: StepFn, decode_fn: StepFn, workload: Workload, rate_qps
                 raise ValueError(f"request of {prompt[waiting[0]] + out[waiting[0]]} tokens needs "
                                  f"{need[waiting[0]]} KV blocks, the cache has {kv_blocks}")
             now = arrival[nxt]
+            idle = True
             continue
         steps += 1
+        if idle:
+            now += wake_s
+            idle = False
         if prefilling and (prefill_chunk == 0 or not decoding or last_decode):
             i = prefilling[0]
             n = prompt[i] - done_pre[i]
@@ -139,15 +144,17 @@ def replica_runner(model: Any, cluster: Any, dep: Any, workload: Workload, mem: 
                    requests: int = 300, seed: int | None = None) -> Callable[[float], dict[str, Any]]:
     """rate (all replicas) -> simulate() of one replica at rate / replicas (a Poisson stream split
     evenly is Poisson), with its achieved throughput scaled back to all replicas."""
-    from planner.serve.cost import step_fns
+    from planner.serve.cost import serve_factor, step_fns
     prefill, decode = step_fns(model, cluster, dep)
+    wake = serve_factor(cluster, "serve_wake_s")
     cache: dict[float, dict[str, Any]] = {}
 
     def run(rate: float) -> dict[str, Any]:
         if rate not in cache:
             r = simulate(prefill, decode, workload, rate / dep.replicas, requests=requests, seed=seed,
                          max_batch=min(dep.max_batch, mem["batch_limit"]), kv_blocks=mem["kv_blocks"],
-                         block_size=dep.block_size, prefill_chunk=dep.prefill_chunk, max_total=workload.max_total())
+                         block_size=dep.block_size, prefill_chunk=dep.prefill_chunk, max_total=workload.max_total(),
+                         wake_s=wake)
             r["rate_qps"] = rate
             r["achieved_qps"] *= dep.replicas
             r["output_tokens_per_s"] *= dep.replicas

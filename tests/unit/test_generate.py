@@ -124,8 +124,8 @@ def test_run_serving_writes_the_contract_keys(tmp_path) -> None:
     assert {"p50", "p99"} <= set(m["e2e_s"]) and m["achieved_qps"] > 0 and m["requests"] == 6
     assert m["deployment"]["tp"] == 1 and m["deployment"]["max_batch"] == 4 and m["deployment"]["precision"] == "fp32"
     assert m["model"] == CHATGLM.to_dict()
-    assert set(m["decode_steps"][0]) == {"batch", "context_tokens", "time_s", "host_s"}
-    assert set(m["prefills"][0]) == {"tokens", "time_s", "host_s"} and len(m["prefills"]) == 6
+    assert set(m["decode_steps"][0]) == {"batch", "context_tokens", "time_s", "host_s", "after_idle"}
+    assert set(m["prefills"][0]) == {"tokens", "time_s", "host_s", "after_idle"} and len(m["prefills"]) == 6
     assert sum(s["batch"] for s in m["decode_steps"]) == m["output_tokens"] - 6  # the first token comes from prefill
 
 
@@ -174,6 +174,9 @@ def test_engine_follows_the_simulated_scheduling_policy() -> None:
         [c[1:] for c in calls if c[0] == "decode"]
     # the engine's own seconds are recorded beside each forward; the first step follows an idle wait
     assert engine.prefills[0]["host_s"] >= 0 and all(s["host_s"] >= 0 for s in engine.decode_steps)
+    # all 5 arrive at 0: only the first step follows an idle wait (as simulate's wake_s)
+    assert [s["after_idle"] for s in engine.prefills] == [True] + [False] * 4
+    assert not any(s["after_idle"] for s in engine.decode_steps)
 
 
 def test_warm_up_covers_each_prompt_length_and_batch_size() -> None:

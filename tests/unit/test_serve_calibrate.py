@@ -128,5 +128,23 @@ def test_combine_adds_memory_and_compute_where_serial():
     assert combine(t, f) == pytest.approx(0.6 + 0.071)
     assert combine(t, f, decode=True) == pytest.approx(0.9 + 0.071)
     # the fit's row carries both sides: [prefill scale, decode scale, 1/eff, comm, overhead, tp step]
-    assert calibrate._columns(t, True, f) == [0.0, 0.1, 0.2, 0.02, 1.0, 1.0]
-    assert calibrate._columns({**t, "serial": 0.0}, True, f) == [0.0, 0.1, 0.0, 0.02, 1.0, 1.0]
+    assert calibrate._columns(t, True, f) == [0.0, 0.1, 0.2, 0.02, 1.0, 1.0, 0.0]
+    assert calibrate._columns({**t, "serial": 0.0}, True, f) == [0.0, 0.1, 0.0, 0.02, 1.0, 1.0, 0.0]
+
+
+def test_wake_seconds_on_steps_after_an_idle_wait():
+    # the first step after an idle wait pays serve_wake_s: combine adds it, the fit's last column
+    # carries it, and a run whose idle steps are 3 ms slower fits serve_wake_s = 3 ms
+    f = {"prefill_compute_scale": 2.0, "decode_compute_scale": 5.0, "decode_bw_efficiency": 0.5,
+         "serve_comm_scale": 3.0, "serve_step_overhead_s": 0.001, "serve_tp_step_s": 0.01, "serve_wake_s": 0.003}
+    t = {"compute_s": 0.1, "memory_s": 0.2, "comm_s": 0.0, "tp_steps": 0.0, "serial": 1.0, "wake": 1.0}
+    assert combine(t, f) == pytest.approx(0.6 + 0.001 + 0.003)
+    assert calibrate._columns(t, False, f)[-1] == 1.0
+    runs = synthetic(tps=(1,))
+    for s in runs[0]["prefills"]:
+        s["after_idle"] = True
+        s["time_s"] += 0.003
+    runs[0]["prefills"] += [{**s, "after_idle": False, "time_s": s["time_s"] - 0.003} for s in list(runs[0]["prefills"])]
+    g = calibrate.fit_serving(runs)
+    assert g["serve_wake_s"] == pytest.approx(0.003, rel=1e-6)
+    assert g["prefill_compute_scale"] == pytest.approx(TRUE["prefill_compute_scale"], rel=1e-6)

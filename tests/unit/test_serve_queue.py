@@ -34,6 +34,22 @@ def test_one_request_alone():
     assert calls == [("prefill", 10, 0), ("decode", 1, 11), ("decode", 1, 12), ("decode", 1, 13)]
 
 
+def test_wake_cost_on_the_first_step_after_an_idle_wait():
+    # 2 requests 10 s apart (rate 1e-9 ~ never overlapping): each one's prefill follows an idle
+    # wait and pays wake_s; its decode steps do not
+    calls: list = []
+    pre, dec = constant(0.1, 0.01, calls)
+    r = queue.simulate(pre, dec, Workload(prompt_len=10, output_len=4), 1e-3, requests=2, max_batch=8, wake_s=0.005)
+    assert r["ttft_s"]["p50"] == pytest.approx(0.1 + 0.005)
+    assert r["e2e_s"]["p50"] == pytest.approx(0.105 + 3 * 0.01)
+    assert r["tpot_s"]["p50"] == pytest.approx(0.01)
+    # all at time 0: only the very first step wakes the engine
+    r = queue.simulate(pre, dec, Workload(prompt_len=10, output_len=1), math.inf, requests=2, max_batch=1,
+                       wake_s=0.005)
+    # TTFTs 0.005 + 0.1 and 0.105 + 0.1 (the second prefill follows the first, no wait): mean 0.155
+    assert r["ttft_s"]["mean"] == pytest.approx((0.105 + 0.205) / 2)
+
+
 def test_chunked_prefill_steps():
     calls: list = []
     pre, dec = constant(0.1, 0.01, calls)
