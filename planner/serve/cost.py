@@ -14,7 +14,7 @@ Sources (cited where used):
 - [SA]  Agrawal et al. 2023, "SARATHI: Efficient LLM Inference by Piggybacking Decodes with
         Chunked Prefills" (arXiv 2308.16369): a prompt prefilled in chunks, each chunk's
         queries attending to the chunks before it.
-Every time is the factor-free term (`*_terms`) combined with six named serving factors of the
+Every time is the factor-free term (`*_terms`) combined with seven named serving factors of the
 device profile (SERVE_DEFAULTS), fitted by planner/serve/calibrate.py from measured runs:
     time = max(compute x compute_scale, memory / decode_bw_efficiency)   (GPU; on CPU: their sum)
            + comm x serve_comm_scale + serve_step_overhead_s + tp_steps x serve_tp_step_s
