@@ -15,7 +15,9 @@ decode_compute_scale for decode steps) with the factor-free terms from cost.pref
 decode_terms. Once it is known which side of each max() binds, that is linear in x =
 (prefill_compute_scale, decode_compute_scale, 1/decode_bw_efficiency, serve_comm_scale,
 serve_step_overhead_s, serve_tp_step_s, serve_wake_s): a least-squares problem (numpy lstsq) on relative
-errors (each row divided by its measured time). The binding side is taken from the current
+errors of group means: the steps of one run averaged per group (decode: per batch size; prefill:
+after an idle wait or not), each group's row divided by its mean measured time and weighted by
+its step count (_fit_from). The binding side is taken from the current
 factors and the fit repeated until it no longer changes. A factor no row determines (no TP
 runs: no comm; no compute-bound step) keeps its current value.
 """
@@ -42,9 +44,10 @@ MAY_BE_ZERO = (4, 5, 6)
 Obs = tuple[dict[str, float], float, bool]
 
 
-def _observations(run: dict[str, Any], device: DeviceProfile) -> list[Obs]:
+def _observations(run: dict[str, Any], device: DeviceProfile, keys: list | None = None) -> list[Obs]:
     """(factor-free terms, measured seconds, is a decode step) of every step of one
-    serve_metrics.json; measured = time_s + host_s."""
+    serve_metrics.json; measured = time_s + host_s. `keys`: appended, each step's group (decode:
+    its batch; prefill: whether it follows an idle wait) within this run."""
     try:
         model = ModelSpec.from_dict(run["model"])
         d = run["deployment"]
@@ -64,11 +67,15 @@ def _observations(run: dict[str, Any], device: DeviceProfile) -> list[Obs]:
                 obs.append(({**decode_terms(model, cluster, dep, int(s["batch"]), int(s["context_tokens"])),
                              "wake": float(bool(s.get("after_idle", False)))},
                             float(s["time_s"]) + float(s.get("host_s", 0.0)), True))
+                if keys is not None:
+                    keys.append(("decode", int(s["batch"]), bool(s.get("after_idle", False))))
         for s in prefills:
             if s["time_s"] > 0:
                 obs.append(({**prefill_terms(model, cluster, dep, int(s["tokens"]), int(s.get("context", 0))),
                              "wake": float(bool(s.get("after_idle", False)))},
                             float(s["time_s"]) + float(s.get("host_s", 0.0)), False))
+                if keys is not None:
+                    keys.append(("prefill", bool(s.get("after_idle", False))))
     except (KeyError, TypeError, ValueError) as exc:
         raise SpecError("serve_metrics.json", f"has a malformed step ({exc})",
                         "pass files written by planner.executor.serve_run") from None
@@ -101,7 +108,9 @@ def fit_serving(runs: list[dict[str, Any]], device: DeviceProfile | None = None,
     the built-in cpu profile), starting from `start` (default: the device's current values)."""
     if device is None:
         device = find_device("cpu")[0]
-    obs = [o for r in runs for o in _observations(r, device)]
+    keys: list = []
+    obs = [o for i, r in enumerate(runs) for o in _observations(r, device, keys)]
+    run_of = [i for i, r in enumerate(runs) for _ in _observations(r, device)]
     if not obs:
         raise SpecError("serve runs", "hold no measured decode steps or prefills",
                         "pass serve_metrics.json files of completed serving runs")
@@ -109,26 +118,50 @@ def fit_serving(runs: list[dict[str, Any]], device: DeviceProfile | None = None,
     if start:
         f.update(start)
     meas = np.array([m for _, m, _ in obs])
+    ids: dict = {}
+    group = np.array([ids.setdefault((r, key), len(ids)) for r, key in zip(run_of, keys)])
     # the binding side of each max() follows the start: start also from larger compute scales, so
     # a compute-bound regime the defaults hide can be found; keep the best fit
     starts = [f] + [{**f, k: f[k] * m} for k in ("decode_compute_scale", "prefill_compute_scale") for m in (2.0, 4.0)]
-    fits = [_fit_from(obs, meas, s0, iters) for s0 in starts]
-    return min(fits, key=lambda g: float(np.sum((np.array(_predict(obs, g)) / meas - 1.0) ** 2)))
+    fits = [_fit_from(obs, meas, s0, iters, group) for s0 in starts]
+    return min(fits, key=lambda g: _grouped_sse(np.array(_predict(obs, g)), meas, group))
 
 
-def _fit_from(obs: list[Obs], meas: np.ndarray, f: dict[str, float], iters: int) -> dict[str, float]:
-    """Alternate: binding sides from `f`, then the linear least squares; until `f` is stable."""
+def _group_mean(a: np.ndarray, group: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of `a` averaged within each group id; (means, rows per group)."""
+    n = np.bincount(group).astype(float)
+    sums = np.zeros((len(n),) + a.shape[1:])
+    np.add.at(sums, group, a)
+    return sums / n.reshape((-1,) + (1,) * (a.ndim - 1)), n
+
+
+def _grouped_sse(pred: np.ndarray, meas: np.ndarray, group: np.ndarray) -> float:
+    p, n = _group_mean(pred, group)
+    m, _ = _group_mean(meas, group)
+    return float(np.sum(n * (p / m - 1.0) ** 2))
+
+
+def _fit_from(obs: list[Obs], meas_rows: np.ndarray, f: dict[str, float], iters: int,
+              group: np.ndarray) -> dict[str, float]:
+    """Alternate: binding sides from `f`, then the linear least squares; until `f` is stable.
+    The rows are averaged within each group (one run's decode steps of one batch size, its
+    prefills after an idle wait or not) and each group weighted by its step count: the
+    simulation needs each kind of step's mean time (throughput is 1 / mean), and relative
+    errors of single steps would fit below the mean where the step times scatter (TP on gloo:
+    10-25 ms within one run), as sum((p/m - 1)^2) is weighted to the short steps."""
     n = len(ORDER)
+    meas, count = _group_mean(meas_rows, group)
+    w = np.sqrt(count)
     for _ in range(iters):
-        cols = np.array([_columns(t, decode, f) for t, _, decode in obs])
+        cols, _ = _group_mean(np.array([_columns(t, decode, f) for t, _, decode in obs]), group)
         x_now = np.array([1.0 / f[k] if k == "decode_bw_efficiency" else f[k] for k in ORDER])
         free = [j for j in range(n) if np.any(cols[:, j] > 0)]
         x = x_now.copy()
         while free:
             fixed = [j for j in range(n) if j not in free]
             rhs = meas - cols[:, fixed] @ x_now[fixed]
-            a = cols[:, free] / meas[:, None]
-            sol, *_ = np.linalg.lstsq(a, rhs / meas, rcond=None)
+            a = cols[:, free] / meas[:, None] * w[:, None]
+            sol, *_ = np.linalg.lstsq(a, rhs / meas * w, rcond=None)
             bad = [free[k] for k, v in enumerate(sol) if v < 0 or (v == 0 and free[k] not in MAY_BE_ZERO)]
             if not bad:
                 x[free] = sol

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from planner.errors import SpecError
@@ -148,3 +149,19 @@ def test_wake_seconds_on_steps_after_an_idle_wait():
     g = calibrate.fit_serving(runs)
     assert g["serve_wake_s"] == pytest.approx(0.003, rel=1e-6)
     assert g["prefill_compute_scale"] == pytest.approx(TRUE["prefill_compute_scale"], rel=1e-6)
+
+
+def test_fit_targets_each_groups_mean_step_time():
+    # two decode steps of one batch size in one run, 10 ms and 30 ms, only the per-step overhead
+    # to fit: the group's mean, 20 ms (simulate needs mean step times). Relative errors of the
+    # single steps would give (1/0.01 + 1/0.03) / (1/0.01^2 + 1/0.03^2) = 12 ms.
+    zero = {"compute_s": 0.0, "memory_s": 0.0, "comm_s": 0.0, "tp_steps": 0.0}
+    obs = [(zero, 0.01, True), (zero, 0.03, True)]
+    f = {**calibrate.SERVE_DEFAULTS}
+    g = calibrate._fit_from(obs, np.array([0.01, 0.03]), f, 5, np.array([0, 0]))
+    assert g["serve_step_overhead_s"] == pytest.approx(0.02)
+    # two groups (batch 1 at 10 ms x 1 step, batch 2 at 30 ms x 3 steps): weighted by step count,
+    # relative: minimise 1 x (x/0.01 - 1)^2 + 3 x (x/0.03 - 1)^2 -> x = (100 + 100) / (1e4 + 3333.3) = 15 ms
+    obs = [(zero, 0.01, True)] + [(zero, 0.03, True)] * 3
+    g = calibrate._fit_from(obs, np.array([0.01, 0.03, 0.03, 0.03]), f, 5, np.array([0, 1, 1, 1]))
+    assert g["serve_step_overhead_s"] == pytest.approx(0.015)
