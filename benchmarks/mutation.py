@@ -33,10 +33,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 EXPLAINED = Path(__file__).with_name("mutation_explained.json")
 WORKDIR = Path(os.environ.get("PLANNER_MUTATION_DIR", "/tmp/planner-mutation"))
-MUTATE = ["planner/cost/*", "planner/search/*"]
+MUTATE = ["planner/cost/*", "planner/search/*", "planner/serve/*"]
 TESTS = ["tests/unit/test_cost_terms.py", "tests/unit/test_cost_activations.py", "tests/unit/test_cost_runtime.py",
          "tests/unit/test_cost_units.py", "tests/unit/test_cost_published.py", "tests/unit/test_cost_behaviour.py",
-         "tests/unit/test_cost_zero.py", "tests/unit/test_search.py", "tests/unit/test_search_units.py"]
+         "tests/unit/test_cost_zero.py", "tests/unit/test_search.py", "tests/unit/test_search_units.py",
+         "tests/unit/test_variant_terms.py", "tests/unit/test_serve_cost.py", "tests/unit/test_serve_queue.py",
+         "tests/unit/test_serve_calibrate.py"]
 DESELECT = ("not study_resumes and not cost_model_imports_no_heavy_libraries "
             "and not (a_fraction_of_the_shapes and glm130b)")
 """Left out of the mutation runs: a resumable Optuna study on SQLite and Optuna on GLM-130B's
@@ -45,7 +47,8 @@ import check (mutmut's trampolines import mutmut itself)."""
 NO_MUTATE_LINES = [r"^\s*(name|source)=", r"^\s+f?\"[^\"]*\"\)*,?\s*$", r"^(ENGINE_SRC|SRC_\w+) = "]
 """Lines mutmut leaves alone: the engines' names and DeepSpeed citations, and string-only
 continuation lines of messages (changing their text cannot change a number)."""
-NOT_MUTATED = ["planner/search/trials.py", "planner/search/driver.py", "planner/search/outputs.py"]
+NOT_MUTATED = ["planner/search/trials.py", "planner/search/driver.py", "planner/search/outputs.py",
+               "planner/serve/outputs.py"]
 """CSV and run-directory writing and the search driver's plumbing are exercised by the CLI tests (not run
 per mutant)."""
 
