@@ -86,6 +86,9 @@ def test_linear_attention_flops_have_no_s_squared():
     # doubling s doubles the linear core (C fixed at 64), quadruples softmax's
     assert compute.block_gemms(m, 512, 1, 1)[1] == 2 * 11_534_336
     assert compute.flash_recompute_flops(m, 256, 1) == 11_534_336   # the backward re-runs the forward
+    # b = 3 sequences on TP 2 (n = 2 query heads, g = 1 KV head per rank):
+    # 2 x 3 x 256 x 32 x (2 x 64 x 2 + 3 x 32) = 49,152 x 352
+    assert compute.block_gemms(m, 256, 3, 2)[1] == 17_301_504
     cpu = TrainSpec(global_batch=8, seq_len=256, precision="bf16", attention="eager")
     assert attention_kernel(m, cpu, "cpu") == "linear"
     assert recomputes_scores("linear") and not stores_scores("linear")
@@ -97,6 +100,9 @@ def test_ffn_sparsity_halves_ffn_flops_and_sparse_gemm_efficiency_divides_time()
     assert half[3] == base[3] / 2 and half[:2] == base[:2]
     assert compute.ffn_time_divisors(v("ffn-sparsity=0.5", "sparse-gemm-efficiency=0.7")) == (1.0, 1.0, 0.7, 0.7)
     assert compute.ffn_time_divisors(v("ffn-sparsity=0.5")) == (1.0, 1.0, 1.0, 1.0)
+    # an efficiency without pruning (the CLI refuses it; a ModelSpec may carry it) divides nothing
+    dense = dataclasses.replace(TINY, sparse_gemm_efficiency=0.7)
+    assert compute.ffn_time_divisors(dense) == (1.0, 1.0, 1.0, 1.0)
 
 
 def test_linear_attention_activations():
