@@ -66,8 +66,18 @@ class Status:
         atomic_write_json(self.path, self.state)
 
 
+def absolute_paths(args: argparse.Namespace) -> argparse.Namespace:
+    """The rank works in the run directory (train.py chdirs there): paths given relative to
+    where launch.sh / the deepspeed launcher was started are made absolute first."""
+    for name in ("data", "tokenizer", "init_hf", "save_hf", "dump_grads"):
+        value = getattr(args, name)
+        if value:
+            setattr(args, name, str(Path(value).resolve()))
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
+    args = absolute_paths(parse(argv))
     run_dir = Path(args.run_dir).resolve()
     rank = int(os.environ.get("RANK", "0"))
     status = Status(run_dir, rank)

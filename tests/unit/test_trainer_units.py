@@ -243,3 +243,15 @@ def test_verify_passes_the_tokenizer_and_refuses_a_missing_one_before_the_baseli
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and err.startswith("error: --tokenizer:")
     assert not (d / "verify" / "baseline" / RANKS_DIR).exists()
+
+
+def test_worker_paths_are_absolute_before_the_rank_moves_into_the_run_directory(tmp_path: Path, monkeypatch) -> None:
+    """launch.sh passes the user's flags as typed; the rank later chdirs into the run directory,
+    where a relative --data / --tokenizer / --init-hf / --save-hf would point elsewhere."""
+    from planner.executor.worker import absolute_paths, parse
+    monkeypatch.delenv("PLANNER_DUMP_GRADS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    args = absolute_paths(parse(["--run-dir", "run", "--data", "data/pydoc", "--tokenizer", "data/tok",
+                                 "--init-hf", "/abs/hf", "--save-hf", "out/hf"]))
+    assert (args.data, args.tokenizer) == (str(tmp_path / "data/pydoc"), str(tmp_path / "data/tok"))
+    assert (args.init_hf, args.save_hf, args.dump_grads) == ("/abs/hf", str(tmp_path / "out/hf"), "")
