@@ -418,6 +418,7 @@ def _check_data(data: str, tokenizer: str, seed: int, model: ModelSpec, train: T
                 batching: str) -> None:
     """The corpus as the ranks will read it (data.check_data)."""
     from planner.executor import data as datamod
+    from planner.executor.settings import data_spec
     # a Megatron indexed dataset is named by its prefix (PREFIX.bin + PREFIX.idx)
     if not Path(data).exists() and not Path(f"{data}.idx").exists():
         raise SpecError("--data", f"{data} does not exist", "give a corpus file (.txt, .jsonl, .npy, .bin/.idx "
@@ -425,6 +426,5 @@ def _check_data(data: str, tokenizer: str, seed: int, model: ModelSpec, train: T
     if tokenizer and not Path(tokenizer).is_dir():
         raise SpecError("--tokenizer", f"{tokenizer} is not a directory", "give a local Hugging Face tokenizer "
                         "directory (tokenizer.json)")
-    spec = datamod.DataSpec(seq_len=train.seq_len, vocab=model.vocab, seed=seed, token_file=str(data),
-                            tokenizer=str(tokenizer) if tokenizer else "")
+    spec = data_spec(str(data), str(tokenizer or ""), seed, train, model)
     datamod.check_data(spec, datamod.Layout(plan.micro_batch, plan.grad_accum, plan.dp))

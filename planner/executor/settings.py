@@ -27,12 +27,10 @@ def make_loader(rows, layout: Layout, batch_ids: list[int], dp_rank: int, device
     return make(rows, layout, batch_ids, dp_rank, device, settings)
 
 
-def data_spec(args, trainspec, spec, cls=DataSpec) -> DataSpec:
-    """The DataSpec of a run's flags (the worker and the launcher's preflight build the same)."""
-    kw = {"token_file": args.data}
-    if getattr(args, "tokenizer", ""):
-        kw["tokenizer"] = args.tokenizer
-    return cls(seq_len=trainspec.seq_len, vocab=spec.vocab, seed=args.seed, **kw)
+def data_spec(data: str, tokenizer: str, seed: int, trainspec, spec) -> DataSpec:
+    """The DataSpec of a run's --data / --tokenizer / --seed: the worker reads this corpus and
+    the launcher's preflight checks the same one (planner/executor/preflight.py)."""
+    return DataSpec(seq_len=trainspec.seq_len, vocab=spec.vocab, seed=seed, token_file=data, tokenizer=tokenizer)
 
 
 def configure_lr(cfg: dict, args, steps: int) -> dict:

@@ -98,7 +98,7 @@ def train(args, run_dir: Path, rank: int, status) -> None:
     if recorder is not None and pipe:
         record_first_forward(engine, recorder)
 
-    data = data_spec(args, trainspec, spec)
+    data = data_spec(args.data, args.tokenizer, args.seed, trainspec, spec)
     loading = loader_settings(doc, args.data_workers, device)
     rows = Rows(data, args.batching)
     layout = Layout(plan.micro_batch, plan.grad_accum, plan.dp)
