@@ -137,15 +137,26 @@ def serve(ctx: click.Context, **kw: Any) -> None:
     inputs = {"model": model.to_dict(), "cluster": cluster.to_dict(), "workload": workload.to_dict(),
               "target": target.to_dict() if target else None, "scale": kw["scale"], "model_arg": kw["model_arg"],
               "profile": cluster.device.path, "command": command, "requests": kw["requests"]}
+    compare = None
+    if model.variant_label:  # the same deployment for the base model, side by side (terminal, json, report)
+        from planner.serve.cost import estimate_serving
+        base = estimate_serving(model.base(), cluster, best.deployment, workload, target=target,
+                                requests=kw["requests"], seed=kw["seed"])
+        compare = serving_comparison(model.base(), base, model, best, best.deployment)
+    variant_doc = {"variant_comparison": {"base": model.base().name, "variant": model.name,
+                                          "deployment": best.deployment.describe(),
+                                          "rows": [dict(zip(("figure", "base", "variant", "ratio"), r))
+                                                   for r in compare]}} if compare else {}
     files = {
         "serve_plan.json": {"version": 1, "inputs": inputs, "deployment": best.deployment.to_dict(),
-                            "description": best.deployment.describe(), "estimate": best.to_json()},
+                            "description": best.deployment.describe(), "estimate": best.to_json(), **variant_doc},
         "serve_top.json": {"version": 1, "evaluated": result.evaluated, "infeasible": result.infeasible,
                            "infeasible_reasons": result.reasons, "top": [e.to_json() for e in ranked],
                            "curves": {label: pts for label, pts in curves}},
         "vllm_serve.sh": script,
         "serve_report.html": render_report(f"{model.name} on {cluster.spec}", workload, target, ranked, curves,
-                                           script, result.evaluated, result.infeasible),
+                                           script, result.evaluated, result.infeasible,
+                                           variant=variant_doc.get("variant_comparison")),
     }
     run_dir = out_dir / name
     written = write_serve_run(run_dir, files)
@@ -155,11 +166,7 @@ def serve(ctx: click.Context, **kw: Any) -> None:
                   f"{result.evaluated} deployments, {result.infeasible} infeasible")
     console.print(_table(ranked, kw["top"]))
     console.print(f"best: {best.deployment.describe()}")
-    if model.variant_label:
-        from planner.serve.cost import estimate_serving
-        base = estimate_serving(model.base(), cluster, best.deployment, workload, target=target,
-                                requests=kw["requests"], seed=kw["seed"])
+    if compare:
         console.print(comparison_table(f"--variant on {best.deployment.describe()}: {model.describe()}",
-                                       serving_comparison(model.base(), base, model, best, best.deployment),
-                                       model.base().name, model.name))
+                                       compare, model.base().name, model.name))
     console.print(f"wrote {run_dir}/: {', '.join(written)}")

@@ -114,6 +114,12 @@ padding:3px 8px;text-align:right}th{background:#eee}td.l{text-align:left}</style
 <td>{{ r.p50 }}</td><td>{{ r.p99 }}</td><td>{{ r.rate }}</td><td>{{ r.qat }}</td><td>{{ r.max }}</td>
 <td>{{ r.w }}</td><td>{{ r.kv }}</td><td>{{ r.act }}</td><td>{{ r.rt }}</td></tr>
 {% endfor %}</table>
+{% if variant %}<h2 id="variant">Variant against base</h2>
+<p>The best deployment ({{ variant.deployment|e }}) for the base model and for the variant
+({{ variant.variant|e }}), same workload and rate (docs/variants.md).</p>
+<table><tr><th>figure</th><th>base {{ variant.base|e }}</th><th>variant {{ variant.variant|e }}</th><th>variant/base</th></tr>
+{% for r in variant.rows %}<tr><td class="l">{{ r.figure|e }}</td><td>{{ r.base|e }}</td><td>{{ r.variant|e }}</td><td>{{ r.ratio|e }}</td></tr>
+{% endfor %}</table>{% endif %}
 <h2>Latency against load</h2><img alt="latency vs QPS" src="data:image/png;base64,{{ png }}">
 <h2>Launch</h2><pre>{{ script|e }}</pre>
 <p>Model: planner/serve/cost.py (PagedAttention memory, Pope et al. 2022 decode/prefill), simulation:
@@ -134,13 +140,14 @@ def _row(e: ServeEstimate) -> dict[str, str]:
 
 def render_report(title: str, workload: Workload, target: Target | None, ranked: list[ServeEstimate],
                   curves: list[tuple[str, list[dict[str, float]]]], script: str, evaluated: int,
-                  infeasible: int) -> str:
+                  infeasible: int, variant: dict[str, Any] | None = None) -> str:
+    """The report page; `variant`: serve_plan.json's variant_comparison (base beside variant)."""
     import jinja2
     env = jinja2.Environment(autoescape=True)
     return env.from_string(_TEMPLATE).render(
         title=title, w=workload, target=target.describe() if target else "none (ranked by max QPS)",
         rows=[_row(e) for e in ranked], png=_plot(curves, target), script=script, evaluated=evaluated,
-        infeasible=infeasible)
+        infeasible=infeasible, variant=variant)
 
 
 def write_serve_run(run_dir: Path, files: dict[str, Any]) -> list[str]:

@@ -57,3 +57,22 @@ def test_bad_input_one_line(capsys, tmp_path, extra, needle):
     assert rc == 2
     assert err.startswith("error:") and err.count("\n") == 1 and needle in err
     assert not (tmp_path / "bad").exists()
+
+
+def test_variant_side_by_side_in_report(capsys, tmp_path):
+    """--variant: serve_plan.json and serve_report.html carry the base and the variant on the best
+    deployment, side by side (linear attention: no KV bytes per token; chatglm3-6b bf16: K and V x 28
+    layers x 2 KV groups x 128 x 2 bytes = 28,672)."""
+    rc, out, err = run(capsys, *BASE, "--max-batch", "64", "--out-dir", str(tmp_path), "--name", "v",
+                       "--variant", "linear-attention")
+    assert rc == 0, err
+    d = tmp_path / "v"
+    cmp = json.loads((d / "serve_plan.json").read_text())["variant_comparison"]
+    assert cmp["base"] == "chatglm3-6b" and cmp["variant"].startswith("chatglm3-6b+")
+    rows = {r["figure"]: r for r in cmp["rows"]}
+    assert rows["KV bytes per token"]["base"] == "28,672" and rows["KV bytes per token"]["variant"] == "0"
+    html = (d / "serve_report.html").read_text()
+    assert 'id="variant"' in html and "KV bytes per token" in html and "28,672" in html
+    rc, _, err = run(capsys, *BASE, "--max-batch", "64", "--out-dir", str(tmp_path), "--name", "b")
+    assert rc == 0 and "variant_comparison" not in (tmp_path / "b" / "serve_plan.json").read_text()
+    assert 'id="variant"' not in (tmp_path / "b" / "serve_report.html").read_text()
