@@ -69,6 +69,8 @@ class LayerCosts:
     depend on (stage_owned)."""
     first_stage_numels: tuple[int, ...] = ()
     last_stage_numels: tuple[int, ...] = ()
+    share_layers: int = 1
+    """ModelSpec.share_layers: K consecutive blocks use one set of parameter tensors."""
 
     @property
     def largest(self) -> int:
@@ -87,9 +89,10 @@ class LayerCosts:
 
     def stage_owned(self, stage: int, pp: int, blocks: int, dp: int) -> int:
         """ZeRO-1's owned gradient elements on the worst DP rank of `stage`
-        (planner.cost.params.zero1_owned)."""
+        (planner.cost.params.zero1_owned) over the tensors DeepSpeed flattens: with
+        share_layers K, blocks / K sets (a shared tensor is one parameter of the module)."""
         return _stage_owned(self.block_numels, self.first_stage_numels if stage == 0 else (),
-                            self.last_stage_numels if stage == pp - 1 else (), blocks, dp)
+                            self.last_stage_numels if stage == pp - 1 else (), -(-blocks // self.share_layers), dp)
 
 
 @lru_cache(maxsize=65536)

@@ -175,6 +175,7 @@ def _layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
         fixed_bytes=f["memory_overhead_gb"] * GB,
         in_flight=in_flight,
         block_numels=blk.numels, first_stage_numels=fst.numels, last_stage_numels=lst.numels,
+        share_layers=model.share_layers,
     )
 
 

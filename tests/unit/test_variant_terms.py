@@ -206,3 +206,16 @@ def test_linear_attention_matches_the_quadratic_form_within_documents():
     (linear_attention(*x1, seg) * w).sum().backward()
     (_LinearAttention.apply(*x2, seg) * w).sum().backward()
     assert all(torch.allclose(a1.grad, a2.grad) for a1, a2 in zip(x1, x2))
+
+
+def test_zero1_owned_gradients_count_shared_tensors_once() -> None:
+    """ZeRO-1 flattens the module's parameters, so a block shared K times is one set of tensors
+    in the partitioned group: tiny chatglm3-6b (4 blocks of 215,552 elements, 1,124,480 in all)
+    with share-layers=2 has 693,376 parameters; one DP rank owns them all, and on DP 2 the
+    worst rank owns half of them (346,688) plus the tensor spilling over its slice's end."""
+    from planner.cost.model import layer_costs
+    model = apply_variants(TINY, ["share-layers=2"])
+    cluster, train = parse_cluster("2xcpu"), TrainSpec(global_batch=8, seq_len=64)
+    owned = [layer_costs(model, cluster, train, Plan(dp=dp, zero=1, micro_batch=2, grad_accum=4 // dp))
+             .stage_owned(0, 1, model.layers, dp) for dp in (1, 2)]
+    assert model.params == 693_376 and owned == [693_376, 346_752]
