@@ -44,6 +44,9 @@ def launch_script(model: ModelSpec, model_arg: str, dep: Deployment, workload: W
              f"{est.e2e_p50_s * 1e3:.0f} ms / p99 {est.e2e_p99_s * 1e3:.0f} ms at {est.rate_qps:.2f} QPS; "
              f"saturates at {est.max_qps:.2f} QPS",
              "# MODEL overrides the checkpoint (a Hugging Face id or a local directory)."]
+    if model.variant_label:
+        lines.append(f"# variant {model.describe()}: a what-if. MODEL must be a checkpoint of that architecture "
+                     "(trained or converted); the default id below is the base model's.")
     if dep.weight_precision != "bf16":
         kind = "a GPTQ 8-bit" if dep.weight_precision == "int8" else "an AWQ 4-bit"
         lines.append(f"# weights {dep.weight_precision}: MODEL must be {kind} checkpoint of the model.")

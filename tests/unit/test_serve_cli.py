@@ -73,6 +73,7 @@ def test_variant_side_by_side_in_report(capsys, tmp_path):
     assert rows["KV bytes per token"]["base"] == "28,672" and rows["KV bytes per token"]["variant"] == "0"
     html = (d / "serve_report.html").read_text()
     assert 'id="variant"' in html and "KV bytes per token" in html and "28,672" in html
+    assert "# variant chatglm3-6b+linattn" in (d / "vllm_serve.sh").read_text()
     rc, _, err = run(capsys, *BASE, "--max-batch", "64", "--out-dir", str(tmp_path), "--name", "b")
     assert rc == 0 and "variant_comparison" not in (tmp_path / "b" / "serve_plan.json").read_text()
     assert 'id="variant"' not in (tmp_path / "b" / "serve_report.html").read_text()
