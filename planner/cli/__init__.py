@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "estimate": "planner.cli.search:estimate",
     "run": "planner.cli.run:run",
     "verify": "planner.cli.run:verify",
+    "ladder": "planner.cli.ladder:ladder",
     "profile": "planner.cli.profile:profile",
     "calibrate": "planner.cli.profile:calibrate",
     "report": "planner.cli.report:report",
