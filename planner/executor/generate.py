@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from planner.errors import ExecutionError
-from planner.executor.model import GLMModel, alibi_slopes, rotary, rotary_dims, tied_logits
+from planner.executor.model import GLMModel, alibi_slopes, linear_attention, rotary, rotary_dims, tied_logits
 from planner.executor.parallel.groups import SINGLE, TPGroup
 from planner.specs.model import ModelSpec
 
@@ -63,15 +63,28 @@ def logits_of(model: GLMModel, h: torch.Tensor) -> torch.Tensor:
 
 
 class KVCache:
-    """Per layer K and V: [slots, max_len, kv_groups/TP, head_dim]; `lengths` per slot."""
+    """Per layer K and V: [slots, max_len, kv_groups/TP, head_dim]; `lengths` per slot.
+
+    A linear-attention model (ModelSpec.linear_attention, docs/variants.md) keeps no K and V:
+    per layer and slot a fixed-size state instead, `state` [slots, kv_groups/TP, d, d] (the sum
+    of phi(k) v^T) and `norm` [slots, kv_groups/TP, d] (the sum of phi(k)), in fp32 as the
+    training kernel (planner.executor.model.linear_attention) keeps them: what
+    planner/serve/memory.py state_bytes_per_sequence counts, whatever the context length."""
 
     def __init__(self, spec: ModelSpec, tp: TPGroup, slots: int, max_len: int, dtype: torch.dtype) -> None:
         if max_len > spec.max_seq:
             raise ExecutionError("prompt + output", f"{max_len} tokens exceed the model's context {spec.max_seq}",
                                  "shorten the prompt or the output")
-        shape = (slots, max_len, spec.kv_heads // tp.size, spec.dim_per_head)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(spec.layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(spec.layers)]
+        g, d = spec.kv_heads // tp.size, spec.dim_per_head
+        self.linear = spec.linear_attention
+        if self.linear:
+            self.k, self.v = [], []
+            self.state = [torch.zeros(slots, g, d, d) for _ in range(spec.layers)]
+            self.norm = [torch.zeros(slots, g, d) for _ in range(spec.layers)]
+        else:
+            shape = (slots, max_len, g, d)
+            self.k = [torch.zeros(shape, dtype=dtype) for _ in range(spec.layers)]
+            self.v = [torch.zeros(shape, dtype=dtype) for _ in range(spec.layers)]
         self.lengths = [0] * slots
         self.max_len = max_len
 
@@ -145,6 +158,8 @@ class CachedForward:
         if cos is not None:
             il = spec.rope_interleaved
             q, k = rotary(q, cos, sin, il), rotary(k, cos, sin, il)
+        if cache.linear:
+            return sa.dense(self._linear(cache, li, q, k, v, index, pos).flatten(2))
         cache.k[li][index[:, None], pos] = k
         cache.v[li][index[:, None], pos] = v
         keys = mask.shape[-1]
@@ -152,6 +167,32 @@ class CachedForward:
         q, kk, vv = q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2)
         out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, enable_gqa=kk.shape[1] != q.shape[1])
         return sa.dense(out.transpose(1, 2).flatten(2))
+
+
+    @staticmethod
+    def _linear(cache: KVCache, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
+                pos: torch.Tensor) -> torch.Tensor:
+        """Linear attention over the new tokens (q: b s n d, k and v: b s g d) with each slot's
+        state; b s n d in q's dtype. A prompt (s > 1, an empty state) runs the training kernel
+        (linear_attention, chunked) and leaves its sums in the state; a decode token adds
+        phi(k) v^T and phi(k) to the state and reads out phi(q) S / phi(q) z (Katharopoulos et
+        al. 2020, eq. 6, the recurrent form): O(1) per token, no context read."""
+        b, s, n, d = q.shape
+        g = k.shape[2]
+        if s > 1 and int(pos[:, 0].max()) > 0:
+            raise ExecutionError("prefill", "a linear-attention prompt continues a sequence",
+                                 "prefill whole prompts (the engine does)")
+        kf, vf = F.elu(k.float()) + 1.0, v.float()                 # b s g d
+        keep = (pos[:, 0] > 0).float()                             # a slot starting at 0 is a new sequence
+        state = cache.state[li][index] * keep[:, None, None, None] + torch.einsum("bsgd,bsge->bgde", kf, vf)
+        norm = cache.norm[li][index] * keep[:, None, None] + kf.sum(1)
+        cache.state[li][index], cache.norm[li][index] = state, norm
+        if s > 1:
+            qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+            return linear_attention(qt, kt, vt, torch.zeros(b, s, dtype=torch.long)).transpose(1, 2)
+        qf = (F.elu(q.float()) + 1.0).reshape(b, g, n // g, d)         # s = 1: the query heads of each group
+        out = torch.einsum("bgmd,bgde->bgme", qf, state) / torch.einsum("bgmd,bgd->bgm", qf, norm)[..., None]
+        return out.reshape(b, 1, n, d).to(q.dtype)
 
 
 @torch.no_grad()

@@ -185,3 +185,45 @@ def test_warm_up_covers_each_prompt_length_and_batch_size() -> None:
     warm = warm_up_requests(reqs, max_batch=2, max_len=13)
     assert [len(r.prompt) for r in warm] == [5, 9, 12]
     assert [r.output_len for r in warm] == [2, 3, 1]  # 2, 3, then clipped to the cache (13 - 12)
+
+
+def test_linear_attention_state_decode_equals_the_training_forward() -> None:
+    """--variant linear-attention: the cache is a fixed d x d state per KV group and slot (no K,
+    V), filled by the prompt and updated per token; greedy tokens alone and under continuous
+    batching (slots reused: a new sequence must not inherit the state) equal the plain
+    training forward's (the chunked linear_attention over the whole prefix)."""
+    from planner.cli.common import apply_variants
+    spec = apply_variants(CHATGLM, ["linear-attention"])
+    model = build_model(spec)  # unscaled: scaled-up q and k saturate phi and every token is the same
+    cache = KVCache(spec, TPGroup(rank=0, size=2), slots=3, max_len=40, dtype=torch.bfloat16)
+    # chatglm3 tiny: 1 KV group of 32 dims per TP-2 rank: a 32 x 32 state and a 32-vector, fp32
+    assert cache.k == [] and cache.state[0].shape == (3, 1, 32, 32) and cache.norm[0].shape == (3, 1, 32)
+    assert cache.state[0].dtype == torch.float32 and len(cache.state) == spec.layers
+    prompt = _prompt(70, 3, spec.vocab)  # longer than one 64-token chunk of the training kernel
+    want = greedy_no_cache(model, spec, prompt, 8)
+    assert greedy_cached(CachedForward(model, spec), prompt, 8) == want and len(set(want)) > 1
+    lens = [(5, 6), (17, 3), (9, 9), (30, 4), (2, 7)]
+    reqs = [Request(rid=i, prompt=_prompt(p, 10 + i, spec.vocab), output_len=o) for i, (p, o) in enumerate(lens)]
+    want = {r.rid: greedy_no_cache(model, spec, r.prompt, r.output_len) for r in reqs}
+    done = Engine(CachedForward(model, spec), max_batch=2, max_len=40).run(reqs)
+    assert {r.rid: r.tokens for r in done} == want
+    # logits, not only argmax (near-uniform attention at init hides small errors): a slot reused
+    # by a new prompt, then one decode step, against the full forward over the prefix
+    fwd, cache = CachedForward(model, spec), KVCache(spec, TPGroup(), slots=1, max_len=80, dtype=torch.float32)
+    a, b = _prompt(12, 5, spec.vocab), _prompt(66, 6, spec.vocab)
+    fwd(cache, torch.tensor([a]), [0])
+    fwd(cache, torch.tensor([[7]]), [0])
+    cache.lengths[0] = 0                                   # the engine's prefill of a freed slot
+    got = [fwd(cache, torch.tensor([b]), [0])[0], fwd(cache, torch.tensor([[11]]), [0])[0]]
+
+    def full(ids):
+        t = torch.tensor([ids])
+        pos = torch.arange(len(ids))[None]
+        with torch.no_grad():
+            return model(t, pos, torch.zeros_like(pos))[0, -1, :spec.vocab]
+    for g, w in zip(got, (full(b), full(b + [11]))):
+        assert torch.allclose(g, w, atol=1e-5, rtol=1e-4), float((g - w).abs().max())
+    soft = build_model(CHATGLM)
+    with torch.no_grad():
+        t, pos = torch.tensor([b]), torch.arange(len(b))[None]
+        assert not torch.allclose(soft(t, pos, torch.zeros_like(pos))[0, -1, :spec.vocab], full(b), atol=1e-4)
