@@ -87,6 +87,20 @@ def loader_choice(plan: Plan, est: Estimate, model, cluster, train) -> dict[str,
     return loader_record(settings)
 
 
+def variant_section(plan: Plan, est: Estimate, model, cluster, train) -> dict[str, Any]:
+    """estimate.json "variant_comparison" for a model variant (docs/variants.md): the same plan
+    for the base model and the variant, figure by figure with the ratio (what `planner estimate`
+    prints and the report shows side by side); {} for a model without a variant."""
+    if not getattr(model, "variant_label", ""):
+        return {}
+    from planner.cli.common import training_comparison
+    from planner.cost import estimate
+    base = model.base()
+    rows = training_comparison(base, estimate(base, cluster, train, plan), model, est)
+    return {"variant_comparison": {"base": base.name, "variant": model.name, "description": model.describe(),
+                                   "rows": [dict(zip(("figure", "base", "variant", "ratio"), r)) for r in rows]}}
+
+
 def write_plan_files(run_dir: Path, plan: Plan, est: Estimate, model, cluster, train, *, baseline_plan: Plan,
                      baseline: Estimate, scale: str | None, model_arg: str, command: str,
                      extra: dict[str, Any] | None = None) -> list[str]:
@@ -110,7 +124,8 @@ def write_plan_files(run_dir: Path, plan: Plan, est: Estimate, model, cluster, t
     doc["loader"] = loader_choice(plan, est, model, cluster, train)
     put("plan.json", doc)
     put("estimate.json", {"plan": plan.to_dict(), "description": plan.describe(), "estimate": est.to_json(),
-                          "baseline": baseline_section(baseline_plan, baseline, train), **(extra or {})})
+                          "baseline": baseline_section(baseline_plan, baseline, train),
+                          **variant_section(plan, est, model, cluster, train), **(extra or {})})
     put("ds_config.json", dsconfig.ds_config(plan, model, train, cluster))
     put("launch.sh", dsconfig.launch_script(plan, model, train, cluster, str(run_dir)), 0o755)
     host = dsconfig.hostfile(cluster)

@@ -219,3 +219,19 @@ def test_zero1_owned_gradients_count_shared_tensors_once() -> None:
     owned = [layer_costs(model, cluster, train, Plan(dp=dp, zero=1, micro_batch=2, grad_accum=4 // dp))
              .stage_owned(0, 1, model.layers, dp) for dp in (1, 2)]
     assert model.params == 693_376 and owned == [693_376, 346_752]
+
+
+def test_search_run_directory_holds_base_beside_variant(tmp_path, capsys):
+    """search --variant: estimate.json carries the picked plan for the base model and the variant
+    side by side (the report's "Variant against base" table reads it); without --variant none."""
+    import json
+    argv = ["search", "--model", "chatglm3-6b", "--scale", "tiny", "--gpus", "2xcpu", "--trials", "8",
+            "--out-dir", str(tmp_path)]
+    assert main([*argv, "--name", "v", "--variant", "share-layers=2"]) in (0, None)
+    doc = json.loads((tmp_path / "v" / "estimate.json").read_text())["variant_comparison"]
+    rows = {r["figure"]: r for r in doc["rows"]}
+    assert doc["base"] == "chatglm3-6b-tiny" and doc["variant"] == "chatglm3-6b-tiny+share2"
+    assert rows["parameters"]["base"] == "1,124,480" and rows["parameters"]["variant"] == "693,376"
+    assert rows["parameters"]["ratio"] == "0.62x"
+    assert main([*argv, "--name", "b"]) in (0, None)
+    assert "variant_comparison" not in json.loads((tmp_path / "b" / "estimate.json").read_text())
