@@ -53,7 +53,7 @@ def draw(ladder: dict[str, Any], what: str) -> bytes:
             else:
                 good = (v >= prev) == up_good
                 ax.bar(i + shift, v - prev, w, bottom=prev, color="#55a868" if good else "#c44e52", alpha=alpha)
-            ax.annotate(f"{v:,.3g}", (i + shift, v), ha="center", va="bottom", fontsize=7)
+            ax.annotate(f"{v / 1e3:.1f}k" if v >= 1e4 else f"{v:.3g}", (i + shift, v), ha="center", va="bottom", fontsize=7)
             prev = v
         last = next((v for v in reversed(vals) if v is not None), None)
         if last is not None and vals[-1] is not None:

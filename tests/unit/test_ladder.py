@@ -211,3 +211,17 @@ def test_predicted_ladder_needs_no_torch():
             "Plan(dp=8, zero=1, micro_batch=2, grad_accum=4)); lines(l); "
             "assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_report_has_a_ladder_section(tmp_path):
+    from planner.report import write_report
+    m, c, t = inputs("chatglm3-6b", "2xcpu", 8, 128, "tiny")
+    plan = Plan(dp=2, zero=1, micro_batch=4, grad_accum=1)
+    d = _run_dir(tmp_path, m, c, t, plan)
+    atomic_write_json(d / "estimate.json", {"plan": plan.to_dict(), "estimate": estimate(m, c, t, plan).to_json()})
+    html = write_report(d).read_text()
+    assert 'id="ladder"' in html and "No ladder yet" in html
+    assert main(["ladder", str(d)]) == 0
+    html = write_report(d).read_text()
+    assert 'id="ladder-table"' in html and 'id="img-ladder_throughput"' in html and 'id="img-ladder_memory"' in html
+    assert "35% -&gt; 12%" in html  # the article's figure beside ours
