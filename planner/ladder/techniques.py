@@ -1,7 +1,7 @@
 """The techniques of the ladder, the Plan fields each one owns, and the rung a set of them makes.
 
 A rung is the conventional baseline with some techniques switched to the chosen plan's
-values. Every Plan field belongs to exactly one technique (tests/unit/test_ladder.py checks
+values. Every Plan field belongs to exactly one technique (tests/unit/test_ladder_units.py checks
 it), except the accumulation, which follows: micro-batch x accumulation x DP = the global
 batch. So two rungs differ by exactly the techniques between their sets.
 
