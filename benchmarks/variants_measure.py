@@ -10,8 +10,10 @@ share-layers=2) and the base model, on this CPU:
 - serving: the generation loop (planner.executor.serve_run.run_serving: KV cache, or linear
   attention's fixed state; TP 1, max batch 4, Poisson arrivals) serves the same requests for
   each model; the serving cost model predicts TTFT and TPOT at the same rate (queue.simulate)
-  with its factors fitted (planner/serve/calibrate.py) on the BASE model's run only, so each
-  variant's prediction is held out and what is compared is the variant's effect. Printed: the
+  with its factors fitted (planner/serve/calibrate.py) on the BASE model's runs only (this one
+  and one of the tiny base model, so that two weight sizes separate the bandwidth share from
+  the attention scale), so each variant's prediction is held out and what is compared is the
+  variant's effect. Printed: the
   measured and predicted times and their ratios to the base.
 
     flock /tmp/planner-cpu.lock .venv/bin/python benchmarks/variants_measure.py [--out reports/variants_measure]
@@ -40,6 +42,7 @@ PLAN = Plan(dp=2, zero=0, micro_batch=2, grad_accum=2, precision="bf16", bucket_
 # serving: prompts long enough that reading the KV cache shows beside the weights
 WORKLOAD = dict(prompt_len=384, output_len=32, prompt_sigma=0.2, output_sigma=0.2, seed=0)
 RATE, REQUESTS, MAX_BATCH = 2.0, 16, 4
+TINY_WORKLOAD = dict(prompt_len=160, output_len=32, prompt_sigma=0.2, output_sigma=0.2, seed=0)
 GB = 1e9
 
 
@@ -77,6 +80,16 @@ def serve_run(root: Path, name: str) -> dict:
     print(f"served {name}: {time.perf_counter() - t0:.0f} s, TTFT {1e3 * m['ttft_s']['mean']:.1f} ms, "
           f"TPOT {1e3 * m['tpot_s']['mean']:.2f} ms", flush=True)
     return m
+
+
+def run_serving_tiny(root: Path) -> dict:
+    """The base model at the tiny scale, for the fit only: with one model size the weight read
+    cannot be told from the fixed seconds per step, and decode_attention_scale stays unfitted
+    (planner/serve/calibrate.py)."""
+    from planner.executor.serve_run import run_serving
+    return run_serving(scale(preset("chatglm3-6b"), "tiny"), tp=1, max_batch=MAX_BATCH, workload=TINY_WORKLOAD,
+                       rate_qps=4 * RATE, requests=2 * REQUESTS, seed=0, timeout_s=300, precision="bf16",
+                       out_dir=root / "serve" / "base-tiny", threads=1)
 
 
 def serve_predict(m: dict, device) -> dict:
@@ -121,12 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     from planner.serve.calibrate import fit_serving
     from planner.specs.hardware import find_device
     runs = {name: serve_run(out, name) for name in VARIANTS}
+    tiny = run_serving_tiny(out)
     device = find_device("cpu")[0]
-    factors = fit_serving([runs["base"]], device)
+    factors = fit_serving([runs["base"], tiny], device)
     device = _dc.replace(device, factors={**device.factors, **factors})
     print(f"\nserving chatglm3-6b-{SIZE}, TP 1, max batch {MAX_BATCH}, {REQUESTS} requests at {RATE:g}/s, prompt "
           f"{WORKLOAD['prompt_len']} / output {WORKLOAD['output_len']} tokens; serving factors fitted on the base "
-          "run only: measured / predicted, and each one's ratio to the base")
+          "model's runs only (small and tiny): measured / predicted, and each one's ratio to the base")
+    print("factors: " + ", ".join(f"{k} {v:.4g}" for k, v in factors.items()))
     print(f"{'variant':18} {'TTFT ms':>34} {'TPOT ms':>34}")
     pred = {name: serve_predict(m, device) for name, m in runs.items()}
     mb, pb = runs["base"], pred["base"]

@@ -9,12 +9,15 @@ in older files: 0), the whole step as the engine's clock sees it. Every step is
     time = max(compute x compute_scale, memory / decode_bw_efficiency)   (CPU: their sum, cost._serial)
            + comm x serve_comm_scale + serve_step_overhead_s + tp_steps x serve_tp_step_s
            + after_idle x serve_wake_s   (after_idle: the step's field, absent in older files: 0)
+(a decode step's attention parts, its cache read and attention core, scaled by
+decode_attention_scale inside the two sides)
 
 (planner/serve/cost.py combine; compute_scale: prefill_compute_scale for prefills,
 decode_compute_scale for decode steps) with the factor-free terms from cost.prefill_terms /
 decode_terms. Once it is known which side of each max() binds, that is linear in x =
 (prefill_compute_scale, decode_compute_scale, 1/decode_bw_efficiency, serve_comm_scale,
-serve_step_overhead_s, serve_tp_step_s, serve_wake_s): a least-squares problem (numpy lstsq) on relative
+serve_step_overhead_s, serve_tp_step_s, serve_wake_s, decode_attention_scale; the last one's column
+taken at the current scale and efficiency): a least-squares problem (numpy lstsq) on relative
 errors of group means: the steps of one run averaged per group (decode: per batch size; prefill:
 after an idle wait or not), each group's row divided by its mean measured time and weighted by
 its step count (_fit_from). The binding side is taken from the current
@@ -38,7 +41,7 @@ from planner.specs.hardware import DeviceProfile, find_device, parse_cluster, pr
 from planner.specs.model import ModelSpec
 
 ORDER = ("prefill_compute_scale", "decode_compute_scale", "decode_bw_efficiency", "serve_comm_scale",
-         "serve_step_overhead_s", "serve_tp_step_s", "serve_wake_s")
+         "serve_step_overhead_s", "serve_tp_step_s", "serve_wake_s", "decode_attention_scale")
 MAY_BE_ZERO = (4, 5, 6)
 """Columns of the fit that may come out 0 (the fixed per-step seconds); the scales must be > 0."""
 Obs = tuple[dict[str, float], float, bool]
@@ -86,16 +89,25 @@ def _predict(obs: list[Obs], f: dict[str, float]) -> list[float]:
     return [combine(t, f, decode) for t, _, decode in obs]
 
 
-def _columns(terms: dict[str, float], decode: bool, f: dict[str, float]) -> list[float]:
+def _columns(terms: dict[str, float], decode: bool, f: dict[str, float], fold: bool = False) -> list[float]:
     """One row of the linear system: the terms multiplying x (ORDER, 1/decode_bw_efficiency in
     place of decode_bw_efficiency) once the binding side of the max() is taken from `f`."""
     scale = f["decode_compute_scale"] if decode else f["prefill_compute_scale"]
+    eff = f["decode_bw_efficiency"]
     serial = bool(terms.get("serial", 0.0))  # CPU: compute + memory, both sides count
-    compute_bound = terms["compute_s"] * scale >= terms["memory_s"] / f["decode_bw_efficiency"]
-    c = terms["compute_s"] if compute_bound or serial else 0.0
-    m = terms["memory_s"] if serial or not compute_bound else 0.0
+    a = f.get("decode_attention_scale", 1.0) if decode else 1.0
+    ac, am = (terms.get("attn_compute_s", 0.0), terms.get("attn_memory_s", 0.0)) if decode else (0.0, 0.0)
+    compute_bound = (terms["compute_s"] + (a - 1) * ac) * scale >= (terms["memory_s"] + (a - 1) * am) / eff
+    if fold:  # decode_attention_scale held at its value: its parts go with compute and memory
+        ac, am = (1 - a) * ac, (1 - a) * am
+    c = terms["compute_s"] - ac if compute_bound or serial else 0.0
+    m = terms["memory_s"] - am if serial or not compute_bound else 0.0
+    # decode_attention_scale's column: the attention parts at the current scale and efficiency
+    # (the product is linearised like the max(): the fit alternates until both are stable)
+    att = 0.0 if fold else \
+        (ac * scale if compute_bound or serial else 0.0) + (am / eff if serial or not compute_bound else 0.0)
     return [0.0 if decode else c, c if decode else 0.0, m,
-            terms["comm_s"], 1.0, terms.get("tp_steps", 0.0), terms.get("wake", 0.0)]
+            terms["comm_s"], 1.0, terms.get("tp_steps", 0.0), terms.get("wake", 0.0), att]
 
 
 def _mape(pred: list[float], meas: list[float]) -> float:
@@ -141,6 +153,12 @@ def _grouped_sse(pred: np.ndarray, meas: np.ndarray, group: np.ndarray) -> float
     return float(np.sum(n * (p / m - 1.0) ** 2))
 
 
+def _rank(a: np.ndarray) -> int:
+    """Numerical rank of a fit's columns, each scaled to unit length first (their units differ)."""
+    norms = np.linalg.norm(a, axis=0)
+    return int(np.linalg.matrix_rank(a / np.where(norms > 0, norms, 1.0), tol=1e-9))
+
+
 def _fit_from(obs: list[Obs], meas_rows: np.ndarray, f: dict[str, float], iters: int,
               group: np.ndarray) -> dict[str, float]:
     """Alternate: binding sides from `f`, then the linear least squares; until `f` is stable.
@@ -156,6 +174,12 @@ def _fit_from(obs: list[Obs], meas_rows: np.ndarray, f: dict[str, float], iters:
         cols, _ = _group_mean(np.array([_columns(t, decode, f) for t, _, decode in obs]), group)
         x_now = np.array([1.0 / f[k] if k == "decode_bw_efficiency" else f[k] for k in ORDER])
         free = [j for j in range(n) if np.any(cols[:, j] > 0)]
+        if _rank(cols[:, free] / meas[:, None]) < len(free):
+            # decode_attention_scale trades off against the bandwidth share where the weight read
+            # cannot be told from the fixed seconds (one model size): it keeps its value and the
+            # cache read shares the weights' bandwidth share, as before it was a factor
+            cols, _ = _group_mean(np.array([_columns(t, decode, f, fold=True) for t, _, decode in obs]), group)
+            free = [j for j in range(n) if np.any(cols[:, j] > 0)]
         x = x_now.copy()
         while free:
             fixed = [j for j in range(n) if j not in free]

@@ -14,9 +14,10 @@ Sources (cited where used):
 - [SA]  Agrawal et al. 2023, "SARATHI: Efficient LLM Inference by Piggybacking Decodes with
         Chunked Prefills" (arXiv 2308.16369): a prompt prefilled in chunks, each chunk's
         queries attending to the chunks before it.
-Every time is the factor-free term (`*_terms`) combined with seven named serving factors of the
+Every time is the factor-free term (`*_terms`) combined with eight named serving factors of the
 device profile (SERVE_DEFAULTS), fitted by planner/serve/calibrate.py from measured runs:
     time = max(compute x compute_scale, memory / decode_bw_efficiency)   (GPU; on CPU: their sum)
+           (a decode step's attention parts, cache read and core, x decode_attention_scale)
            + comm x serve_comm_scale + serve_step_overhead_s + tp_steps x serve_tp_step_s
            (+ serve_wake_s on the first step after an idle wait: planner/serve/queue.py simulate)
 compute_scale is prefill_compute_scale for a prefill and decode_compute_scale for a decode step
@@ -61,6 +62,13 @@ SERVE_DEFAULTS: dict[str, float] = {
     "serve_tp_step_s": 0.0,
     # fixed seconds per engine step under TP: the step's inputs sent from the driver to the
     # TP workers and their start in step (on top of the layers' collectives in comm)
+    "decode_attention_scale": 1.0,
+    # multiplier on a decode step's attention: the KV cache (or linear attention's state) read
+    # and the attention core's compute, the parts that grow with the context. 1: the cache read
+    # at the weights' bandwidth share, as vLLM's paged-attention kernel does on a GPU (assumed
+    # until fitted). The CPU executor's padded cache (a gather of each running slot's K and V per
+    # layer, then a masked SDPA in bf16) measures ~5-15 us per context token on small ChatGLM3
+    # against ~1 us of bytes at the fitted bandwidth
     "serve_wake_s": 0.0,
     # fixed seconds added to the first step after the engine sat idle waiting for an arrival:
     # the process woken from its sleep, its core's caches and clock run down by the wait
@@ -173,16 +181,17 @@ def decode_terms(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, batch:
     gemms, _ = block_gemms(model, 1, batch, t)
     per_layer = sum(_gemm_s(cluster, dep, g, g) / e for g, e in zip(gemms, ffn_time_divisors(model)))
     if model.linear_attention:  # each sequence's new token against its d x d state
-        per_layer += _gemm_s(cluster, dep, linear_core_flops(model, 1, batch, t), 2.0 * model.dim_per_head ** 2)
+        core = _gemm_s(cluster, dep, linear_core_flops(model, 1, batch, t), 2.0 * model.dim_per_head ** 2)
     else:
-        core = 4.0 * context_tokens * model.q_size / t
-        per_layer += _gemm_s(cluster, dep, core, 2.0 * model.dim_per_head * context_tokens / batch)
+        core = _gemm_s(cluster, dep, 4.0 * context_tokens * model.q_size / t,
+                       2.0 * model.dim_per_head * context_tokens / batch)
     logits = 2.0 * batch * model.hidden * model.padded_vocab(t) / t
-    compute = (model.layers * per_layer + _gemm_s(cluster, dep, logits, logits)) * k
-    read = weight_read_bytes(model, dep) / t + cache_read_bytes(model, dep, batch, context_tokens)
-    memory = read / _hbm(cluster) * k
+    compute = (model.layers * (per_layer + core) + _gemm_s(cluster, dep, logits, logits)) * k
+    cache = cache_read_bytes(model, dep, batch, context_tokens) / _hbm(cluster) * k
+    memory = weight_read_bytes(model, dep) / t / _hbm(cluster) * k + cache
     return {"compute_s": compute, "memory_s": memory, "comm_s": _tp_comm_s(model, cluster, dep, batch, batch),
-            "tp_steps": 1.0 if t > 1 else 0.0, "serial": _serial(cluster)}
+            "tp_steps": 1.0 if t > 1 else 0.0, "serial": _serial(cluster),
+            "attn_compute_s": model.layers * core * k, "attn_memory_s": cache}
 
 
 def combine(terms: dict[str, float], f: dict[str, float], decode: bool = False) -> float:
@@ -190,7 +199,9 @@ def combine(terms: dict[str, float], f: dict[str, float], decode: bool = False) 
     the terms are a decode step's (decode_compute_scale on compute), else a prefill's."""
     scale = f.get("decode_compute_scale", SERVE_DEFAULTS["decode_compute_scale"]) if decode \
         else f["prefill_compute_scale"]
-    comp, mem = terms["compute_s"] * scale, terms["memory_s"] / f["decode_bw_efficiency"]
+    extra = f.get("decode_attention_scale", 1.0) - 1.0 if decode else 0.0  # on the attention parts only
+    comp = (terms["compute_s"] + extra * terms.get("attn_compute_s", 0.0)) * scale
+    mem = (terms["memory_s"] + extra * terms.get("attn_memory_s", 0.0)) / f["decode_bw_efficiency"]
     return ((comp + mem if terms.get("serial", 0.0) else max(comp, mem))
             + terms["comm_s"] * f["serve_comm_scale"] + f["serve_step_overhead_s"]
             + terms.get("tp_steps", 0.0) * f.get("serve_tp_step_s", 0.0)
@@ -247,7 +258,8 @@ def step_fns(model: ModelSpec, cluster: ClusterSpec, dep: Deployment) -> tuple[C
                 exact[key] = combine(decode_terms(model, cluster, dep, batch, context_tokens), f, decode=True)
             return exact[key]
         memory = mem0 + context_tokens * mem_per_ctx
-        terms = {"compute_s": comp, "memory_s": memory, "comm_s": comm, "tp_steps": tp_steps}
+        terms = {"compute_s": comp, "memory_s": memory, "comm_s": comm, "tp_steps": tp_steps,
+                 "attn_memory_s": context_tokens * mem_per_ctx}
         return combine(terms, f, decode=True)
     return prefill, decode
 

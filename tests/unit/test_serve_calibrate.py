@@ -128,9 +128,20 @@ def test_combine_adds_memory_and_compute_where_serial():
     # CPU: 0.1 x 2 + 0.2 / 0.5 = 0.6 (prefill), 0.1 x 5 + 0.4 = 0.9 (decode); + 0.06 + 0.001 + 0.01
     assert combine(t, f) == pytest.approx(0.6 + 0.071)
     assert combine(t, f, decode=True) == pytest.approx(0.9 + 0.071)
-    # the fit's row carries both sides: [prefill scale, decode scale, 1/eff, comm, overhead, tp step]
-    assert calibrate._columns(t, True, f) == [0.0, 0.1, 0.2, 0.02, 1.0, 1.0, 0.0]
-    assert calibrate._columns({**t, "serial": 0.0}, True, f) == [0.0, 0.1, 0.0, 0.02, 1.0, 1.0, 0.0]
+    # the fit's row carries both sides: [prefill scale, decode scale, 1/eff, comm, overhead, tp step,
+    # wake, attention scale]
+    assert calibrate._columns(t, True, f) == [0.0, 0.1, 0.2, 0.02, 1.0, 1.0, 0.0, 0.0]
+    assert calibrate._columns({**t, "serial": 0.0}, True, f) == [0.0, 0.1, 0.0, 0.02, 1.0, 1.0, 0.0, 0.0]
+    # a decode step's attention parts (0.04 s of its compute, 0.05 s of its memory) move to the
+    # attention column at the current scale and efficiency: 0.04 x 5 + 0.05 / 0.5 = 0.3
+    ta = {**t, "attn_compute_s": 0.04, "attn_memory_s": 0.05}
+    assert calibrate._columns(ta, True, f) == pytest.approx([0.0, 0.06, 0.15, 0.02, 1.0, 1.0, 0.0, 0.3])
+    # held at 3 (fold): compute 0.1 + 2 x 0.04, memory 0.2 + 2 x 0.05, no attention column
+    assert calibrate._columns(ta, True, {**f, "decode_attention_scale": 3.0}, fold=True) == \
+        pytest.approx([0.0, 0.18, 0.3, 0.02, 1.0, 1.0, 0.0, 0.0])
+    # combine: x 3 on the attention parts: (0.1 + 0.08) x 5 + (0.2 + 0.1) / 0.5 = 1.5, + 0.071
+    assert combine(ta, {**f, "decode_attention_scale": 3.0}, decode=True) == pytest.approx(1.5 + 0.071)
+    assert combine(ta, {**f, "decode_attention_scale": 3.0}) == pytest.approx(0.6 + 0.071)  # prefill: no
 
 
 def test_wake_seconds_on_steps_after_an_idle_wait():
@@ -140,7 +151,7 @@ def test_wake_seconds_on_steps_after_an_idle_wait():
          "serve_comm_scale": 3.0, "serve_step_overhead_s": 0.001, "serve_tp_step_s": 0.01, "serve_wake_s": 0.003}
     t = {"compute_s": 0.1, "memory_s": 0.2, "comm_s": 0.0, "tp_steps": 0.0, "serial": 1.0, "wake": 1.0}
     assert combine(t, f) == pytest.approx(0.6 + 0.001 + 0.003)
-    assert calibrate._columns(t, False, f)[-1] == 1.0
+    assert calibrate._columns(t, False, f)[6] == 1.0
     runs = synthetic(tps=(1,))
     for s in runs[0]["prefills"]:
         s["after_idle"] = True
@@ -165,3 +176,22 @@ def test_fit_targets_each_groups_mean_step_time():
     obs = [(zero, 0.01, True)] + [(zero, 0.03, True)] * 3
     g = calibrate._fit_from(obs, np.array([0.01, 0.03, 0.03, 0.03]), f, 5, np.array([0, 1, 1, 1]))
     assert g["serve_step_overhead_s"] == pytest.approx(0.015)
+
+
+def test_attention_scale_recovered_from_two_model_sizes():
+    """decode_attention_scale is told apart from the bandwidth share once two model sizes give
+    two weight reads (one model: the weight read moves with the fixed seconds, and the scale
+    keeps its value, test_recovers_known_factors). Steps generated with it at 6 are fitted back."""
+    global MODEL
+    true = {**TRUE, "decode_attention_scale": 6.0}
+    saved = MODEL
+    try:
+        runs = synthetic(factors=true)
+        MODEL = scale(preset("chatglm3-6b"), "small")
+        runs += synthetic(factors=true)
+    finally:
+        MODEL = saved
+    f = calibrate.fit_serving(runs)
+    for k, v in true.items():
+        assert f[k] == pytest.approx(v, rel=1e-5), k
+    assert calibrate.fit_serving(runs[:2])["decode_attention_scale"] == 1.0  # one size: held
