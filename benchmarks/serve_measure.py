@@ -7,9 +7,21 @@ deployment: measured TTFT, TPOT (mean) and achieved QPS, and beside them the ser
 model's prediction at the same rate (planner/serve/queue.py simulate with cost.step_fns) on
 the `cpu` profile, its serving factors fitted (planner/serve/calibrate.py fit_serving, on the
 measured prefill and decode step times) on the other runs (leave-one-out: every row is held
-out). Then, for QPS_DEPLOYMENTS, the highest arrival rate whose measured p50 end-to-end latency
-meets a target (bisection over short runs) beside queue.qps_at_target with the factors fitted
-on all the runs above (the bisection runs are not fitted on).
+out). Each deployment is run --repeats times (default 3) and each measured figure is the median
+over its repeats (TP 2 over gloo moves 20-50% from run to run); the fit uses every repeat of the
+other deployments.
+
+Then, for every deployment, the highest arrival rate whose measured p50 end-to-end latency meets
+a target (bisection over short runs of QPS_REQUESTS requests) beside queue.qps_at_target over
+the same requests, again with the factors fitted on the other deployments' runs (the bisection
+runs are never fitted on). The target is a latency the deployment meets only under load: the
+predicted p50 end-to-end latency at TARGET_LOAD x its predicted saturation throughput, rounded
+up to the next ms (a target on the flat part of the latency curve, where any rate meets it,
+would not test QPS). Measured: runs at QPS_GRID x the predicted rate and the crossing of a
+smooth latency-load curve fitted through them (`crossing`), or a bound when the fitted curve
+stays on one side of the target over the measured rates.
+
+    ... --reuse   re-prints the tables from the runs already under --out (no new steady runs)
 
     flock /tmp/planner-cpu.lock .venv/bin/python benchmarks/serve_measure.py [--out reports/serve_measure]
 """
@@ -31,11 +43,11 @@ from planner.specs import parse_cluster, preset, scale  # noqa: E402
 WORKLOADS = {"tiny": dict(prompt_len=32, output_len=16, prompt_sigma=0.3, output_sigma=0.3, seed=0),
              "small": dict(prompt_len=64, output_len=16, prompt_sigma=0.3, output_sigma=0.3, seed=0)}
 REQUESTS = {"tiny": 32, "small": 16}
-# QPS at a p50 end-to-end latency target, measured by bisection over arrival rates: (scale, tp,
-# max batch, target ms), QPS_REQUESTS requests per probe, QPS_ITERS bisection steps
-QPS_DEPLOYMENTS = [("tiny", 1, 4, 40.0), ("small", 1, 4, 200.0)]
-QPS_REQUESTS = {"tiny": 24, "small": 12}
-QPS_ITERS = 4
+# QPS at a p50 end-to-end latency target, measured by bisection over arrival rates:
+# QPS_REQUESTS requests per probe at QPS_GRID x the predicted rate, target at TARGET_LOAD x saturation
+QPS_REQUESTS = {"tiny": 48, "small": 24}
+QPS_GRID = (0.6, 0.75, 0.9, 1.05, 1.2, 1.4)
+TARGET_LOAD = 0.8
 # (scale, tp, max_batch, rate requests/s). Two small TP 1 runs reach batches above 4 (mb8 r16,
 # mb6 r24): held out, each one's decode_compute_scale is fitted with the other still in the fit
 # (with one, leave-one-out fitted that regime from tiny's batches alone)
@@ -48,19 +60,34 @@ def name_of(size: str, tp: int, mb: int, rate: float) -> str:
     return f"{size}-tp{tp}-mb{mb}-r{rate:g}"
 
 
-def measure(out: Path, precision: str, seed: int, threads: int) -> list[dict]:
+def measure(out: Path, precision: str, seed: int, threads: int, repeats: int,
+            reuse: bool = False) -> list[list[dict]]:
+    """Every deployment `repeats` times; [deployment][repeat] serve_metrics documents (reuse:
+    read the ones already under `out`)."""
+    import json
     runs = []
     for size, tp, mb, rate in DEPLOYMENTS:
         spec = scale(preset("chatglm3-6b"), size)
-        d = out / name_of(size, tp, mb, rate)
-        t0 = time.perf_counter()
-        m = run_serving(spec, tp=tp, max_batch=mb, workload=WORKLOADS[size], rate_qps=rate,
-                        requests=REQUESTS[size], seed=seed, timeout_s=120, precision=precision, out_dir=d,
-                        threads=threads)
-        print(f"measured {d.name}: {time.perf_counter() - t0:.1f} s, {m['requests']} requests "
-              f"-> {d / METRICS_FILE}", flush=True)
-        runs.append(m)
+        reps = []
+        for k in range(repeats):
+            d = out / name_of(size, tp, mb, rate) / f"rep{k}"
+            if reuse and (d / METRICS_FILE).exists():
+                reps.append(json.loads((d / METRICS_FILE).read_text()))
+                continue
+            t0 = time.perf_counter()
+            m = run_serving(spec, tp=tp, max_batch=mb, workload=WORKLOADS[size], rate_qps=rate,
+                            requests=REQUESTS[size], seed=seed, timeout_s=120, precision=precision, out_dir=d,
+                            threads=threads)
+            print(f"measured {name_of(size, tp, mb, rate)} #{k}: {time.perf_counter() - t0:.1f} s, "
+                  f"{m['requests']} requests -> {d / METRICS_FILE}", flush=True)
+            reps.append(m)
+        runs.append(reps)
     return runs
+
+
+def _median(x: list[float]) -> float:
+    import statistics
+    return float(statistics.median(x))
 
 
 def fitted_device(fit_runs: list[dict]):
@@ -116,51 +143,78 @@ def _err(pred: float, meas: float) -> float:
     return abs(pred - meas) / meas if meas else float("nan")
 
 
-def measured_qps_at_target(size: str, tp: int, mb: int, target_s: float, lo: float, hi: float, out: Path,
-                           precision: str, seed: int, threads: int, iters: int) -> tuple[float | None, list]:
-    """Highest arrival rate whose measured p50 end-to-end latency meets target_s: geometric
-    bisection on [lo, hi] with short runs (QPS_REQUESTS requests each); (rate or None, the
-    (rate, p50 e2e) probes)."""
+def crossing(rates: list[float], p50s: list[float], target_s: float) -> tuple[float, str]:
+    """The rate at which a smooth latency-load curve through the measured points reaches target_s:
+    a quadratic in log rate / log p50 (numpy.polyfit; the curve is flat at low load and bends up
+    near saturation), evaluated on a fine grid over the measured rates; (rate, "" / "<" / ">"):
+    the highest rate whose fitted p50 meets the target, or the lowest rate with "<" when none
+    does, the highest with ">" when all do."""
+    import numpy as np
+    x, y = np.log(rates), np.log(p50s)
+    fit = np.poly1d(np.polyfit(x, y, 2))
+    grid = np.linspace(x.min(), x.max(), 2001)
+    ok = fit(grid) <= np.log(target_s)
+    if not ok.any():
+        return float(rates[0] if rates[0] < rates[-1] else min(rates)), "<"
+    if ok.all():
+        return float(max(rates)), ">"
+    # the last grid point still meeting the target before the first one that misses it for good
+    last_ok = int(np.nonzero(ok)[0].max()) if ok[-1] else int(np.nonzero(~ok)[0].min()) - 1
+    return float(np.exp(grid[max(last_ok, 0)])), ""
+
+
+def measured_qps_at_target(size: str, tp: int, mb: int, target_s: float, pred: float, out: Path,
+                           precision: str, seed: int, threads: int) -> tuple[float, str, list]:
+    """Highest arrival rate whose measured p50 end-to-end latency meets target_s: short runs
+    (QPS_REQUESTS requests each) at QPS_GRID x the predicted rate, and the crossing of the
+    latency-load curve fitted through them (`crossing`; one noisy run does not decide it as it
+    would a bisection step); (rate, bound, the (rate, p50 e2e) probes)."""
     spec = scale(preset("chatglm3-6b"), size)
     probes = []
-
-    def meets(rate: float) -> bool:
+    for g in QPS_GRID:
+        rate = round(pred * g, 3)
         m = run_serving(spec, tp=tp, max_batch=mb, workload=WORKLOADS[size], rate_qps=rate,
                         requests=QPS_REQUESTS[size], seed=seed, timeout_s=60, precision=precision,
                         out_dir=out / f"{name_of(size, tp, mb, rate)}", threads=threads)
-        probes.append((rate, m["e2e_s"]["p50"]))
-        return m["e2e_s"]["p50"] is not None and m["e2e_s"]["p50"] <= target_s and not m["timed_out"]
-    if not meets(lo):
-        return None, probes
-    if meets(hi):
-        return hi, probes
-    for _ in range(iters):
-        mid = (lo * hi) ** 0.5
-        lo, hi = (mid, hi) if meets(mid) else (lo, mid)
-    return lo, probes
+        if m["e2e_s"]["p50"] is not None and not m["timed_out"]:
+            probes.append((rate, m["e2e_s"]["p50"]))
+    rate, bound = crossing([r for r, _ in probes], [e for _, e in probes], target_s)
+    return rate, bound, probes
 
 
-def qps_table(out: Path, device, args) -> list[dict]:
-    """Measured vs predicted QPS at a p50 end-to-end target for QPS_DEPLOYMENTS."""
+def qps_table(out: Path, runs: list[list[dict]], args) -> list[dict]:
+    """Measured vs predicted QPS at a p50 end-to-end target for every deployment, each predicted
+    with the factors fitted on the other deployments' runs."""
+    import math
+
     from planner.serve import queue
     from planner.serve.spec import Target
     rows = []
-    for size, tp, mb, target_ms in QPS_DEPLOYMENTS:
+    print(f"\nQPS at a p50 end-to-end target (target: the predicted p50 at {TARGET_LOAD:g} x predicted saturation; "
+          f"measured: runs of {QPS_REQUESTS} requests at {', '.join(f'{g:g}' for g in QPS_GRID)} x the predicted "
+          "rate, the crossing of a quadratic log-log latency curve through them)")
+    for i, (size, tp, mb, _) in enumerate(DEPLOYMENTS):
+        name = f"{size}-tp{tp}-mb{mb}"
+        if any(r["deployment"] == name for r in rows):
+            continue
+        device, _ = fitted_device([m for j, reps in enumerate(runs) if j != i for m in reps])
         spec = scale(preset("chatglm3-6b"), size)
         run = _runner(spec, device, tp, mb, WORKLOADS[size], QPS_REQUESTS[size], args.seed)
         sat = queue.saturation_qps(run)
-        pred = queue.qps_at_target(run, Target(kind="p50", value=target_ms / 1e3, metric="e2e"), sat)
+        target_s = math.ceil(1e3 * run(TARGET_LOAD * sat)["e2e_s"]["p50"]) / 1e3
+        pred = queue.qps_at_target(run, Target(kind="p50", value=target_s, metric="e2e"), sat)
         t0 = time.perf_counter()
-        centre = pred or sat / 2
-        meas, probes = measured_qps_at_target(size, tp, mb, target_ms / 1e3, centre / 2.5, min(centre * 2.5, sat),
-                                              out / "qps", args.precision, args.seed, args.threads, QPS_ITERS)
-        name = f"{size}-tp{tp}-mb{mb}"
-        print(f"{name:18} p50 e2e <= {target_ms:g} ms: measured {meas or 0:7.2f} req/s / predicted "
-              f"{pred or 0:7.2f} req/s {_pct(pred or 0, meas) if meas else 'n/a':>5} "
-              f"({len(probes)} runs, {time.perf_counter() - t0:.1f} s: "
+        meas, bound, probes = measured_qps_at_target(size, tp, mb, target_s, pred, out / "qps", args.precision,
+                                                     args.seed, args.threads)
+        err = (pred - meas) / meas
+        print(f"{name:15} p50 e2e <= {1e3 * target_s:5.0f} ms: measured {bound or ' '}{meas:6.2f} req/s / predicted "
+              f"{pred:6.2f} req/s {_pct(pred, meas):>5} ({len(probes)} runs, {time.perf_counter() - t0:.0f} s: "
               + ", ".join(f"{r:.1f}->{1e3 * e:.0f}ms" for r, e in probes) + ")", flush=True)
-        rows.append({"deployment": name, "target_p50_e2e_s": target_ms / 1e3, "measured_qps": meas,
-                     "predicted_qps": pred, "probes": probes})
+        rows.append({"deployment": name, "target_p50_e2e_s": target_s, "measured_qps": meas, "bound": bound,
+                     "predicted_qps": pred, "error": err, "probes": probes})
+    errs = [abs(r["error"]) for r in rows]
+    print(f"qps@target mean |error| {100 * sum(errs) / len(errs):.0f}%, max {100 * max(errs):.0f}%, "
+          f"within 15%: {sum(e <= 0.15 and not r['bound'] for e, r in zip(errs, rows))}/{len(rows)}")
     return rows
 
 
@@ -174,26 +228,33 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch threads per rank (1: TP 1 and TP 2 ranks alike get one core; steadier when the "
                         "machine is shared)")
     p.add_argument("--no-qps", action="store_true", help="skip the QPS-at-target bisection")
+    p.add_argument("--repeats", type=int, default=3, help="runs per deployment; each figure is their median")
+    p.add_argument("--reuse", action="store_true", help="read the steady runs already under --out instead of "
+                   "running them again (the QPS-at-target runs always run)")
     args = p.parse_args(argv)
     out = Path(args.out)
-    runs = measure(out, args.precision, args.seed, args.threads)
+    runs = measure(out, args.precision, args.seed, args.threads, args.repeats, args.reuse)
     print("\nleave-one-out: each deployment predicted with the serving factors fitted on the other "
-          f"{len(runs) - 1} runs' steps")
+          f"{len(runs) - 1} deployments' runs; measured: the median of {args.repeats} runs")
     print(f"{'deployment':24} {'TTFT ms meas/pred':>22} {'TPOT ms meas/pred':>22} {'QPS meas/pred':>20}")
     rows = []
-    for i, m in enumerate(runs):
+    for i, reps in enumerate(runs):
+        m = reps[0]
         d = m["deployment"]
         name = name_of(m["model"]["name"].rsplit("-", 1)[-1], d["tp"], d["max_batch"], m["rate_qps"])
-        device, factors = fitted_device(runs[:i] + runs[i + 1:])
+        device, factors = fitted_device([r for j, rr in enumerate(runs) if j != i for r in rr])
         pr = predict(m, device)
         pred = (pr["ttft_s"]["mean"], pr["tpot_s"]["mean"], pr["achieved_qps"])
-        meas = (m["ttft_s"]["mean"], m["tpot_s"]["mean"], m["achieved_qps"])
+        meas = tuple(_median([r[k]["mean"] for r in reps]) for k in ("ttft_s", "tpot_s")) \
+            + (_median([r["achieved_qps"] for r in reps]),)
         print(f"{name:24} {1e3 * meas[0]:9.1f} / {1e3 * pred[0]:7.1f} {_pct(pred[0], meas[0]):>5}"
               f"{1e3 * meas[1]:9.2f} / {1e3 * pred[1]:6.2f} {_pct(pred[1], meas[1]):>5}"
               f"{meas[2]:8.2f} / {pred[2]:6.2f} {_pct(pred[2], meas[2]):>5}", flush=True)
         rows.append({"deployment": name, "factors": factors,
                      "measured": dict(zip(("ttft_s", "tpot_s", "qps"), meas)),
-                     "predicted": dict(zip(("ttft_s", "tpot_s", "qps"), pred))})
+                     "predicted": dict(zip(("ttft_s", "tpot_s", "qps"), pred)),
+                     "repeats": [{k: r[k]["mean"] for k in ("ttft_s", "tpot_s")} | {"qps": r["achieved_qps"]}
+                                 for r in reps]})
     summary = {}
     for k in ("ttft_s", "tpot_s", "qps"):
         errs = [_err(r["predicted"][k], r["measured"][k]) for r in rows]
@@ -201,11 +262,15 @@ def main(argv: list[str] | None = None) -> int:
         summary[k] = {"mean_abs_error": sum(errs) / len(errs), "max_abs_error": max(errs), "within_15pct": within}
         print(f"{k:7} mean |error| {100 * summary[k]['mean_abs_error']:.0f}%, max {100 * max(errs):.0f}%, "
               f"within 15%: {within}/{len(errs)}")
-    device, factors = fitted_device(runs)
-    print(f"\nall {len(runs)} runs: {_fmt(factors)}")
-    qps = [] if args.no_qps else qps_table(out, device, args)
+    every = sum(all(_err(r["predicted"][k], r["measured"][k]) <= 0.15 for k in ("ttft_s", "tpot_s", "qps"))
+                for r in rows)
+    print(f"deployments with TTFT, TPOT and QPS all within 15%: {every}/{len(rows)}")
+    device, factors = fitted_device([r for rr in runs for r in rr])
+    print(f"\nall {len(runs)} deployments: {_fmt(factors)}")
+    qps = [] if args.no_qps else qps_table(out, runs, args)
     atomic_write_json(out / "summary.json", {"factors_all_runs": factors, "precision": args.precision,
-                                             "rows": rows, "errors": summary, "qps_at_target": qps})
+                                             "repeats": args.repeats, "rows": rows, "errors": summary,
+                                             "all_three_within_15pct": every, "qps_at_target": qps})
     return 0
 
 
