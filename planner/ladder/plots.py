@@ -18,6 +18,15 @@ FILES = {"throughput": "ladder-throughput.png", "memory": "ladder-memory.png"}
 _KEYS = {"throughput": ("tokens_per_s", "real tokens/s", True), "memory": ("peak_memory_gb", "peak GB per GPU", False)}
 
 
+
+def _label(v: float) -> str:
+    """A bar's value in a few characters: 629, 9.4k, 21.3k, 1.2M; 0.48 (memory in GB)."""
+    if abs(v) >= 1e6:
+        return f"{v / 1e6:.1f}M"
+    if abs(v) >= 1e3:
+        return f"{v / 1e3:.1f}k"
+    return f"{v:.3g}"
+
 def _series(rungs: list[dict[str, Any]], key: str, measured: bool) -> list[float | None]:
     out = []
     for r in rungs:
@@ -53,7 +62,7 @@ def draw(ladder: dict[str, Any], what: str) -> bytes:
             else:
                 good = (v >= prev) == up_good
                 ax.bar(i + shift, v - prev, w, bottom=prev, color="#55a868" if good else "#c44e52", alpha=alpha)
-            ax.annotate(f"{v / 1e3:.1f}k" if v >= 1e4 else f"{v:.3g}", (i + shift, v), ha="center", va="bottom", fontsize=7)
+            ax.annotate(_label(v), (i + shift, v), ha="center", va="bottom", fontsize=7)
             prev = v
         last = next((v for v in reversed(vals) if v is not None), None)
         if last is not None and vals[-1] is not None:

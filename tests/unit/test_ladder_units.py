@@ -225,3 +225,8 @@ def test_report_has_a_ladder_section(tmp_path):
     html = write_report(d).read_text()
     assert 'id="ladder-table"' in html and 'id="img-ladder_throughput"' in html and 'id="img-ladder_memory"' in html
     assert "35% -&gt; 12%" in html  # the article's figure beside ours
+
+
+def test_waterfall_labels_are_short():
+    from planner.ladder.plots import _label
+    assert [_label(x) for x in (629, 9359, 21337, 1.2e6, 0.482)] == ["629", "9.4k", "21.3k", "1.2M", "0.482"]
