@@ -230,3 +230,22 @@ def test_report_has_a_ladder_section(tmp_path):
 def test_waterfall_labels_are_short():
     from planner.ladder.plots import _label
     assert [_label(x) for x in (629, 9359, 21337, 1.2e6, 0.482)] == ["629", "9.4k", "21.3k", "1.2M", "0.482"]
+
+
+def test_measured_optimizer_states_leave_out_buckets():
+    """The zero rung's measured figure: Adam's moments and the fp32 master only, as the executor's
+    buffer labels name them (a tiny ZeRO-3 run's labels), not ZeRO-3's 100 MB reduce bucket."""
+    from planner.ladder.measure import optimizer_gb
+    zero3 = {"device.params:module.ds_tensor": 1124480, "device.optimizer:optimizer.grad_partitions_flat_buffer": 1124480,
+             "device.optimizer:optimizer.fp32_partitioned_groups_flat[i]": 2248960,
+             "device.optimizer:optimizer.ipg_buckets[torch.bfloat16].buffer": 100000000,
+             "device.optimizer:optimizer.optimizer.state[p][step]": 4,
+             "device.optimizer:optimizer.optimizer.state[p][exp_avg]": 2248960,
+             "device.optimizer:optimizer.optimizer.state[p][exp_avg_sq]": 2248960}
+    bf16 = {"device.params:module.param": 2248960, "device.grads:module.grad": 2248960,
+            "device.optimizer:optimizer.optimizer.state[key]": 4497920,
+            "device.optimizer:optimizer.optimizer.state[p][exp_avg]": 4497920,
+            "device.optimizer:optimizer.optimizer.state[p][exp_avg_sq]": 4497920}
+    assert optimizer_gb({"model_state_buffers_bytes_per_rank": [zero3, zero3]}) * 1e9 == 6746884
+    assert optimizer_gb({"model_state_buffers_bytes_per_rank": [bf16]}) * 1e9 == 13493760
+    assert optimizer_gb({}) is None
