@@ -169,6 +169,7 @@ def render(run: RunData, price_per_gpu_hour: float | None = None, train_tokens: 
         "reason_counts": extra.get("reason_counts") or {}, "gantt": extra.get("gantt"),
         "cluster_info": extra.get("cluster_info"), "study": study, "search": run.search,
         "metrics": run.metrics, "verify": run.verify, "f": fmt, "ladder": extra.get("ladder"),
+        "variant": run.variant,
         "search_command": str(inputs.get("command") or ""), "model_arg": str(inputs.get("model_arg") or ""),
         "profile_path": str(inputs.get("profile") or run.cluster.device.path or "built-in"),
         "launch": run.launch, "launch_path": str(run_dir / "launch.sh"), "has_hostfile": run.files.get("hostfile"),

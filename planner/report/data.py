@@ -67,6 +67,9 @@ class RunData:
     """Problems with optional files, shown on the page."""
     files: dict[str, bool] = field(default_factory=dict)
     """Which run-directory files exist."""
+    variant: dict[str, Any] | None = None
+    """estimate.json "variant_comparison" (planner.search.outputs.variant_section): the plan for
+    the base model beside the model variant, when the run is of a variant."""
 
 
 def _optional_json(path: Path, notes: list[str]) -> dict[str, Any] | None:
@@ -215,6 +218,8 @@ def load(run_dir: str | Path) -> RunData:
     files = {n: (run / n).exists() for n in ("plan.json", "estimate.json", "ds_config.json", "launch.sh",
                                              "hostfile", "trials.csv", "study.db", "metrics.json", "verify.json")}
     baseline = est_doc.get("baseline") if isinstance(est_doc.get("baseline"), dict) else None
+    variant = est_doc.get("variant_comparison")
+    variant = variant if isinstance(variant, dict) and isinstance(variant.get("rows"), list) else None
     metrics = _optional_json(run / "metrics.json", notes)
     metrics = _of_this_plan(metrics, (metrics or {}).get("plan"), plan, "metrics.json", notes)
     verify = _optional_json(run / "verify.json", notes)
@@ -225,7 +230,7 @@ def load(run_dir: str | Path) -> RunData:
                    estimate=est_doc["estimate"], baseline=baseline, search=search, top=top, trials=trials, study=study,
                    metrics=metrics, verify=verify,
                    ds_config=_optional_json(run / "ds_config.json", notes), launch=launch, notes=tuple(notes),
-                   files=files)
+                   files=files, variant=variant)
 
 
 __all__ = ["RunData", "StudyData", "load", "read_study", "read_trials"]

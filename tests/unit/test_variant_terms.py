@@ -223,7 +223,7 @@ def test_zero1_owned_gradients_count_shared_tensors_once() -> None:
 
 def test_search_run_directory_holds_base_beside_variant(tmp_path, capsys):
     """search --variant: estimate.json carries the picked plan for the base model and the variant
-    side by side (the report's "Variant against base" table reads it); without --variant none."""
+    side by side, and report.html shows it ("Variant against base"); without --variant neither."""
     import json
     argv = ["search", "--model", "chatglm3-6b", "--scale", "tiny", "--gpus", "2xcpu", "--trials", "8",
             "--out-dir", str(tmp_path)]
@@ -233,5 +233,8 @@ def test_search_run_directory_holds_base_beside_variant(tmp_path, capsys):
     assert doc["base"] == "chatglm3-6b-tiny" and doc["variant"] == "chatglm3-6b-tiny+share2"
     assert rows["parameters"]["base"] == "1,124,480" and rows["parameters"]["variant"] == "693,376"
     assert rows["parameters"]["ratio"] == "0.62x"
+    html = (tmp_path / "v" / "report.html").read_text()
+    assert 'id="variant-table"' in html and "1,124,480" in html and "693,376" in html
     assert main([*argv, "--name", "b"]) in (0, None)
     assert "variant_comparison" not in json.loads((tmp_path / "b" / "estimate.json").read_text())
+    assert 'id="variant-table"' not in (tmp_path / "b" / "report.html").read_text()
