@@ -10,10 +10,9 @@ share-layers=2) and the base model, on this CPU:
 - serving: the generation loop (planner.executor.serve_run.run_serving: KV cache, or linear
   attention's fixed state; TP 1, max batch 4, Poisson arrivals) serves the same requests for
   each model; the serving cost model predicts TTFT and TPOT at the same rate (queue.simulate)
-  with its factors fitted (planner/serve/calibrate.py) on the BASE model's runs only (this one
-  and one of the tiny base model, so that two weight sizes separate the bandwidth share from
-  the attention scale), so each variant's prediction is held out and what is compared is the
-  variant's effect. Printed: the
+  with its factors fitted (planner/serve/calibrate.py) on the BASE model's runs only (this one,
+  one with short prompts and one of the tiny base model: see calibration_runs), so each
+  variant's prediction is held out and what is compared is the variant's effect. Printed: the
   measured and predicted times and their ratios to the base.
 
     flock /tmp/planner-cpu.lock .venv/bin/python benchmarks/variants_measure.py [--out reports/variants_measure]
@@ -43,6 +42,7 @@ PLAN = Plan(dp=2, zero=0, micro_batch=2, grad_accum=2, precision="bf16", bucket_
 WORKLOAD = dict(prompt_len=384, output_len=32, prompt_sigma=0.2, output_sigma=0.2, seed=0)
 RATE, REQUESTS, MAX_BATCH = 2.0, 16, 4
 TINY_WORKLOAD = dict(prompt_len=160, output_len=32, prompt_sigma=0.2, output_sigma=0.2, seed=0)
+SHORT_WORKLOAD = dict(prompt_len=48, output_len=32, prompt_sigma=0.2, output_sigma=0.2, seed=0)
 GB = 1e9
 
 
@@ -82,14 +82,20 @@ def serve_run(root: Path, name: str) -> dict:
     return m
 
 
-def run_serving_tiny(root: Path) -> dict:
-    """The base model at the tiny scale, for the fit only: with one model size the weight read
-    cannot be told from the fixed seconds per step, and decode_attention_scale stays unfitted
-    (planner/serve/calibrate.py)."""
+def calibration_runs(root: Path) -> list[dict]:
+    """Two more runs of the base model, for the fit only: the small model with short prompts
+    (with only long prompts a decode step's context grows with its batch, so the attention's
+    cost per context token and the GEMMs' per row are one direction to the fit) and the tiny
+    model (with one model size the weight read cannot be told from the fixed seconds per step,
+    and decode_attention_scale stays unfitted: planner/serve/calibrate.py)."""
     from planner.executor.serve_run import run_serving
-    return run_serving(scale(preset("chatglm3-6b"), "tiny"), tp=1, max_batch=MAX_BATCH, workload=TINY_WORKLOAD,
+    short = run_serving(scale(preset("chatglm3-6b"), SIZE), tp=1, max_batch=MAX_BATCH, workload=SHORT_WORKLOAD,
+                        rate_qps=4 * RATE, requests=REQUESTS, seed=0, timeout_s=300, precision="bf16",
+                        out_dir=root / "serve" / "base-short", threads=1)
+    tiny = run_serving(scale(preset("chatglm3-6b"), "tiny"), tp=1, max_batch=MAX_BATCH, workload=TINY_WORKLOAD,
                        rate_qps=4 * RATE, requests=2 * REQUESTS, seed=0, timeout_s=300, precision="bf16",
                        out_dir=root / "serve" / "base-tiny", threads=1)
+    return [short, tiny]
 
 
 def serve_predict(m: dict, device) -> dict:
@@ -134,13 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     from planner.serve.calibrate import fit_serving
     from planner.specs.hardware import find_device
     runs = {name: serve_run(out, name) for name in VARIANTS}
-    tiny = run_serving_tiny(out)
+    fit_runs = [runs["base"], *calibration_runs(out)]
     device = find_device("cpu")[0]
-    factors = fit_serving([runs["base"], tiny], device)
+    factors = fit_serving(fit_runs, device)
     device = _dc.replace(device, factors={**device.factors, **factors})
     print(f"\nserving chatglm3-6b-{SIZE}, TP 1, max batch {MAX_BATCH}, {REQUESTS} requests at {RATE:g}/s, prompt "
           f"{WORKLOAD['prompt_len']} / output {WORKLOAD['output_len']} tokens; serving factors fitted on the base "
-          "model's runs only (small and tiny): measured / predicted, and each one's ratio to the base")
+          "model's runs only (small long and short prompts, tiny): measured / predicted, and each one's ratio to "
+          "the base")
     print("factors: " + ", ".join(f"{k} {v:.4g}" for k, v in factors.items()))
     print(f"{'variant':18} {'TTFT ms':>34} {'TPOT ms':>34}")
     pred = {name: serve_predict(m, device) for name, m in runs.items()}
