@@ -24,14 +24,22 @@ SPEC = scale(preset("chatglm3-6b"), "tiny")
 WORKLOAD = {"prompt_len": 12, "output_len": 6, "prompt_sigma": 0.5, "output_sigma": 0.5, "seed": 4}
 
 
-def test_tp2_continuous_batching_matches_the_plain_single_process_model() -> None:
-    cfg = {"model": SPEC.to_dict(), "tp": 2, "max_batch": 3, "workload": WORKLOAD, "rate_qps": 40.0,
+def _linear():
+    from planner.cli.common import apply_variants
+    return apply_variants(SPEC, ["linear-attention"])
+
+
+@pytest.mark.parametrize("variant", ["base", "linear-attention"])
+def test_tp2_continuous_batching_matches_the_plain_single_process_model(variant) -> None:
+    """Also for --variant linear-attention: each TP rank keeps the d x d states of its KV group."""
+    spec = SPEC if variant == "base" else _linear()
+    cfg = {"model": spec.to_dict(), "tp": 2, "max_batch": 3, "workload": WORKLOAD, "rate_qps": 40.0,
            "requests": 6, "seed": 5, "timeout_s": 60, "precision": "fp32", "weights_seed": 1234,
            "max_len": 80, "record_tokens": True}
     got = _spawn(cfg)
-    reqs = make_requests(WORKLOAD, 40.0, 6, 5, SPEC.vocab, SPEC.max_seq)
-    model = build_model(SPEC, seed=1234)
-    want = {str(r.rid): greedy_no_cache(model, SPEC, r.prompt, r.output_len) for r in reqs}
+    reqs = make_requests(WORKLOAD, 40.0, 6, 5, spec.vocab, spec.max_seq)
+    model = build_model(spec, seed=1234)
+    want = {str(r.rid): greedy_no_cache(model, spec, r.prompt, r.output_len) for r in reqs}
     assert got["outputs"] == want
     assert len({len(r.prompt) for r in reqs}) > 1  # sequences of different lengths shared decode steps
     assert max(s["batch"] for s in got["decode_steps"]) > 1
