@@ -195,3 +195,22 @@ def test_attention_scale_recovered_from_two_model_sizes():
     for k, v in true.items():
         assert f[k] == pytest.approx(v, rel=1e-5), k
     assert calibrate.fit_serving(runs[:2])["decode_attention_scale"] == 1.0  # one size: held
+
+
+def test_columns_take_the_binding_side_with_the_attention_scale():
+    """GPU (max): which side binds is decided with the attention parts scaled. compute 0.3 s (0.1 of
+    it attention), memory 0.4 s: at scale 1 memory binds (0.3 < 0.4); at 3 compute does (0.5 >= 0.4)."""
+    f = {"prefill_compute_scale": 1.0, "decode_compute_scale": 1.0, "decode_bw_efficiency": 1.0,
+         "serve_comm_scale": 1.0, "serve_step_overhead_s": 0.0, "serve_tp_step_s": 0.0}
+    t = {"compute_s": 0.3, "memory_s": 0.4, "comm_s": 0.0, "tp_steps": 0.0, "serial": 0.0,
+         "attn_compute_s": 0.1, "attn_memory_s": 0.05}
+    # memory-bound: memory less its attention part, and the attention column its memory part / eff
+    assert calibrate._columns(t, True, {**f, "decode_attention_scale": 1.0}) == \
+        pytest.approx([0.0, 0.0, 0.35, 0.0, 1.0, 0.0, 0.0, 0.05])
+    # compute-bound at 3 (0.3 + 2 x 0.1 = 0.5 >= 0.4 + 2 x 0.05 = 0.5, a tie): compute less its attention part, the
+    # attention column its compute part x scale
+    assert calibrate._columns(t, True, {**f, "decode_attention_scale": 3.0}) == \
+        pytest.approx([0.0, 0.2, 0.0, 0.0, 1.0, 0.0, 0.0, 0.1])
+    # the same terms as a prefill: no attention scale, no attention column; 0.3 < 0.4: memory binds
+    assert calibrate._columns(t, False, {**f, "decode_attention_scale": 3.0}) == \
+        pytest.approx([0.0, 0.0, 0.4, 0.0, 1.0, 0.0, 0.0, 0.0])

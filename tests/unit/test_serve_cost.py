@@ -177,3 +177,44 @@ def test_profile_fp8_flag():
     data = json.loads((PROFILES_DIR / "A100-80GB.json").read_text())
     with pytest.raises(ProfileError, match="fp8"):
         profile_from_dict({**data, "fp8": "yes"})
+
+
+def test_decode_attention_parts_and_their_scale():
+    """decode_terms names the parts that grow with the context (the KV read, the attention core)
+    and decode_attention_scale multiplies exactly those, inside each side of the step."""
+    t = cost.decode_terms(MODEL, cluster(), Deployment(), 1, 100)
+    # KV 100 tokens x 256 B at 1e12 B/s; core 2 layers x 4 x 100 x 64 FLOPs at 5e13
+    assert t["attn_memory_s"] == pytest.approx(25_600 / 1e12)
+    assert t["attn_compute_s"] == pytest.approx(2 * 25_600 / 5e13)
+    # GPU, memory-bound: x 3 on the KV read only: (128,128 + 3 x 25,600) B at 1e12 B/s
+    f = {**NEUTRAL, "decode_attention_scale": 3.0}
+    assert cost.combine(t, f, decode=True) == pytest.approx((128_128 + 3 * 25_600) / 1e12)
+    assert cost.combine(t, f) == pytest.approx(cost.combine(t, NEUTRAL))  # a prefill's terms: untouched
+    # CPU (serial): both sides: memory (128,128 + 3 x 25,600) B + compute (2 x 57,344 + 3 x 51,200 + 12,800)
+    cpu = dataclasses.replace(DEVICE, kind="cpu", factors={**NEUTRAL, "decode_attention_scale": 3.0})
+    assert cost.decode_step_time_s(MODEL, cluster(device=cpu), Deployment(), 1, 100) == pytest.approx(
+        (128_128 + 76_800) / 1e12 + (114_688 + 153_600 + 12_800) / 5e13)
+    pre, dec = cost.step_fns(MODEL, cluster(device=cpu), Deployment())
+    assert dec(1, 100) == pytest.approx((128_128 + 76_800) / 1e12 + (114_688 + 153_600 + 12_800) / 5e13)
+    # the memoised GPU path (memory-bound: the KV part linear in the context) agrees
+    gpu = dataclasses.replace(DEVICE, factors={**NEUTRAL, "decode_attention_scale": 3.0})
+    _, dec = cost.step_fns(MODEL, cluster(device=gpu), Deployment())
+    assert dec(1, 100) == pytest.approx((128_128 + 76_800) / 1e12)
+    # terms without attention parts (older callers): the scale changes nothing
+    bare = {k: v for k, v in t.items() if not k.startswith("attn_")}
+    assert cost.combine(bare, f, decode=True) == pytest.approx(cost.combine(bare, NEUTRAL, decode=True))
+
+
+def test_linear_attention_decode_core_does_not_grow_with_context():
+    """Linear attention: each new token against a d x d state, so the attention core's FLOPs and
+    the state read do not depend on the context; they grow with the batch."""
+    from planner.cli.common import apply_variants
+    lin = apply_variants(MODEL, ["linear-attention"])
+    a, b = (cost.decode_terms(lin, cluster(), Deployment(), 4, n) for n in (40, 4000))
+    assert a["attn_compute_s"] == b["attn_compute_s"] > 0 and a["attn_memory_s"] == b["attn_memory_s"] > 0
+    one = cost.decode_terms(lin, cluster(), Deployment(), 1, 10)
+    assert a["attn_compute_s"] == pytest.approx(4 * one["attn_compute_s"])
+    # one token (s = C = 1), per layer 2 b s d (2 C n + (n + g) d) (compute.linear_core_flops:
+    # phi(q) phi(k)^T and @ v within the token, phi(q) S and the state update phi(k)^T v):
+    # 2 x 16 x (2 x 4 + 6 x 16) = 3,328, for 2 layers at 5e13
+    assert one["attn_compute_s"] == pytest.approx(2 * 3_328 / 5e13)
