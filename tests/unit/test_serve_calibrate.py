@@ -214,3 +214,17 @@ def test_columns_take_the_binding_side_with_the_attention_scale():
     # the same terms as a prefill: no attention scale, no attention column; 0.3 < 0.4: memory binds
     assert calibrate._columns(t, False, {**f, "decode_attention_scale": 3.0}) == \
         pytest.approx([0.0, 0.0, 0.4, 0.0, 1.0, 0.0, 0.0, 0.0])
+
+
+def test_columns_binding_side_weighs_memory_by_its_efficiency():
+    """compute 0.3 s (0.1 attention), memory 0.2 s (0.05 attention) at 50% of the bandwidth: at
+    scale 3 compute is 0.5 s and memory (0.2 + 2 x 0.05) / 0.5 = 0.6 s, so memory binds; its
+    column is memory less the attention part, the attention column 0.05 / 0.5."""
+    f = {"prefill_compute_scale": 4.0, "decode_compute_scale": 1.0, "decode_bw_efficiency": 0.5,
+         "serve_comm_scale": 1.0, "serve_step_overhead_s": 0.0, "serve_tp_step_s": 0.0,
+         "decode_attention_scale": 3.0}
+    t = {"compute_s": 0.3, "memory_s": 0.2, "comm_s": 0.0, "tp_steps": 0.0, "serial": 0.0,
+         "attn_compute_s": 0.1, "attn_memory_s": 0.05}
+    assert calibrate._columns(t, True, f) == pytest.approx([0.0, 0.0, 0.15, 0.0, 1.0, 0.0, 0.0, 0.1])
+    # a prefill of the same terms at prefill_compute_scale 4: 1.2 s of compute beats 0.4 s of memory
+    assert calibrate._columns(t, False, f) == pytest.approx([0.3, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0])

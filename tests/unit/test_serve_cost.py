@@ -218,3 +218,17 @@ def test_linear_attention_decode_core_does_not_grow_with_context():
     # phi(q) phi(k)^T and @ v within the token, phi(q) S and the state update phi(k)^T v):
     # 2 x 16 x (2 x 4 + 6 x 16) = 3,328, for 2 layers at 5e13
     assert one["attn_compute_s"] == pytest.approx(2 * 3_328 / 5e13)
+
+
+def test_decode_terms_refuse_an_empty_batch_and_slow_sparse_ffn_gemms():
+    with pytest.raises(SpecError, match="batch >= 1"):
+        cost.decode_terms(MODEL, cluster(), Deployment(), 0, 10)
+    with pytest.raises(SpecError, match="context_tokens >= batch"):
+        cost.decode_terms(MODEL, cluster(), Deployment(), 4, 3)
+    # ffn-sparsity 0.5 with sparse GEMMs at half efficiency: the FFN's two GEMMs (2 x 64 x 64 each,
+    # ffn_size 64) take twice their FLOPs' time; QKV (64 x 128) and out (64 x 64) do not
+    from planner.cli.common import apply_variants
+    sp = apply_variants(MODEL, ["ffn-sparsity=0.5", "sparse-gemm-efficiency=0.5"])
+    t = cost.decode_terms(sp, cluster(), Deployment(), 1, 100)
+    gemm = 2 * (64 * 128 + 64 * 64) + 2 * 2 * (2 * 64 * 64)
+    assert t["compute_s"] == pytest.approx((2 * (gemm + 25_600) + 12_800) / 5e13)
