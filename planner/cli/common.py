@@ -224,6 +224,13 @@ def serving_comparison(base_model: ModelSpec, base: Any, model: ModelSpec, est: 
     return [(k, _fmt(a, f), _fmt(b, f), _ratio(a, b)) for k, a, b, f in rows]
 
 
+def comparison_doc(model: ModelSpec, rows: list[tuple[str, str, str, str]], **extra: Any) -> dict[str, Any]:
+    """The "variant_comparison" object of estimate --json, estimate.json and serve_plan.json:
+    the base and variant names, `extra` fields, and the (figure, base, variant, ratio) rows."""
+    return {"base": model.base().name, "variant": model.name, **extra,
+            "rows": [dict(zip(("figure", "base", "variant", "ratio"), r)) for r in rows]}
+
+
 def comparison_table(title: str, rows: list[tuple[str, str, str, str]], base_name: str, name: str) -> Any:
     from rich.table import Table
     t = Table(title=title)

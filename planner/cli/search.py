@@ -18,7 +18,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from planner.cli.common import common_inputs, comparison_table, load_inputs, training_comparison, variant_option
+from planner.cli.common import (common_inputs, comparison_doc, comparison_table, load_inputs, training_comparison,
+                                 variant_option)
 from planner.errors import SpecError
 from planner.report.plan_text import (headroom_gb, headroom_text, host_bytes_per_rank, host_memory_text,
                                       plan_memory_flag, short_variants)
@@ -463,8 +464,7 @@ def estimate(ctx: click.Context, **kw: Any) -> None:
                    host_memory_capacity_gb=cluster.host.cpu_memory_gb, runtime_warnings=runtime,
                    written=[str(write_dir / n) for n in written])
         if compare:
-            doc["variant_comparison"] = {"base": model.base().name, "variant": model.name,
-                                         "rows": [dict(zip(("figure", "base", "variant", "ratio"), r)) for r in compare]}
+            doc["variant_comparison"] = comparison_doc(model, compare)
         click.echo(json.dumps(doc))
         return
     out = _console()

@@ -9,8 +9,8 @@ from typing import Any
 import click
 from rich.table import Table
 
-from planner.cli.common import (apply_variants, comparison_table, load_cluster, load_model, model_options,
-                                 serving_comparison, variant_option)
+from planner.cli.common import (apply_variants, comparison_doc, comparison_table, load_cluster, load_model,
+                                 model_options, serving_comparison, variant_option)
 from planner.cli.search import _command_line, _console
 from planner.errors import SpecError
 from planner.serve.outputs import latency_curve, launch_script, render_report, write_serve_run
@@ -143,10 +143,8 @@ def serve(ctx: click.Context, **kw: Any) -> None:
         base = estimate_serving(model.base(), cluster, best.deployment, workload, target=target,
                                 requests=kw["requests"], seed=kw["seed"])
         compare = serving_comparison(model.base(), base, model, best, best.deployment)
-    variant_doc = {"variant_comparison": {"base": model.base().name, "variant": model.name,
-                                          "deployment": best.deployment.describe(),
-                                          "rows": [dict(zip(("figure", "base", "variant", "ratio"), r))
-                                                   for r in compare]}} if compare else {}
+    variant_doc = {"variant_comparison": comparison_doc(model, compare, deployment=best.deployment.describe())} \
+        if compare else {}
     files = {
         "serve_plan.json": {"version": 1, "inputs": inputs, "deployment": best.deployment.to_dict(),
                             "description": best.deployment.describe(), "estimate": best.to_json(), **variant_doc},

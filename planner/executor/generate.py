@@ -120,14 +120,7 @@ class CachedForward:
         x = model.embedding((ids, pos, segments))[0]
         if model.position is not None:
             x = model.position((x, pos, segments))[0]
-        keys = int(starts.max()) + s
-        allowed = torch.arange(keys)[None, None, :] <= pos[:, :, None]  # b s L: causal over the cache
-        if spec.position == "alibi":
-            dist_ = (torch.arange(keys)[None, None, :] - pos[:, :, None]).float()  # key - query
-            bias = self.slopes[None, :, None, None] * dist_[:, None]
-        else:
-            bias = torch.zeros(b, 1, s, keys)
-        mask = bias.to(x.dtype).masked_fill(~allowed[:, None], float("-inf"))
+        mask = None if spec.linear_attention else self._mask(pos, int(starts.max()) + s, x.dtype)
         cos = sin = None
         if self.inv_freq is not None:
             ang = pos.float()[..., None] * self.inv_freq
@@ -146,8 +139,19 @@ class CachedForward:
         h = model.final((x[:, -1:],))[0]
         return gather_vocab(logits_of(model, h)[:, 0], spec, self.tp)
 
+    def _mask(self, pos: torch.Tensor, keys: int, dtype: torch.dtype) -> torch.Tensor:
+        """b 1|heads s keys: causal over the cache (and ALiBi's bias); linear attention needs none."""
+        b, s = pos.shape
+        allowed = torch.arange(keys)[None, None, :] <= pos[:, :, None]  # b s L: causal over the cache
+        if self.spec.position == "alibi":
+            dist_ = (torch.arange(keys)[None, None, :] - pos[:, :, None]).float()  # key - query
+            bias = self.slopes[None, :, None, None] * dist_[:, None]
+        else:
+            bias = torch.zeros(b, 1, s, keys)
+        return bias.to(dtype).masked_fill(~allowed[:, None], float("-inf"))
+
     def _attention(self, sa, cache: KVCache, li: int, x: torch.Tensor, index: torch.Tensor, pos: torch.Tensor,
-                   mask: torch.Tensor, cos, sin) -> torch.Tensor:
+                   mask: torch.Tensor | None, cos, sin) -> torch.Tensor:
         spec = self.spec
         qkv = sa.query_key_value(x)
         t = (spec.q_size + 2 * spec.kv_size) // qkv.shape[-1]

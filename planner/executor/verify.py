@@ -29,10 +29,13 @@ def _estimate(model, cluster, train, plan):
     return estimate(model, cluster, train, plan)
 
 
-def _prepare(vdir: Path, plan, model, cluster, train, doc_inputs: dict, est, cfg: dict) -> None:
+def prepare_run_dir(vdir: Path, plan, model, cluster, train, doc_inputs: dict, est, cfg: dict,
+                    command: str = "planner verify") -> None:
+    """A fresh run directory for one comparison run (verify's baseline and plan, the ladder's
+    rungs): plan.json with the run's inputs, estimate.json and ds_config.json."""
     shutil.rmtree(vdir, ignore_errors=True)
     d = plan_document(plan, model, cluster, train, scale=doc_inputs.get("scale"),
-                      model_arg=doc_inputs.get("model_arg", ""), command="planner verify")
+                      model_arg=doc_inputs.get("model_arg", ""), command=command)
     atomic_write_json(vdir / "plan.json", d)
     atomic_write_json(vdir / "estimate.json", {"plan": plan.to_dict(), "estimate": est.to_json()})
     atomic_write_json(vdir / "ds_config.json", cfg)
@@ -51,9 +54,9 @@ def verify(run_dir: str | Path, *, steps: int = 12, warmup: int = 2, timeout: fl
     pest = _estimate(model, cluster, train, plan)
     planned_cfg = read_json(run / "ds_config.json", "ds_config.json") if (run / "ds_config.json").exists() \
         else dsconfig.ds_config(plan, model, train, cluster)
-    _prepare(run / "verify" / "baseline", bplan, model, cluster, btrain, doc["inputs"], best,
+    prepare_run_dir(run / "verify" / "baseline", bplan, model, cluster, btrain, doc["inputs"], best,
              dsconfig.ds_config(bplan, model, btrain, cluster))
-    _prepare(run / "verify" / "planned", plan, model, cluster, train, doc["inputs"], pest, planned_cfg)
+    prepare_run_dir(run / "verify" / "planned", plan, model, cluster, train, doc["inputs"], pest, planned_cfg)
 
     spec = DataSpec(seq_len=train.seq_len, vocab=model.vocab, seed=seed, token_file=data, tokenizer=tokenizer)
     brows, prows = Rows(spec, "static"), Rows(spec, "dynamic")

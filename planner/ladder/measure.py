@@ -58,8 +58,9 @@ def measure(run_dir: str | Path, ladder: dict[str, Any], model: ModelSpec, clust
     from planner import dsconfig
     from planner.executor import preflight
     from planner.executor.data import DataSpec, Layout, Rows, batches_for_tokens, padding_stats
+    from planner.cost import estimate
     from planner.executor.launch import run_plan
-    from planner.rundir import atomic_write_json, plan_document
+    from planner.executor.verify import prepare_run_dir
 
     run = Path(run_dir).resolve()
     root = run / LADDER_DIR
@@ -88,13 +89,8 @@ def measure(run_dir: str | Path, ladder: dict[str, Any], model: ModelSpec, clust
             echo(f"rung {r['index']} ({r['technique']}): not run, {why}")
             continue
         rdir = root / name
-        from planner.cost import estimate
-        est = estimate(model, cluster, rtrain, plan)
-        d = plan_document(plan, model, cluster, rtrain, scale=doc["inputs"].get("scale"),
-                          model_arg=doc["inputs"].get("model_arg", ""), command="planner ladder --measure")
-        atomic_write_json(rdir / "plan.json", d)
-        atomic_write_json(rdir / "estimate.json", {"plan": plan.to_dict(), "estimate": est.to_json()})
-        atomic_write_json(rdir / "ds_config.json", dsconfig.ds_config(plan, model, rtrain, cluster))
+        prepare_run_dir(rdir, plan, model, cluster, rtrain, doc["inputs"], estimate(model, cluster, rtrain, plan),
+                        dsconfig.ds_config(plan, model, rtrain, cluster), command="planner ladder --measure")
         n = steps
         if r["batching"] == "dynamic":
             n = max(batches_for_tokens(Rows(spec, "dynamic"), Layout(plan.micro_batch, plan.grad_accum, plan.dp), breal),

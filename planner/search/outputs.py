@@ -93,12 +93,11 @@ def variant_section(plan: Plan, est: Estimate, model, cluster, train) -> dict[st
     prints and the report shows side by side); {} for a model without a variant."""
     if not getattr(model, "variant_label", ""):
         return {}
-    from planner.cli.common import training_comparison
+    from planner.cli.common import comparison_doc, training_comparison
     from planner.cost import estimate
     base = model.base()
     rows = training_comparison(base, estimate(base, cluster, train, plan), model, est)
-    return {"variant_comparison": {"base": base.name, "variant": model.name, "description": model.describe(),
-                                   "rows": [dict(zip(("figure", "base", "variant", "ratio"), r)) for r in rows]}}
+    return {"variant_comparison": comparison_doc(model, rows, description=model.describe())}
 
 
 def write_plan_files(run_dir: Path, plan: Plan, est: Estimate, model, cluster, train, *, baseline_plan: Plan,
