@@ -92,16 +92,10 @@ def refine(run_dir: str | Path, k: int, steps: int = 5, *, warmup: int = 1, prof
     top = top_plans(run / "trials.csv", k)
     runs: list[MeasuredRun] = []
     failures = []
+    c = with_device(cluster, device)
     for i, (trial, plan, predicted) in enumerate(top):
         sub = run / "refine" / f"plan-{i}"
-        c = dataclasses.replace(cluster, device=device, intra_node=device.intra_node, inter_node=device.inter_node)
-        est = estimate(model, c, train, plan)
-        atomic_write_json(sub / "plan.json", plan_document(plan, model, c, train, model_arg=doc["inputs"].get("model_arg", ""),
-                                                           scale=doc["inputs"].get("scale"), command=f"refine {run}"))
-        atomic_write_json(sub / "estimate.json", {"plan": plan.to_dict(), "estimate": est.to_json()})
-        # this plan's own DeepSpeed config: a directory reused from an earlier search must not
-        # keep the previous plan's config (the executor refuses a mismatch)
-        atomic_write_json(sub / "ds_config.json", dsconfig.ds_config(plan, model, train, c))
+        prepare_plan_dir(sub, plan, model, c, train, doc, run)
         echo(f"refine {i + 1}/{len(top)}: {plan.describe()}")
         try:
             m = runner(sub, steps, warmup)
@@ -110,8 +104,31 @@ def refine(run_dir: str | Path, k: int, steps: int = 5, *, warmup: int = 1, prof
             continue
         runs.append(MeasuredRun(path=str(sub), model=model, cluster=c, train=train, plan=plan,
                                 step_time_s=float(m["step_time_s"]), peak_memory_gb=float(m["peak_memory_gb"])))
+    return finish(run, runs, failures, k=k, steps=steps, warmup=warmup, device=device)
+
+
+def with_device(cluster: Any, device: Any) -> Any:
+    return dataclasses.replace(cluster, device=device, intra_node=device.intra_node, inter_node=device.inter_node)
+
+
+def prepare_plan_dir(sub: Path, plan: Plan, model: Any, c: Any, train: Any, doc: dict[str, Any], run: Path) -> Any:
+    """plan.json, estimate.json and this plan's own ds_config.json in `sub`; returns the estimate."""
+    est = estimate(model, c, train, plan)
+    atomic_write_json(sub / "plan.json", plan_document(plan, model, c, train, model_arg=doc["inputs"].get("model_arg", ""),
+                                                       scale=doc["inputs"].get("scale"), command=f"refine {run}"))
+    atomic_write_json(sub / "estimate.json", {"plan": plan.to_dict(), "estimate": est.to_json()})
+    # this plan's own DeepSpeed config: a directory reused from an earlier search must not
+    # keep the previous plan's config (the executor refuses a mismatch)
+    atomic_write_json(sub / "ds_config.json", dsconfig.ds_config(plan, model, train, c))
+    return est
+
+
+def finish(run: Path, runs: list[MeasuredRun], failures: list[dict[str, Any]], *, k: int, steps: int, warmup: int,
+           device: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Refit the factors to `runs`, re-rank trials.csv, write profile-calibrated.json and refine.json."""
     if not runs:
         raise SpecError("--refine", "no plan ran successfully", "see refine.json and each plan's metrics.json")
+    _, model, cluster, train, _ = load_run(run)
     cal = calibrate(device, runs)
     ranking = _rerank(run, model, cluster, train, device, cal.device)
     out_profile = run / "profile-calibrated.json"
@@ -119,7 +136,7 @@ def refine(run_dir: str | Path, k: int, steps: int = 5, *, warmup: int = 1, prof
     atomic_write_json(out_profile, apply(base, cal))
     result = {"version": 1, "k": k, "steps": steps, "warmup": warmup, "profile_before": device.path,
               "profile_after": str(out_profile), "plans": cal.rows, "failures": failures,
-              "summary": cal.summary, "factors": cal.factors, "ranking": ranking}
+              "summary": cal.summary, "factors": cal.factors, "ranking": ranking, **(extra or {})}
     atomic_write_json(run / "refine.json", result)
     return result
 
@@ -135,8 +152,7 @@ def _rerank(run: Path, model: Any, cluster: Any, train: Any, before: Any, after:
     """Every distinct feasible plan of trials.csv re-estimated with the fitted factors."""
     rows = top_plans(run / "trials.csv", 10 ** 9)
     scored = []
-    c_b = dataclasses.replace(cluster, device=before, intra_node=before.intra_node, inter_node=before.inter_node)
-    c_a = dataclasses.replace(cluster, device=after, intra_node=after.intra_node, inter_node=after.inter_node)
+    c_b, c_a = with_device(cluster, before), with_device(cluster, after)
     for trial, plan, _ in rows:
         eb, ea = estimate(model, c_b, train, plan), estimate(model, c_a, train, plan)
         scored.append({"trial": trial, "plan": plan.describe(), "before_s": eb.step_time_s,
@@ -148,4 +164,4 @@ def _rerank(run: Path, model: Any, cluster: Any, train: Any, before: Any, after:
             "best_after": after_order[0] if after_order else None, "plans": len(scored)}
 
 
-__all__ = ["plan_from_row", "refine", "top_plans"]
+__all__ = ["finish", "plan_from_row", "prepare_plan_dir", "refine", "top_plans", "with_device"]

@@ -20,6 +20,8 @@ from rich.table import Table
 
 from planner.cli.common import (common_inputs, comparison_doc, comparison_table, load_inputs, training_comparison,
                                  variant_option)
+from planner.cli.tuning import prepare as prepare_tuning
+from planner.cli.tuning import refine_step, tuning_options
 from planner.errors import SpecError
 from planner.report.plan_text import (headroom_gb, headroom_text, host_bytes_per_rank, host_memory_text,
                                       plan_memory_flag, short_variants)
@@ -193,6 +195,7 @@ def _print_search(console: Console, result, cluster, run_dir: Path, written: lis
 @click.option("--megatron-features", is_flag=True,
               help="Also choose the interleaved 1F1B schedule, which DeepSpeed's PipelineEngine cannot run "
                    "(for Megatron-LM runtimes; without it such plans are evaluated and marked infeasible).")
+@tuning_options
 @click.pass_context
 def search(ctx: click.Context, **kw: Any) -> None:
     """Find the fastest plan that fits and write reports/<name>/."""
@@ -208,10 +211,9 @@ def search(ctx: click.Context, **kw: Any) -> None:
     run_dir = out_dir / name
     if out_dir.exists() and not out_dir.is_dir():
         raise SpecError("--out-dir", f"{out_dir} is not a directory", "give a directory path")
-    storage, tmp_db = kw["storage"], None
+    tuning = prepare_tuning(kw, model, cluster, train)   # refuses bad storage/study/group input first
+    storage, tmp_db = tuning.storage, None
     rdb = None
-    if storage is not None and not kw["exhaustive"]:
-        storage = _open_storage(storage)
     if not kw["exhaustive"] and storage is None:
         # the study runs in a temporary copy; it replaces study.db only when the search succeeds
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -227,7 +229,7 @@ def search(ctx: click.Context, **kw: Any) -> None:
             bar.start()
         result = run_search(model, cluster, train, exhaustive=kw["exhaustive"], n_trials=kw["n_trials"],
                             seed=kw["seed"], storage=storage, progress=progress,
-                            megatron_features=kw["megatron_features"])
+                            megatron_features=kw["megatron_features"], study_name=tuning.study)
     except BaseException:
         if tmp_db is not None:
             _close(rdb)
@@ -254,36 +256,7 @@ def search(ctx: click.Context, **kw: Any) -> None:
     if moved:
         click.echo(moved)
     if kw["refine_k"]:
-        _refine(run_dir, kw["refine_k"], kw["refine_steps"], err)
-
-
-def _refine(run_dir: Path, k: int, steps: int, err: Console) -> None:
-    """Run the top plans for real, refit, re-rank; print before/after prediction error."""
-    from planner.calibrate.refine import refine
-    result = refine(run_dir, k, steps=steps, warmup=1, echo=lambda line: err.print(line))
-    out = _console()
-    summary = result.get("summary", {})
-
-    def pct(x: object) -> str:
-        return f"{x:.1f}%" if isinstance(x, (int, float)) and x == x else "n/a"
-    for key, label in (("step_time_mape_pct", "step time"), ("memory_mape_pct", "peak memory")):
-        e = summary.get(key) or {}
-        out.print(f"refine {label} error (MAPE): before {pct(e.get('before'))}, after refit {pct(e.get('after'))}, "
-                  f"held out {pct(e.get('held_out'))} over {summary.get('runs', 0)} runs")
-    ranking = result.get("ranking", {})
-    out.print(f"refine: best plan before = trial {ranking.get('best_before')}, after refit = trial "
-              f"{ranking.get('best_after')} ({ranking.get('plans')} feasible plans re-ranked); "
-              f"wrote {run_dir / 'refine.json'}")
-
-
-def _open_storage(url: str) -> Any:
-    import optuna
-    try:
-        return optuna.storages.get_storage(url)
-    except Exception as exc:  # SQLAlchemy / driver errors: say which URL and why, in one line
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        raise SpecError("--storage", f"cannot open {url!r}: {first}",
-                        "give an Optuna storage URL, e.g. sqlite:///study.db or postgresql://user@host/db") from None
+        refine_step(run_dir, kw, tuning, err, _console())
 
 
 def _sqlite_storage(path: Path) -> Any:

@@ -75,8 +75,10 @@ def fits_nowhere(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, trial
 
 def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *, exhaustive: bool = False,
            n_trials: int = 100, seed: int = 0, storage: object = None, progress: Progress | None = None,
-           max_interleave: int | None = None, megatron_features: bool = False) -> SearchResult:
-    """Find the fastest plan that fits. Raises SpecError (one line) when nothing fits anywhere."""
+           max_interleave: int | None = None, megatron_features: bool = False,
+           study_name: str | None = None) -> SearchResult:
+    """Find the fastest plan that fits (the Optuna study `study_name` in `storage`; default
+    a name derived from the inputs). Raises SpecError (one line) when nothing fits anywhere."""
     t0 = time.perf_counter()
     extra = {} if max_interleave is None else {"max_interleave": max_interleave}
     space = Space(model=model, cluster=cluster, train=train, megatron_features=megatron_features, **extra)
@@ -90,7 +92,8 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *, exhausti
         from planner.search.optuna_search import optuna_search
         start = heuristic(space, evaluate)
         trials, study = optuna_search(space, evaluate, start, n_trials=n_trials, seed=seed,
-                                      storage=storage, progress=progress)  # type: ignore[arg-type]
+                                      storage=storage, progress=progress,  # type: ignore[arg-type]
+                                      study_name_=study_name)
         name = study.study_name
         method = "optuna"
         if not any(t.feasible for t in trials):

@@ -23,17 +23,30 @@ import optuna
 
 from planner.search.evaluate import Evaluator, Trial
 from planner.search.space import Shape, Space
+from planner.search.storage import claim_study
 
 SPACE_VERSION = 2
 """Bump when parameter names or choices change, so old studies are not mixed with new ones."""
 
 
-def study_name(space: Space) -> str:
+def study_key(space: Space) -> str:
+    """A hash of everything the study's trials depend on (a study of other inputs is refused)."""
     key = json.dumps({"model": space.model.to_dict(), "cluster": space.cluster.to_dict(),
                       "train": space.train.to_dict(), "max_interleave": space.max_interleave,
                       "megatron_features": space.megatron_features,
                       "space_version": SPACE_VERSION}, sort_keys=True, default=str)
-    return f"{space.model.name}-{space.cluster.world_size}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+    return hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+def study_name(space: Space) -> str:
+    return f"{space.model.name}-{space.cluster.world_size}-{study_key(space)}"
+
+
+def study_label(space: Space) -> str:
+    """What a study is for, in words: "<model> on <cluster>, global batch B x seq S"."""
+    t, c = space.train, space.cluster
+    gpus = c.spec or f"{c.nodes}x{c.gpus_per_node}x{c.device.name}"
+    return f"{space.model.name} on {gpus}, global batch {t.global_batch} x seq {t.seq_len}"
 
 
 def suggest(trial: optuna.Trial, space: Space, layouts: list[tuple[int, int, int]]) -> Shape:
@@ -98,8 +111,10 @@ def optuna_search(space: Space, evaluate: Evaluator, start: Shape, *, n_trials: 
     layouts = space.require_nonempty()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=10)
-    study = optuna.create_study(storage=storage, study_name=study_name_ or study_name(space),
-                                sampler=sampler, direction="maximize", load_if_exists=True)
+    if storage is None or isinstance(storage, str):
+        storage = optuna.storages.get_storage(storage) if storage else optuna.storages.InMemoryStorage()
+    study = claim_study(storage, study_name_ or study_name(space), study_key(space), study_label(space),
+                        sampler=sampler)
     study.enqueue_trial(params_of(start, space), skip_if_exists=True)
     total = sum(1 for _ in space.shapes())
     done = [t for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE]
