@@ -7,12 +7,11 @@ mysql+pymysql://..., sqlite:///PATH), shared by every worker that names it.
 Bad input is one line naming `--storage` or `--study` (planner.errors.SpecError): an unknown
 scheme, a missing driver, a database that does not answer, a study created for another model
 or cluster. The URL is printed with its password replaced by `***`; no SQLAlchemy traceback.
-A plain `postgresql://` URL uses psycopg 3 (pinned in requirements.txt) unless psycopg2 is
-installed, which SQLAlchemy would pick by default.
+A plain `postgresql://` URL uses psycopg 3 (pinned in requirements.txt), SQLAlchemy 2.1's
+default PostgreSQL driver.
 """
 from __future__ import annotations
 
-import importlib.util
 import time
 from typing import Any
 
@@ -32,15 +31,6 @@ def safe_url(url: str) -> str:
         return u.render_as_string(hide_password=True) if u.password else str(u)
     except Exception:  # not even a URL: show the scheme only
         return url.split("://", 1)[0] + "://..." if "://" in url else "(not a URL)"
-
-
-def driver_url(url: str) -> str:
-    """postgresql:// -> postgresql+psycopg:// when only psycopg 3 is installed."""
-    scheme, sep, rest = url.partition("://")
-    if sep and scheme in ("postgresql", "postgres") and importlib.util.find_spec("psycopg2") is None \
-            and importlib.util.find_spec("psycopg") is not None:
-        return f"postgresql+psycopg://{rest}"
-    return url
 
 
 def _reason(exc: BaseException, url: str) -> str:
@@ -82,12 +72,12 @@ def open_storage(url: str, *, heartbeat_s: float | None = None, max_retry: int =
                       "heartbeat_stale_trial_callback":
                           optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=max_retry)}
             try:
-                return optuna.storages.RDBStorage(driver_url(url), engine_kwargs=_engine_kwargs(url), **kw)
+                return optuna.storages.RDBStorage(url, engine_kwargs=_engine_kwargs(url), **kw)
             except sa_exc.DBAPIError as exc:
                 if not _schema_race(exc):
                     raise
                 time.sleep(1.0)              # another worker created the schema at the same moment
-                return optuna.storages.RDBStorage(driver_url(url), engine_kwargs=_engine_kwargs(url), **kw)
+                return optuna.storages.RDBStorage(url, engine_kwargs=_engine_kwargs(url), **kw)
     except Exception as exc:  # SQLAlchemy / driver errors: one line, no traceback, no password
         raise SpecError("--storage", f"cannot open {safe_url(url)}: {_reason(exc, url)}", _FIX) from None
 
@@ -149,4 +139,4 @@ def claim_study(storage: Any, name: str, key: str, label: str, *, direction: str
     return study
 
 
-__all__ = ["INPUTS_ATTR", "check_study", "claim_study", "driver_url", "open_storage", "safe_url"]
+__all__ = ["INPUTS_ATTR", "check_study", "claim_study", "open_storage", "safe_url"]

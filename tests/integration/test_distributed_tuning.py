@@ -99,7 +99,7 @@ def _pids_under(path: Path) -> list[int]:
     return out
 
 
-def test_storage_url_and_study_inputs_are_checked(postgres: str, tmp_path: Path) -> None:
+def test_storage_url_and_study_inputs_are_checked(postgres: str, tmp_path: Path, capsys) -> None:
     """The search's own study on PostgreSQL; a study of other inputs and a dead server are refused."""
     from planner.cli import main
     base = [*INPUTS, "--out-dir", str(tmp_path), "--storage", postgres, "--study", "checked"]
@@ -110,7 +110,11 @@ def test_storage_url_and_study_inputs_are_checked(postgres: str, tmp_path: Path)
     assert main(["search", *other]) == 2
     assert len(_trials(postgres, "checked")) == n          # nothing written to the study
     down = postgres.replace("postgres@", "postgres:hunter2@").rsplit(":", 1)[0] + f":{_free_port()}/postgres"
+    capsys.readouterr()
     assert main(["search", *INPUTS, "--out-dir", str(tmp_path), "--storage", down]) == 2
+    err = capsys.readouterr().err
+    assert "--storage: cannot open postgresql://postgres:***@127.0.0.1" in err and "hunter2" not in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_two_workers_one_killed_mid_trial(postgres: str, tmp_path: Path) -> None:
