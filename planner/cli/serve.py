@@ -40,7 +40,7 @@ def _ms(x: float | None) -> str:
 
 
 def _table(ranked: list[ServeEstimate], top: int) -> Table:
-    t = Table(title="top deployments (per-GPU memory in GB)")
+    t = Table(title="top deployments (per-GPU memory in GiB)")
     for col in ("#", "TPxR", "batch", "weights", "KV", "chunk", "TTFT ms", "TPOT ms", "e2e p50", "e2e p99",
                 "at QPS", "QPS@target", "max QPS", "mem W/KV/act/rt"):
         t.add_column(col, justify="right")

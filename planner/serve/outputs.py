@@ -111,8 +111,8 @@ padding:3px 8px;text-align:right}th{background:#eee}td.l{text-align:left}</style
 {{ w.prompt_sigma }} / {{ w.output_sigma }}), Poisson arrivals. Target: {{ target }}.
 {{ evaluated }} deployments evaluated, {{ infeasible }} infeasible.</p>
 <table><tr><th>#</th><th>deployment</th><th>TTFT ms</th><th>TPOT ms</th><th>e2e p50 ms</th><th>e2e p99 ms</th>
-<th>at QPS</th><th>QPS at target</th><th>max QPS</th><th>weights GB</th><th>KV GB</th><th>act. GB</th>
-<th>runtime GB</th></tr>
+<th>at QPS</th><th>QPS at target</th><th>max QPS</th><th>weights GiB</th><th>KV GiB</th><th>act. GiB</th>
+<th>runtime GiB</th></tr>
 {% for r in rows %}<tr><td>{{ loop.index }}</td><td class="l">{{ r.desc|e }}</td><td>{{ r.ttft }}</td><td>{{ r.tpot }}</td>
 <td>{{ r.p50 }}</td><td>{{ r.p99 }}</td><td>{{ r.rate }}</td><td>{{ r.qat }}</td><td>{{ r.max }}</td>
 <td>{{ r.w }}</td><td>{{ r.kv }}</td><td>{{ r.act }}</td><td>{{ r.rt }}</td></tr>
