@@ -36,7 +36,8 @@ from planner.errors import SpecError
 from planner.serve.memory import (GB, GPU_MEMORY_UTILIZATION, cache_read_bytes, kv_bytes_per_token,
                                   kv_bytes_per_token_rank,
                                   kv_heads_per_rank, linear_weights, serve_memory, weight_bytes, weight_read_bytes)
-from planner.serve.spec import Deployment, ServeEstimate, Target, Workload
+from planner.serve.kernels import kernel_efficiency
+from planner.serve.spec import WEIGHT_BYTES, Deployment, ServeEstimate, Target, Workload
 from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
 
@@ -89,8 +90,8 @@ def serve_factors(cluster: ClusterSpec) -> dict[str, float]:
 def _precision(cluster: ClusterSpec, dep: Deployment) -> str:
     """GEMMs run in bf16 (fp16 where the device has no bf16); weight-only int8/int4 dequantize
     to it; an fp32 deployment (the executor's CPU runs) computes in fp32."""
-    if dep.weight_precision == "fp32":
-        return "fp32"
+    if dep.weight_precision in ("fp32", "fp8"):
+        return dep.weight_precision
     return "bf16" if cluster.device.supports("bf16") else "fp16"
 
 
@@ -107,6 +108,10 @@ def _gemm_s(cluster: ClusterSpec, dep: Deployment, flops: float, one_gemm: float
     """Seconds of `flops` at peak x the efficiency of a GEMM of `one_gemm` FLOPs."""
     dev = cluster.device
     prec = _precision(cluster, dep)
+    if prec == "fp8" and not dev.peak_flops("fp8"):
+        # FP8 tensor cores run at twice the BF16 rate on Hopper and Ada (H100 SXM datasheet: 1,979
+        # vs 989 dense TFLOP/s; L40S 733 vs 362), at the BF16 efficiency curve (assumed)
+        return flops / (2.0 * dev.peak_flops("bf16") * dev.gemm_eff(one_gemm, "bf16"))
     return flops / (dev.peak_flops(prec) * dev.gemm_eff(one_gemm, prec))
 
 
@@ -168,7 +173,8 @@ def step_terms(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, chunks: 
                         f"batch {batch}, context_tokens {context_tokens}", "")
     t, k = dep.tp, _slowdown(cluster, dep)
     gemms, _ = block_gemms(model, rows, 1, t)
-    per_layer = sum(_gemm_s(cluster, dep, g, g) / e for g, e in zip(gemms, ffn_time_divisors(model)))
+    keff = kernel_efficiency(dep.weight_precision, rows)  # quantized kernels: measured share of their roofline
+    per_layer = sum(_gemm_s(cluster, dep, g, g) / e for g, e in zip(gemms, ffn_time_divisors(model))) / keff
     for n, c in chunks:
         if model.linear_attention:  # chunked, the earlier chunks' state carried: no context term
             w = min(LINEAR_CHUNK, n)
@@ -187,7 +193,8 @@ def step_terms(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, chunks: 
     compute = (model.layers * (per_layer + core) + _gemm_s(cluster, dep, logits, logits)) * k
     cache = cache_read_bytes(model, dep, batch, context_tokens) / _hbm(cluster) * k if batch else 0.0
     ctx_read = sum(c for _, c in chunks) * kv_bytes_per_token_rank(model, dep) / _hbm(cluster) * k
-    memory = weight_read_bytes(model, dep) / t / _hbm(cluster) * k + cache + ctx_read
+    quant = model.layers * linear_weights(model) * WEIGHT_BYTES[dep.weight_precision] if keff < 1.0 else 0.0
+    memory = (weight_read_bytes(model, dep) + quant * (1.0 / keff - 1.0)) / t / _hbm(cluster) * k + cache + ctx_read
     return {"compute_s": compute, "memory_s": memory, "comm_s": _tp_comm_s(model, cluster, dep, rows, seqs),
             "tp_steps": 1.0 if t > 1 else 0.0, "serial": _serial(cluster),
             "attn_compute_s": model.layers * core * k, "attn_memory_s": cache,
@@ -324,6 +331,8 @@ def deployment_problems(model: ModelSpec, cluster: ClusterSpec, dep: Deployment)
         out.append(f"TP {dep.tp} neither divides nor is a multiple of the {model.kv_heads} KV heads")
     if dep.kv_precision == "fp8" and not cluster.device.fp8:
         out.append(f"{cluster.device.name} has no FP8 support for an fp8 KV cache")
+    if dep.weight_precision == "fp8" and not cluster.device.fp8:
+        out.append(f"{cluster.device.name} has no FP8 tensor cores for fp8 weights")
     return out
 
 

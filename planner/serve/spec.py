@@ -17,10 +17,11 @@ WEIGHT_BYTES: dict[str, float] = {
     "bf16": 2.0,
     "int8": 1.0 + 2.0 / 128,
     "int4": 0.5 + 4.0 / 128,
+    "fp8": 1.0,   # W8A8 FP8 (vLLM --quantization fp8: per-tensor scales), GPUs with FP8 only
     "fp32": 4.0,  # the executor's CPU runs (planner/executor/serve_run.py); never searched
 }
 KV_BYTES: dict[str, float] = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0, "fp32": 4.0}
-SEARCH_WEIGHTS = ("bf16", "int8", "int4")
+SEARCH_WEIGHTS = ("bf16", "int8", "int4", "fp8")
 SEARCH_KV = ("bf16", "fp8", "int8")
 TARGET_KINDS = ("p50", "p99", "qps")
 LATENCY_METRICS = ("e2e", "ttft", "tpot")
@@ -137,7 +138,7 @@ class Deployment:
     max_batch: int = 1
     """Most sequences decoded together (vLLM --max-num-seqs)."""
     weight_precision: str = "bf16"
-    """bf16, or weight-only int8 / int4 (activations stay bf16)."""
+    """bf16, weight-only int8 / int4 (activations stay bf16), or fp8 weights and activations."""
     kv_precision: str = "bf16"
     """KV-cache element type: bf16, fp8 (vLLM --kv-cache-dtype fp8) or int8."""
     prefill_chunk: int = 0
