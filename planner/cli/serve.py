@@ -16,7 +16,7 @@ from planner.cli.search import _command_line, _console
 from planner.errors import SpecError
 from planner.serve.cost import engine_budget
 from planner.serve.launch import launch_script
-from planner.serve.outputs import latency_curve, render_report, write_serve_run
+from planner.serve.outputs import calibration_badge, latency_curve, render_report, write_serve_run
 from planner.serve.search import Space, distinct, require_target, search_deployments
 from planner.serve.spec import LATENCY_METRICS, SEARCH_KV, SEARCH_WEIGHTS, ServeEstimate, Target, Workload
 
@@ -168,7 +168,8 @@ def serve(ctx: click.Context, **kw: Any) -> None:
               for i, e in enumerate(ranked[:3], 1)]
     inputs = {"model": model.to_dict(), "cluster": cluster.to_dict(), "workload": workload.to_dict(),
               "target": target.to_dict() if target else None, "scale": kw["scale"], "model_arg": kw["model_arg"],
-              "profile": cluster.device.path, "command": command, "requests": kw["requests"]}
+              "profile": cluster.device.path, "command": command, "requests": kw["requests"],
+              "calibration": calibration_badge(cluster)}
     compare = None
     if model.variant_label:  # the same deployment for the base model, side by side (terminal, json, report)
         from planner.serve.cost import estimate_serving
@@ -186,7 +187,8 @@ def serve(ctx: click.Context, **kw: Any) -> None:
         f"{kw['engine']}_serve.sh": script,
         "serve_report.html": render_report(f"{model.name} on {cluster.spec}", workload, target, ranked, curves,
                                            script, result.evaluated, result.infeasible,
-                                           variant=variant_doc.get("variant_comparison")),
+                                           variant=variant_doc.get("variant_comparison"),
+                                           badge=calibration_badge(cluster)),
     }
     run_dir = out_dir / name
     written = write_serve_run(run_dir, files)
@@ -195,7 +197,7 @@ def serve(ctx: click.Context, **kw: Any) -> None:
                   f"target {target.describe() if target else 'none (ranked by max QPS at 80% load)'}; "
                   f"{result.evaluated} deployments, {result.infeasible} infeasible")
     console.print(_table(ranked, kw["top"]))
-    console.print(f"best: {best.deployment.describe()}")
+    console.print(f"best: {best.deployment.describe()} ({calibration_badge(cluster)})")
     if workload.concurrency:
         console.print(f"closed loop, {workload.concurrency} users: {best.rate_qps:.2f} requests/s, TTFT p99 "
                       f"{_ms(best.ttft_p99_s)} ms, e2e p99 {_ms(best.e2e_p99_s)} ms")

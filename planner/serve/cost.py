@@ -438,10 +438,13 @@ def estimate_serving(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, wo
         rate = stats["rate_qps"]
     meets = None if target is None else qat is not None
     over = not workload.concurrency and rate > max_qps
+    block_gib = mem["kv_cache"] / mem["kv_blocks"] if mem["kv_blocks"] else 0.0
+    in_use = mem["weights"] + mem["activations"] + mem["runtime"] + stats.get("peak_kv_blocks", 0) * block_gib
     return ServeEstimate(
         feasible=True, ttft_s=stats["ttft_s"]["mean"], tpot_s=stats["tpot_s"]["mean"],
-        e2e_p50_s=stats["e2e_s"]["p50"], e2e_p99_s=stats["e2e_s"]["p99"], ttft_p50_s=stats["ttft_s"]["p50"],
+        e2e_p50_s=stats["e2e_s"]["p50"], e2e_p99_s=stats["e2e_s"]["p99"], e2e_mean_s=stats["e2e_s"]["mean"],
+        ttft_p50_s=stats["ttft_s"]["p50"],
         ttft_p99_s=stats["ttft_s"]["p99"], tpot_p50_s=stats["tpot_s"]["p50"], tpot_p99_s=stats["tpot_s"]["p99"],
         ttft_alone_s=alone_ttft, tpot_alone_s=alone_tpot, rate_qps=rate, qps_at_target=qat,
         meets_target=meets, max_qps=max_qps, overloaded=over, backlog_growth_qps=rate - max_qps if over else 0.0,
-        queue_p99_s=stats["queue_s"]["p99"], preemptions=stats["preemptions"], **base)
+        queue_p99_s=stats["queue_s"]["p99"], preemptions=stats["preemptions"], memory_in_use_gb=in_use, **base)

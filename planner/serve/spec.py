@@ -220,6 +220,7 @@ class ServeEstimate:
     tpot_s: float = math.nan
     e2e_p50_s: float = math.nan
     e2e_p99_s: float = math.nan
+    e2e_mean_s: float = math.nan
     ttft_p50_s: float = math.nan
     ttft_p99_s: float = math.nan
     tpot_p50_s: float = math.nan
@@ -244,6 +245,9 @@ class ServeEstimate:
     """99th percentile of the wait from arrival to the first scheduled step."""
     preemptions: int = 0
     """Requests preempted (KV blocks ran out; recomputed later) in the simulation."""
+    memory_in_use_gb: float = math.nan
+    """Per GPU, GiB: weights, activations and runtime plus the most KV blocks the simulated load
+    held at once (the engine preallocates memory_gb['kv_cache']; this is what the requests use)."""
     kv_capacity_tokens: int = 0
     """Tokens the paged KV cache of one replica holds."""
     batch_limit: int = 0
