@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from planner.serve.cost import estimate_serving  # noqa: E402
+from planner.serve.estimate import estimate_serving  # noqa: E402
 from planner.serve.spec import Deployment, Target, Workload  # noqa: E402
 from planner.specs import parse_cluster, preset  # noqa: E402
 

@@ -212,7 +212,8 @@ def primitive_value(row: Row) -> float | None:
 def predict(row: Row) -> dict[str, Any]:
     """The row's metric as the cost model predicts it, with estimate_serving's verdict."""
     cost, _ = _serve()
-    est = cost.estimate_serving(row.model, row.cluster, deployment(row), workload(row), requests=row.requests)
+    from planner.serve.estimate import estimate_serving
+    est = estimate_serving(row.model, row.cluster, deployment(row), workload(row), requests=row.requests)
     value = primitive_value(row)
     if row.concurrency:  # N users: the simulation's own throughput and latencies at their load
         value = {"req_s": est.rate_qps, "output_tok_s": est.rate_qps * row.output_len, "ttft_s": est.ttft_s,

@@ -172,7 +172,7 @@ def serve(ctx: click.Context, **kw: Any) -> None:
               "calibration": calibration_badge(cluster)}
     compare = None
     if model.variant_label:  # the same deployment for the base model, side by side (terminal, json, report)
-        from planner.serve.cost import estimate_serving
+        from planner.serve.estimate import estimate_serving
         base = estimate_serving(model.base(), cluster, best.deployment, workload, target=target,
                                 requests=kw["requests"], seed=kw["seed"])
         compare = serving_comparison(model.base(), base, model, best, best.deployment)
