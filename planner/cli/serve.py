@@ -142,6 +142,9 @@ def serve(ctx: click.Context, **kw: Any) -> None:
         if kw["kv_precision"] == "fp8" and not cluster.device.fp8:
             raise SpecError("--kv-precision", f"{cluster.device.name} cannot run an fp8 KV cache (no FP8 support; "
                             "profile field fp8)", "use --kv-precision bf16, or an Ada/Hopper GPU")
+        if kw["kv_precision"] == "int8":
+            raise SpecError("--kv-precision", f"{kw['engine']} has no int8 KV cache (vLLM --kv-cache-dtype auto|fp8; "
+                            "SGLang auto|fp8_e5m2|fp8_e4m3)", "use --kv-precision bf16, or fp8 on a Hopper/Ada GPU")
         kv = (kw["kv_precision"],)
     wp = (kw["weight_precision"],) if kw["weight_precision"] else space.weight_precision
     if kw["weight_precision"] == "fp8" and not cluster.device.fp8:

@@ -62,6 +62,7 @@ def test_fp8_on_hopper(capsys, tmp_path):
     (["--concurrency", "-2"], "--concurrency"),
     (["--trace", "/nonexistent/trace.csv"], "cannot read"),
     (["--weight-precision", "fp8"], "FP8"),                  # A100: no FP8 tensor cores
+    (["--kv-precision", "int8"], "no int8 KV cache"),        # neither engine has one
     (["--prefix-len", "600"], "--prefix-len"),
 ])
 def test_bad_input_one_line(capsys, tmp_path, extra, needle):
