@@ -67,6 +67,8 @@ class Workload:
         _int(self.seed, "--seed", 0, "give a seed >= 0")
         _int(self.concurrency, "--concurrency", 0, "give the number of users, e.g. 32 (0: Poisson arrivals)")
         _int(self.prefix_len, "--prefix-len", 0, "give the shared prompt prefix in tokens, e.g. 256 (0: none)")
+        if isinstance(self.trace, list):  # from JSON (to_dict writes lists)
+            object.__setattr__(self, "trace", tuple(tuple(t) if isinstance(t, list) else t for t in self.trace))
         if not isinstance(self.trace, tuple) or not all(
                 isinstance(t, tuple) and len(t) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
                                                            for v in t) for t in self.trace):

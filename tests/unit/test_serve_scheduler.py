@@ -140,3 +140,11 @@ def test_finish_early_frees_the_request():
     s.finish(0)
     assert s.running == [] and s.free == 8
     assert s.schedule().chunks == [(1, 4, 0)]
+
+
+def test_workload_round_trips_through_json():
+    # serve_metrics.json and serve_plan.json store Workload.to_dict(); benchmarks rebuild it
+    import json
+    w = Workload(prompt_len=10, output_len=4, trace=((10, 2), (20, 3)), concurrency=3, prefix_len=4)
+    assert Workload(**json.loads(json.dumps(w.to_dict()))) == w
+    assert Workload(**Workload(prompt_len=5, output_len=2).to_dict()).trace == ()
