@@ -18,15 +18,25 @@ from planner.specs.model import ModelSpec
 
 def latency_curve(model: ModelSpec, cluster: ClusterSpec, est: ServeEstimate, workload: Workload, *,
                   requests: int, seed: int | None, points: int = 8) -> list[dict[str, float]]:
-    """e2e, TTFT and TPOT p50/p99 at `points` arrival rates up to 95% of the saturation rate."""
+    """e2e, TTFT and TPOT p50/p99 at `points` arrival rates up to 95% of the saturation rate; for
+    a closed-loop workload at `points` user counts up to its own (each point's qps: the rate
+    those users reach)."""
+    import dataclasses
+
     from planner.serve import queue
     from planner.serve.cost import serve_memory
     mem = serve_memory(model, cluster, est.deployment, workload)
-    run = queue.replica_runner(model, cluster, est.deployment, workload, mem, requests=requests, seed=seed)
+    run = None if workload.concurrency else \
+        queue.replica_runner(model, cluster, est.deployment, workload, mem, requests=requests, seed=seed)
     out = []
     for i in range(1, points + 1):
-        rate = est.max_qps * 0.95 * i / points
-        s = run(rate)
+        if run is None:
+            w = dataclasses.replace(workload, concurrency=max(1, round(workload.concurrency * i / points)))
+            s = queue.replica_runner(model, cluster, est.deployment, w, mem, requests=requests, seed=seed)(1.0)
+            rate = s["achieved_qps"]
+        else:
+            rate = est.max_qps * 0.95 * i / points
+            s = run(rate)
         out.append({"qps": rate, **{f"{m}_{q}_s": s[f"{m}_s"][q] for m in ("e2e", "ttft", "tpot") for q in ("p50", "p99")}})
     return out
 
@@ -51,7 +61,7 @@ def _plot(curves: list[tuple[str, list[dict[str, float]]]], target: Target | Non
             ax.axhline(target.value * 1e3, color="red", linewidth=0.8, label=f"target {target.kind}")
         if target is not None and target.kind == "qps":
             ax.axvline(target.value, color="red", linewidth=0.8, label="target")
-        ax.set_xlabel("arrival rate, requests/s")
+        ax.set_xlabel("requests/s (arrival rate; closed loop: the users' throughput)")
         ax.set_ylabel(label)
     axes[0].legend(fontsize=6)
     fig.tight_layout()
