@@ -65,6 +65,19 @@ def test_search_objective_cost_and_report_section(capsys, tmp_path):
     assert doc["objective"] == "cost" and doc["plans"][0]["chosen"] and costs == sorted(costs)
     html = (tmp_path / "r" / "report.html").read_text()
     assert 'id="cost"' in html and 'id="img-bill"' in html and "Young/Daly" in html and 'id="spot-table"' in html
+    assert "tokens (--tokens)" in html and 'id="over-a-year"' not in html     # the summary card uses the bill's tokens
+
+
+def test_report_flags_a_plan_beyond_a_year(capsys, tmp_path):
+    from planner.report import write_report
+    # the plan benchmarks/cost_questions.py's search picks for GLM-130B on 32 A100s: 630 days
+    rc, _, err = run(capsys, "estimate", "--model", "glm-130b", "--gpus", "4x8xA100", "--global-batch", "1024",
+                     "--tp", "2", "--pp", "8", "--zero", "1", "--sequence-parallel", "--offload-optimizer", "cpu",
+                     "--write", str(tmp_path / "e"))
+    doc = json.loads((tmp_path / "e" / "estimate.json").read_text())["bill"]
+    assert rc == 0 and doc["over_a_year"], err
+    html = write_report(tmp_path / "e").read_text()
+    assert 'id="over-a-year"' in html and "more than 365 days" in html
 
 
 @pytest.mark.parametrize("extra,needle", [
