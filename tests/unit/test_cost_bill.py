@@ -107,7 +107,7 @@ def test_prices_file_cites_every_price():
             kind = doc["offers"][oid]["kind"]
             assert kind == "spot" if col == "spot" else kind in ("on_demand", "capacity_block"), (gpu, col)
     h100 = bill.price_for("H100-SXM", "spot")
-    assert h100.usd_per_gpu_hour == 1.49 and "gridstackhub" in h100.text()
+    assert h100.usd_per_gpu_hour == 1.49 and "gridstackhub" in h100.source and "Vast.ai" in h100.text()
     assert bill.price_for("A6000", "on_demand") is None
 
 
