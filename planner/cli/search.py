@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from planner.cli.bill import OBJECTIVES, estimate_bill, search_bill
+from planner.cost.bill import tokens_text
 from planner.cli.common import (bill_options, common_inputs, comparison_doc, comparison_table, load_bill, load_inputs,
                                  training_comparison, variant_option)
 from planner.errors import SpecError
@@ -118,13 +119,18 @@ def baseline_words(plan: Plan, est: Estimate, train) -> str:
     return words + (f"; {note}" if note else "")
 
 
-def _print_search(console: Console, result, cluster, run_dir: Path, written: list[str], top: int, train) -> None:
+def _print_search(console: Console, result, cluster, run_dir: Path, written: list[str], top: int, train,
+                  tokens: float | None = None) -> None:
     base = result.baseline
     vs_base = base.feasible                   # a speed-up needs a baseline that runs
     table = Table(title=f"Top plans ({result.method}: {result.distinct} distinct plans evaluated, "
                         f"{result.space_size} points in the search space, {result.wall_s:.2f} s)")
+
+    def days(e: Estimate) -> list[str]:       # to train --tokens (docs/cost.md)
+        return [] if tokens is None else [f"{tokens / e.tokens_per_s / 86400:,.1f}"]
     cols = ["#", "TPxPPxDP", "ZeRO", "ZeRO options", "micro x acc", "recompute", "SP", "schedule", "tokens/s",
-            "step s", "MFU", "GB/GPU"] + (["vs base"] if vs_base else [])
+            "step s", "MFU"] + ([f"days {tokens_text(tokens)}"] if tokens else []) + ["GB/GPU"] + \
+        (["vs base"] if vs_base else [])
     for col in cols:
         table.add_column(col, justify="left" if col in ("ZeRO options", "recompute", "schedule") else "right")
     flagged = False
@@ -134,15 +140,15 @@ def _print_search(console: Console, result, cluster, run_dir: Path, written: lis
         mem = _mem_cell(e, cluster)
         flagged |= mem.endswith("!")
         table.add_row(str(i), *_plan_cells(t.plan), f"{e.tokens_per_s:,.0f}", f"{e.step_time_s:.2f}", f"{e.mfu:.1%}",
-                      mem, *speed)
+                      *days(e), mem, *speed)
     cells = _plan_cells(result.baseline_plan)
     if base.feasible:
         mem = _mem_cell(base, cluster)
         flagged |= mem.endswith("!")
         table.add_row("base", *cells, f"{base.tokens_per_s:,.0f}", f"{base.step_time_s:.2f}", f"{base.mfu:.1%}",
-                      mem, "1.00x")
+                      *days(base), mem, "1.00x")
     else:
-        table.add_row("base", *cells, "does not fit", "-", "-",
+        table.add_row("base", *cells, "does not fit", "-", "-", *(["-"] if tokens else []),
                       f"needs {_gb(base.peak_memory_bytes)}/{_gb(base.capacity_bytes)}")
     console.print(table)
     if flagged:
@@ -256,7 +262,7 @@ def search(ctx: click.Context, **kw: Any) -> None:
     report = _write_report(run_dir, err)
     if report:
         written.append(report)
-    _print_search(_console(), result, cluster, run_dir, written, kw["top"], train)
+    _print_search(_console(), result, cluster, run_dir, written, kw["top"], train, spec.tokens)
     for line in bill_text:
         click.echo(line)
     if moved:
