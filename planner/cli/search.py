@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from planner.cli.bill import OBJECTIVES, estimate_bill, search_bill
+from planner.search.bill import OBJECTIVES, estimate_bill, search_bill
 from planner.cost.bill import tokens_text
 from planner.cli.common import (bill_options, common_inputs, comparison_doc, comparison_table, load_bill, load_inputs,
                                  training_comparison, variant_option)
@@ -251,7 +251,7 @@ def search(ctx: click.Context, **kw: Any) -> None:
     moved = set_aside_line(*set_aside(run_dir))
     try:
         written = write_outputs(run_dir, result, model, cluster, train, scale=scale, model_arg=model_arg,
-                                 command=command, top=kw["top"], extra={"bill": bill})
+                                 command=command, top=kw["top"], bill=bill)
         if tmp_db is not None:
             _close(rdb)
             os.replace(tmp_db, run_dir / "study.db")

@@ -1,4 +1,4 @@
-"""The report's "What the run costs" section: estimate.json's "bill" (planner/cli/bill.py) as
+"""The report's "What the run costs" section: estimate.json's "bill" (planner/search/bill.py) as
 figures and a cost/days Pareto of the top plans, on-demand and spot, the chosen plan marked."""
 from __future__ import annotations
 

@@ -71,7 +71,7 @@ class RunData:
     """estimate.json "variant_comparison" (planner.search.outputs.variant_section): the plan for
     the base model beside the model variant, when the run is of a variant."""
     bill: dict[str, Any] | None = None
-    """estimate.json "bill" (planner/cli/bill.py): days and cost to train --tokens, on-demand and spot."""
+    """estimate.json "bill" (planner/search/bill.py): days and cost to train --tokens, on-demand and spot."""
 
 
 def _optional_json(path: Path, notes: list[str]) -> dict[str, Any] | None:

@@ -1,8 +1,9 @@
-"""The bill of `planner search` and `planner estimate`: days and cost to train --tokens for the
-chosen plan (and, for the report's cost/days Pareto, for the top plans), --objective cost.
+"""The bill of a search and of one plan: days and cost to train --tokens for the chosen plan
+(and, for the report's cost/days Pareto, for the top plans), --objective cost.
 
 The arithmetic is planner.cost.bill; this module only applies it to a search result and shapes
-estimate.json's "bill" section and the printed lines.
+estimate.json's "bill" section and the printed lines (`planner search`, `planner estimate`,
+and write_outputs for every other writer of a search's run directory).
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import dataclasses
 import math
 from typing import Any
 
-from planner.cost.bill import Bill, BillSpec, bill_lines, plan_bill, tokens_text
+from planner.cost.bill import Bill, BillSpec, bill_lines, default_tokens, plan_bill, price_for, tokens_text
 
 OBJECTIVES = ("throughput", "cost")
 PARETO_PLANS = 40
@@ -28,6 +29,12 @@ def bill_doc(spec: BillSpec, chosen: Bill, rows: list[dict[str, Any]], objective
     """estimate.json's "bill": the chosen plan's bill, the objective, and the rows of the Pareto."""
     return {"objective": objective, **chosen.to_dict(), "restart_min": spec.restart_min if spec.spot else None,
             "plans": rows}
+
+
+def default_spec(model: Any, cluster: Any) -> BillSpec:
+    """The bill with no cost flags: the model's published tokens, the GPU's on-demand price on file."""
+    tokens, note = default_tokens(model.name)
+    return BillSpec(tokens=tokens, tokens_note=note, price=price_for(cluster.device.name, "on_demand"))
 
 
 def search_bill(spec: BillSpec, result: Any, model: Any, cluster: Any, objective: str) -> tuple[Any, dict[str, Any],
