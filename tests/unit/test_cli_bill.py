@@ -101,3 +101,13 @@ def test_bad_bill_input_is_one_line(capsys, tmp_path, extra, needle):
         assert rc == 2, err
         assert needle in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not any(tmp_path.iterdir())          # nothing written
+
+
+def test_search_says_what_stops_an_offload_plan(capsys, tmp_path):
+    """GLM-130B on 4 A6000s: ZeRO-Infinity fits the GPUs, but neither the host memory nor the
+    NVMe (host.nvme_gb, halved for 4 of the 8-card server's GPUs) holds the offloaded states."""
+    rc, out, err = run(capsys, "search", "--model", "glm-130b", "--gpus", "4xA6000", "--global-batch", "1024",
+                       "--exhaustive", "--out-dir", str(tmp_path))
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and not any(tmp_path.iterdir())
+    assert "fits the device but offloaded states need 2611 GB of host memory per node" in err
+    assert "on NVMe instead, offloaded states need 2,611 GB of NVMe per node > 2,000 GB (--nvme-gb)" in err
