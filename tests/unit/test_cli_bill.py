@@ -66,6 +66,11 @@ def test_search_objective_cost_and_report_section(capsys, tmp_path):
     html = (tmp_path / "r" / "report.html").read_text()
     assert 'id="cost"' in html and 'id="img-bill"' in html and "Young/Daly" in html and 'id="spot-table"' in html
     assert "tokens (--tokens)" in html and 'id="over-a-year"' not in html     # the summary card uses the bill's tokens
+    from planner.report import write_report
+    est = json.loads((tmp_path / "r" / "estimate.json").read_text())
+    del est["bill"]                                   # a run directory from before the bill: no section
+    (tmp_path / "r" / "estimate.json").write_text(json.dumps(est))
+    assert 'id="cost"' not in write_report(tmp_path / "r").read_text()
 
 
 def test_report_flags_a_plan_beyond_a_year(capsys, tmp_path):
