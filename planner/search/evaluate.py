@@ -51,9 +51,11 @@ class Evaluator:
     """Evaluates outer points for one (model, cluster, train), remembering each result."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *,
-                 megatron_features: bool = False) -> None:
+                 megatron_features: bool = False, runtime: str = "deepspeed") -> None:
         self.model, self.cluster, self.train = model, cluster, train
-        self.megatron_features = megatron_features
+        self.runtime = "megatron-core" if megatron_features else runtime
+        # DeepSpeed's own rules (no interleaving, no MiCS) apply to plans DeepSpeed runs
+        self.megatron_features = self.runtime != "deepspeed"
         self.capacity = cluster.memory_bytes
         self.cache: dict[Outer, Trial] = {}
 
@@ -67,7 +69,7 @@ class Evaluator:
 
     def _evaluate(self, outer: Outer, source: str) -> Trial:
         model, train = self.model, self.train
-        base = outer.plan(train.precision)
+        base = outer.plan(train.precision, runtime=self.runtime)
         lc = layer_costs(model, self.cluster, train, base)
         full = outer.recompute == "full"
         sol = solve(StageModel(self.cluster, base, lc), model.layers, checkpoint=full)
@@ -76,7 +78,7 @@ class Evaluator:
             return Trial(outer=outer, plan=base, estimate=None, feasible=False, reason=why,
                          needs_bytes=sol.needs_bytes, capacity_bytes=self.capacity, source=source)
         plan = outer.plan(train.precision, stage_layers=sol.stage_layers,
-                          recompute_layers=sol.checkpointed if full else ())
+                          recompute_layers=sol.checkpointed if full else (), runtime=self.runtime)
         if full and not any(sol.checkpointed):
             # nothing needs checkpointing: say so plainly (the same plan as recompute=none)
             plan = dataclasses.replace(plan, recompute="none", recompute_layers=())

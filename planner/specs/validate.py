@@ -91,6 +91,9 @@ def runtime_problems(plan: Plan) -> list[str]:
     only the plain 1F1B schedule, and MiCS is gone from it. Such plans stay in the space (evaluated, shown with this
     reason) but are only chosen with --megatron-features. Megatron sequence parallelism is
     not here: the executor's own TP layers run it (tests/integration/test_parity.py)."""
+    if plan.runtime != "deepspeed":
+        return [f"the plan is for the {plan.runtime} runtime (plan.runtime): `planner run` and the DeepSpeed "
+                "exports execute DeepSpeed only (estimated for comparison; docs/runtimes.md)"]
     out = []
     if plan.schedule == "interleaved":
         out.append("DeepSpeed's PipelineEngine has no interleaved schedule (Megatron-LM only; "
