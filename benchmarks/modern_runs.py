@@ -93,7 +93,11 @@ def encode(src: Path = SRC) -> dict:
 
 
 if __name__ == "__main__":
-    data = encode(Path(sys.argv[1]) if len(sys.argv) > 1 else SRC)
+    src = Path(sys.argv[1]) if len(sys.argv) > 1 else SRC
+    if not src.is_file():
+        print(f"{src} not found: {OUT.name} kept as checked in")
+        sys.exit(0)
+    data = encode(src)
     tmp = OUT.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n")
     tmp.replace(OUT)
