@@ -74,15 +74,20 @@ def _golden(f: Callable[[float], float], lo: float, hi: float, iters: int = 40) 
 
 
 def fit_runtime(runtime: str, rows: Sequence[rr.RefRow]) -> dict[str, float]:
-    """compute_scale of `runtime` minimising the MAPE over `rows` (log-space golden section);
+    """compute_scale of `runtime` minimising the mean over sources of each source's MAPE on
+    `rows` (every source weighs the same, however many rows it has; log-space golden section);
     the runtime's file value when `rows` is empty."""
     base = dict(get_runtime(runtime).factors)
     if not rows:
         return {n: base.get(n, 1.0) for n in FITTED.get(runtime, ())}
+    by_source: dict[str, list[rr.RefRow]] = {}
+    for r in rows:
+        by_source.setdefault(r.source, []).append(r)
 
     def loss(log_x: float) -> float:
         with trial_factors(runtime, {"compute_scale": math.exp(log_x)}):
-            return sum(abs(predict(r)[0] / r.measured_s - 1) for r in rows) / len(rows)
+            return sum(sum(abs(predict(r)[0] / r.measured_s - 1) for r in rs) / len(rs)
+                       for rs in by_source.values()) / len(by_source)
     return {"compute_scale": math.exp(_golden(loss, math.log(BOUNDS[0]), math.log(BOUNDS[1])))}
 
 
@@ -136,7 +141,8 @@ def run(loso_deepspeed: bool = True) -> dict[str, Any]:
         rec: dict[str, Any] = {"id": r.id, "source": r.source, "runtime": r.runtime, "gpu": r.gpu,
                                "measured_s": r.measured_s, "note": r.note, "unsupported": r.unsupported}
         if not r.unsupported:
-            before, fit_b, _ = predict(r, before=True)
+            # before runtimes the model had no fp8: those rows had no prediction
+            before = None if r.cases[0].plan.precision == "fp8" else predict(r, before=True)[0]
             fit = fits.get(r.runtime, {})
             after, fits_after, plan = with_fit(r.runtime, fit.get("factors", {}), lambda: predict(r))
             if r.runtime in fits:
@@ -146,7 +152,7 @@ def run(loso_deepspeed: bool = True) -> dict[str, Any]:
             else:
                 loso = after  # nothing fitted for this runtime: every source is already held out
             rec.update(before_s=before, after_s=after, loso_s=loso, fits=fits_after, plan=plan,
-                       err_before=before / r.measured_s - 1, err_after=after / r.measured_s - 1,
+                       err_before=None if before is None else before / r.measured_s - 1, err_after=after / r.measured_s - 1,
                        err_loso=None if loso is None else loso / r.measured_s - 1)
         out_rows.append(rec)
     sources: dict[str, dict[str, Any]] = {}
@@ -154,7 +160,7 @@ def run(loso_deepspeed: bool = True) -> dict[str, Any]:
         recs = [x for x in out_rows if key in (x["source"], "all")]
         sc = [x for x in recs if not x["unsupported"]]
         sources[key] = {"name": rr.SOURCE_NAMES.get(key, "every scored row"), "rows": len(recs), "scored": len(sc),
-                        "mape_before": _mape([x["err_before"] for x in sc]),
+                        "mape_before": _mape([x["err_before"] for x in sc if x["err_before"] is not None]),
                         "mape_after": _mape([x["err_after"] for x in sc]),
                         "mape_loso": _mape([x["err_loso"] for x in sc if x["err_loso"] is not None])
                         if all(x["err_loso"] is not None for x in sc) else None,
@@ -222,7 +228,8 @@ def render(rep: dict[str, Any], rows: bool = False) -> str:
                              f"not scored: {x['unsupported']}")
                 continue
             lines.append(f"{x['id']:<12} {x['runtime']:<13} {x['gpu']:<10} {x['measured_s']:9.3f} "
-                         f"{x['err_before']:+8.1%} {x['err_after']:+8.1%} "
+                         + (f"{x['err_before']:+8.1%}" if x["err_before"] is not None else "       -")
+                         + f" {x['err_after']:+8.1%} "
                          + (f"{x['err_loso']:+8.1%}" if x["err_loso"] is not None else "       -")
                          + ("" if x["fits"] else "  PREDICTED NOT TO FIT") + f"  {x['plan']}")
         lines.append("")

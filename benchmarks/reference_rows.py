@@ -11,11 +11,17 @@ Sources (one key each, the unit of leave-one-source-out):
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from modern_runs import LLAMA
+
+from planner.cost import layer_costs
 from planner.cost.compute import model_flops_per_sequence
+from planner.search.checkpoint import StageModel
 from planner.specs import ModelSpec, Plan, TrainSpec, find_device, parse_cluster
 from planner.specs.hardware import ClusterSpec
 
@@ -78,6 +84,19 @@ class RefRow:
     note: str = ""
 
 
+def fewest_recomputed(case: Case) -> Case:
+    """A full-recompute case whose source does not state the recompute (S1, S5-S7: "recipe
+    default"), with the fewest checkpointed blocks per stage that fit (Megatron's
+    --recompute-num-layers; the planner's own checkpoint solver, planner/search/checkpoint.py):
+    what a user of the planner would run. Unchanged when even full recompute does not fit."""
+    plan = case.plan
+    sm = StageModel(case.cluster, plan, layer_costs(case.model, case.cluster, case.train, plan))
+    ks = [sm.fewest_checkpointed(i, n, True) for i, n in enumerate(plan.layers_per_stage(case.model.layers))]
+    if None in ks:
+        return case
+    return dataclasses.replace(case, plan=dataclasses.replace(plan, recompute_layers=tuple(ks)))
+
+
 def megatron_gpt(name: str, hidden: int, layers: int, heads: int, vocab: int, seq: int) -> ModelSpec:
     """Megatron-LM's GPT: learned positions, tied embeddings, GELU 4h FFN, pre-LayerNorm with
     biases, dropout 0.1 (Megatron-LM's defaults)."""
@@ -88,7 +107,8 @@ def megatron_gpt(name: str, hidden: int, layers: int, heads: int, vocab: int, se
 
 def _megatron_cases(model: ModelSpec, cluster: ClusterSpec, seq: int, gbs: int, tp: int, pp: int, dp: int,
                     recompute: tuple[str, ...], mbs: tuple[int, ...] = (1, 2, 4, 8),
-                    chunks: tuple[int, ...] = (1, 2, 3, 4, 6, 8), zero: int = 1, sp: bool | None = None) -> tuple:
+                    chunks: tuple[int, ...] = (1, 2, 3, 4, 6, 8), zero: int = 1, sp: bool | None = None,
+                    tuned_recompute: bool = True) -> tuple:
     train = TrainSpec(global_batch=gbs, seq_len=seq, precision="bf16", attention="flash")
     out = []
     for mb in mbs:
@@ -102,7 +122,8 @@ def _megatron_cases(model: ModelSpec, cluster: ClusterSpec, seq: int, gbs: int, 
                 plan = Plan(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=mb, grad_accum=m, recompute=rc,
                             schedule="interleaved" if v > 1 else "1f1b", interleave=v, precision="bf16",
                             sequence_parallel=(tp > 1) if sp is None else (sp and tp > 1), runtime="megatron-core")
-                out.append(Case(model=model, cluster=cluster, train=train, plan=plan))
+                case = Case(model=model, cluster=cluster, train=train, plan=plan)
+                out.append(fewest_recomputed(case) if rc == "full" and tuned_recompute else case)
     return tuple(out)
 
 
@@ -118,7 +139,7 @@ def table1_rows() -> list[RefRow]:
         out.append(RefRow(id=f"T1-{params_b}B", source="T1", runtime="megatron-core", gpu="A100-80GB",
                           measured_s=flops / (gpus * tflops * 1e12),
                           cases=_megatron_cases(model, cluster, s, batch, tp, pp, gpus // (tp * pp), ("full",),
-                                                chunks=(1, 2, 4), zero=0, sp=False),
+                                                chunks=(1, 2, 4), zero=0, sp=False, tuned_recompute=False),
                           note=f"{params_b}B TP{tp} PP{pp}"))
     return out
 
@@ -176,18 +197,69 @@ def modern_rows() -> list[RefRow]:
                               cases=(Case(model=model, cluster=cluster, train=train, plan=plan),),
                               note=f"mpt-{r['model']} seq {r['seq']} {gpus} GPUs mb {r['mbs']}"))
         else:
-            why = ["fp8 precision (Transformer Engine) is not modelled yet"]
-            if r.get("cp", 1) > 1:
-                why.append("context parallelism is not modelled")
-            if r["gpu"] == "B200":
-                why.append("no B200 profile")
-            if src in ("S5", "S6") or r["metric"] == "tokens":
-                measured = r["gbs"] * r["seq"] / (r["tok_s_gpu"] * r["gpus"])
-            else:
-                measured = r["derived_step"]
-            out.append(RefRow(id=rid, source=src, runtime="megatron-core", gpu=r["gpu"], measured_s=measured,
-                              unsupported="; ".join(why), note=r.get("model", "")))
+            out.append(_nvidia_row(r))
     return out
+
+
+def _arch(r: dict) -> tuple[int, int, int, int, int, str, int] | None:
+    """(layers, hidden, heads, KV heads, FFN, activation, vocab) of an S5/S6/S7 model, from the
+    table's Arch column (S5) or the Llama shapes (S5/S6 Arch columns); None if unknown."""
+    if r.get("model") in LLAMA:
+        l, h, a, kv, f, v = LLAMA[r["model"]]
+        return l, h, a, kv, f, "swiglu", v
+    arch = r.get("arch", "")
+    m = re.match(r"(\d+)L h(\d+) (\d+)H(?:\(kv(\d+)\))? (?:MHA )?ffn(\d+) ([\w-]+)", arch)
+    if not m:
+        return None
+    l, h, a, kv, f, act = m.groups()
+    v = re.search(r"v(\d+)", arch)
+    # GeLU / squared-ReLU are both 2-matrix FFNs: the same GEMMs (costed as gelu)
+    return (int(l), int(h), int(a), int(kv or a), int(f), "swiglu" if act == "SwiGLU" else "gelu",
+            int(v.group(1)) if v else 50257)
+
+
+def _nvidia_row(r: dict) -> RefRow:
+    """S5, S6, S7 (Megatron-Core / NeMo, fp8): Llama-style models (RMSNorm, rotary, no biases,
+    untied) or GPT-3 / Nemotron (LayerNorm, learned positions... costed with rotary: no
+    parameters either way); recompute unstated (recipe defaults): the fastest of none,
+    selective and full that fits; MBS stated (S7: assumed 1); VP stated."""
+    src, rid = r["source"], r["id"]
+    measured = r["gbs"] * r["seq"] / (r["tok_s_gpu"] * r["gpus"]) if r["metric"] == "tokens" else r["derived_step"]
+    why = []
+    if r.get("cp", 1) > 1:
+        why.append("context parallelism is not modelled")
+    arch = _arch(r)
+    if arch is None:
+        why.append("architecture not given")
+    if why:
+        return RefRow(id=rid, source=src, runtime="megatron-core", gpu=r["gpu"], measured_s=measured,
+                      unsupported="; ".join(why), note=r.get("model", ""))
+    l, h, a, kv, f, act, v = arch
+    llama = act == "swiglu"
+    model = ModelSpec(name=r.get("model", rid), model_type="llama" if llama else "gpt", hidden=h, layers=l, heads=a,
+                      kv_groups=kv if kv != a else None, ffn_hidden=f, activation=act, vocab=v, max_seq=r["seq"],
+                      norm="rmsnorm" if llama else "layernorm", position="rotary", rotary_fraction=1.0,
+                      qkv_bias=False, linear_bias=not llama, tied_embeddings=False)
+    gpus, tp, pp = r["gpus"], r["tp"], r["pp"]
+    cluster = parse_cluster(f"{gpus // 8}x8x{r['gpu']}" if gpus > 8 else f"{gpus}x{r['gpu']}")
+    train = TrainSpec(global_batch=r["gbs"], seq_len=r["seq"], precision="fp8", attention="flash")
+    dp = gpus // (tp * pp)
+    mb = r.get("mbs", 1)
+    vp = r.get("vp", 1)
+    # Megatron-FSDP (S6-1; S6-4's table says FSDP, its recipe DDP: both are tried) shards the
+    # model states like ZeRO-3; DDP with the distributed optimizer is ZeRO-1
+    sharding = r.get("sharding", "DDP")
+    zeros = (3,) if sharding.startswith("Megatron-FSDP") else (3, 1) if sharding.startswith("FSDP") else (1,)
+    cases = []
+    if r["gbs"] % (mb * dp) == 0:
+        for zero, rc in ((z, rc) for z in zeros for rc in ("none", "selective", "full")):
+            case = Case(model=model, cluster=cluster, train=train, plan=Plan(
+                dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=mb, grad_accum=r["gbs"] // (mb * dp), recompute=rc,
+                schedule="interleaved" if vp > 1 else "1f1b", interleave=vp, precision="fp8",
+                sequence_parallel=tp > 1, runtime="megatron-core"))
+            cases.append(fewest_recomputed(case) if rc == "full" else case)
+    return RefRow(id=rid, source=src, runtime="megatron-core", gpu=r["gpu"], measured_s=measured, cases=tuple(cases),
+                  unsupported="" if cases else "global batch not divisible", note=r.get("model", ""))
 
 
 def all_rows() -> list[RefRow]:

@@ -204,6 +204,7 @@ def search(ctx: click.Context, **kw: Any) -> None:
     scale, model_arg, gpus = kw["scale"], kw["model_arg"], kw["gpus"]
     runtimes = _runtimes(kw["runtime"], kw["megatron_features"])
     model, cluster, train = load_inputs(kw)
+    _fp8_offered(train, runtimes)
     name = kw["name"] or _default_name(model.name, gpus)
     if not _NAME_RE.match(name) or name in (".", ".."):
         raise SpecError("--name", f"{name!r} is not a plain directory name",
@@ -291,6 +292,15 @@ def _runtimes(name: str, megatron_features: bool) -> list[str]:
         return list(NAMES)
     get_runtime(name)
     return [name]
+
+
+def _fp8_offered(train, runtimes: list[str]) -> None:
+    """--precision fp8 needs a runtime with Transformer Engine: one line naming --runtime."""
+    from planner.cost.runtime import get_runtime
+    lacking = [rt for rt in runtimes if train.precision not in get_runtime(rt).precisions]
+    if lacking and len(lacking) == len(runtimes):
+        raise SpecError("--precision", f"{train.precision} is not offered on runtime {lacking[0]} (no Transformer "
+                        "Engine)", "use --runtime megatron-core or fsdp, or --precision bf16")
 
 
 def runtime_comparison(results: dict) -> list[str]:
@@ -482,6 +492,7 @@ def estimate(ctx: click.Context, **kw: Any) -> None:
                        mics_shard=kw["mics_shard"], bucket_elements=kw["bucket_elements"],
                        prefetch_elements=kw["prefetch_elements"], live_elements=kw["live_elements"],
                        persistence_elements=kw["persistence_elements"], runtime=_runtimes(kw["runtime"], False)[0])
+    _fp8_offered(train, [plan.runtime])
     from planner.cost import runtime as runtimes
     lacking = runtimes.problems(runtimes.get_runtime(plan.runtime), plan)
     if lacking:

@@ -97,6 +97,8 @@ def zero3_comm(model: ModelSpec, cluster: ClusterSpec, plan: Plan, f: dict[str, 
     thr = plan.persistence_elements or params.persistence_threshold(model)
     us = zero.units(model, plan, bt.forward + bt.tp_fwd, bt.backward + bt.tp_bwd, (first / 3.0, 2.0 * first / 3.0),
                     (last / 3.0, 2.0 * last / 3.0), recomputed, thr)
+    if get_runtime(plan.runtime).flat_parameters:
+        us = zero.flat_units(us)
     return zero.zero3_time(cluster, plan, us, f, _act_bytes(plan.precision))
 
 

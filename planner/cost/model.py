@@ -61,7 +61,7 @@ def _block_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
     elem_f = elem / hbm * f["elementwise_scale"]
     scores_f = (elem - no_scores) / hbm * f["elementwise_scale"]
     # flash's backward recomputes QK^T (one of the core's two GEMMs)
-    rec_f = compute.core_time(model, dev, compute.flash_recompute_flops(model, s, b, t), s, prec,
+    rec_f = compute.core_time(model, dev, compute.flash_recompute_flops(model, s, b, t), s, compute.bf16_part(prec),
                               f["attention_scale"]) if recomputes_scores(kernel) else 0.0
     tp_fwd, tp_bwd = tp_block_comm(model, s, b, t, e, plan.sequence_parallel, _tp_link(cluster, plan),
                                    f["comm_efficiency"])
@@ -169,7 +169,7 @@ def _layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
     first = 3.0 * 2.0 * sbh * e / hbm * f["elementwise_scale"]
     # last stage: final norm, output GEMM (2 b s h V_pad / t, backward 2x), cross-entropy in fp32
     logits_f = compute.logits_forward_flops(model, s, b, t)
-    last = 3.0 * compute.gemm_time(dev, logits_f, prec, f["compute_scale"])
+    last = 3.0 * compute.gemm_time(dev, logits_f, compute.bf16_part(prec), f["compute_scale"])
     last += (3.0 * s * b * v_local * (e + 8.0) + 6.0 * sbh * e) / hbm * f["elementwise_scale"]
     act_mode = "selective" if plan.recompute == "selective" else "none"
     kw = dict(sequence_parallel=plan.sequence_parallel, act_bytes=e, kernel=kernel)
@@ -280,6 +280,8 @@ def stage_bytes(fp: engines.Footprint, plan: Plan, lc: LayerCosts, stage: int, b
         acts += lc.block_work_bytes
     logits = lc.last_stage_act_bytes if stage == p - 1 else 0.0
     params, grads, opt, buckets = (h + b for h, b in zip(held, back))
+    if plan.precision == "fp8":
+        params += memory.fp8_bytes(blocks, lc.block_psi, plan.zero == 3)
     backward = acts + logits + sum(back)
     if step_only > backward:
         buckets += step_only - backward

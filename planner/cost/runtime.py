@@ -50,6 +50,8 @@ class Runtime:
     interleaved: bool
     attention: str
     """"plan": the kernel TrainSpec.attention names; else the kernel the runtime always runs."""
+    precisions: tuple[str, ...]
+    """Training precisions it offers (fp8: Transformer Engine)."""
     tp_comm_overlap: bool
     p2p_overlap: bool
     flat_parameters: bool
@@ -73,6 +75,7 @@ def _load(path: Path) -> Runtime:
     if missing:
         raise SpecError(f"runtime {path.name}", f"missing field(s) {missing}", "fix the runtime data file")
     return Runtime(name=data["name"], zero_stages=tuple(data["zero_stages"]), zero_names=data.get("zero_names", {}),
+                   precisions=tuple(data.get("precisions", ("bf16", "fp16", "fp32"))),
                    factors={k: float(v) for k, v in data.get("factors", {}).items()},
                    by_device={d: {k: float(v) for k, v in fs.items()} for d, fs in data.get("by_device", {}).items()},
                    sources=data.get("sources", {}), path=str(path),
@@ -131,6 +134,10 @@ def problems(rt: Runtime, plan: Any) -> list[str]:
     them (planner.specs.validate.runtime_problems): the estimate of such a plan is still wanted
     for comparison."""
     out: list[str] = []
+    if plan.precision not in rt.precisions:
+        out.append(f"runtime {rt.name} does not offer {plan.precision}"
+                   + (" (no Transformer Engine): use bf16, or --runtime megatron-core / fsdp" if plan.precision == "fp8"
+                      else f": use one of {', '.join(rt.precisions)}"))
     if rt.name == DEFAULT:
         return out
     if plan.zero not in rt.zero_stages:

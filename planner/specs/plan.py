@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from planner.errors import SpecError
-from planner.specs.hardware import PRECISIONS
+from planner.specs.hardware import TRAIN_PRECISIONS
 
 RECOMPUTE = ("none", "selective", "full")
 OFFLOAD = ("none", "cpu", "nvme")
@@ -51,7 +51,7 @@ class Plan:
     interleave: int = 1
     """Virtual chunks per stage v for the interleaved schedule (1 otherwise)."""
     precision: str = "bf16"
-    """bf16, fp16 or fp32."""
+    """bf16, fp16, fp32 or fp8 (planner.specs.hardware.TRAIN_PRECISIONS)."""
     overlap_comm: bool = True
     """Overlap the DP gradient reduction with the backward pass (DeepSpeed overlap_comm)."""
     bucket_elements: int = DEFAULT_BUCKET
@@ -135,8 +135,8 @@ class Plan:
             raise SpecError("plan.interleave", "needs the interleaved schedule", "set schedule=interleaved or interleave=1")
         if self.schedule == "interleaved" and self.pp == 1:
             raise SpecError("plan.schedule", "interleaving needs pp > 1", "use 1f1b")
-        if self.precision not in PRECISIONS:
-            raise SpecError("plan.precision", f"unknown value {self.precision!r}", f"use one of {', '.join(PRECISIONS)}")
+        if self.precision not in TRAIN_PRECISIONS:
+            raise SpecError("plan.precision", f"unknown value {self.precision!r}", f"use one of {', '.join(TRAIN_PRECISIONS)}")
         if self.stage_layers and len(self.stage_layers) != self.pp:
             raise SpecError("plan.stage_layers", f"has {len(self.stage_layers)} stages, pp={self.pp}",
                             "give one layer count per pipeline stage")

@@ -116,7 +116,7 @@ def test_search_space_follows_the_runtime() -> None:
     assert space.zero_stages(1) == (2, 3)
     assert all(v == PLAIN for _, v in space.zero_options(1, 16))  # DeepSpeed's variants are DeepSpeed's
     mc = Space(model=MODEL, cluster=CLUSTER, train=TRAIN, runtime="megatron-core")
-    assert mc.zero_stages(1) == (0, 1) and any(pp > 1 for _, pp, _ in mc.layouts())
+    assert mc.zero_stages(1) == (0, 1, 3) and mc.zero_stages(2) == (0, 1) and any(pp > 1 for _, pp, _ in mc.layouts())
 
 
 @pytest.mark.parametrize("args, word", [
@@ -129,3 +129,18 @@ def test_cli_bad_runtime_input_is_one_line_exit_2(capsys, args, word) -> None:
     rc = main(["estimate", "--model", "glm-10b", "--gpus", "2x8xA100", "--global-batch", "64", *args])
     err = capsys.readouterr().err
     assert rc == 2 and word in err and len(err.strip().splitlines()) == 1
+
+
+def test_flat_parameters_gather_each_unit_once() -> None:
+    from planner.cost import zero
+    u = zero.Unit(tensors=(10, 20), elements=35, forward=1.0, backward=2.0, count=3)
+    assert zero.flat_units((u,)) == (dataclasses.replace(u, tensors=(35,)),)
+    plan = Plan(dp=16, zero=3, micro_batch=1, grad_accum=4)
+    lc = cm.layer_costs(MODEL, CLUSTER, TRAIN, plan)
+    bt = cm._block_times(MODEL, CLUSTER, TRAIN, plan, cluster_factors(CLUSTER))
+    from planner.cost.estimate import zero3_comm
+    ds = zero3_comm(MODEL, CLUSTER, plan, cluster_factors(CLUSTER), lc, bt, 0)
+    fs_plan = dataclasses.replace(plan, runtime="fsdp")
+    fs = zero3_comm(MODEL, CLUSTER, fs_plan, cluster_factors(CLUSTER, "fsdp"), lc, bt, 0)
+    # embedding, 32 blocks, output layer: one gather each in forward and in backward
+    assert fs.fetches == 2 * (1 + MODEL.layers + 1) < ds.fetches
