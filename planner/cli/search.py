@@ -233,7 +233,7 @@ def search(ctx: click.Context, **kw: Any) -> None:
         results = {}
         for rt in runtimes:
             try:
-                results[rt] = run_search(model, cluster, train, exhaustive=kw["exhaustive"] or len(runtimes) > 1,
+                results[rt] = run_search(model, cluster, train, exhaustive=kw["exhaustive"],
                                          n_trials=kw["n_trials"], seed=kw["seed"],
                                          storage=storage if rt == runtimes[0] else None,
                                          progress=progress if rt == runtimes[0] else None, runtime=rt)
