@@ -58,7 +58,7 @@ class Tuning:
     label: str = ""
 
 
-def prepare(kw: dict[str, Any], model: Any, cluster: Any, train: Any) -> Tuning:
+def prepare(kw: dict[str, Any], model: Any, cluster: Any, train: Any, runtime: str = "deepspeed") -> Tuning:
     """Refuse bad tuning input before anything is written (SpecError: one line, exit 2)."""
     from planner.search.storage import check_study, open_storage, safe_url
     k = kw["refine_k"]
@@ -81,7 +81,9 @@ def prepare(kw: dict[str, Any], model: Any, cluster: Any, train: Any) -> Tuning:
     t.storage = open_storage(t.url)
     from planner.search.optuna_search import study_key, study_label, study_name
     from planner.search.space import Space
-    space = Space(model=model, cluster=cluster, train=train, megatron_features=kw["megatron_features"])
+    # the space planner.search.driver.search builds for `runtime` (the study's key depends on it)
+    space = Space(model=model, cluster=cluster, train=train, megatron_features=runtime == "megatron-core",
+                  runtime=runtime)
     t.study = study or study_name(space)
     t.label = study_label(space)
     check_study(t.storage, t.study, study_key(space), t.label, f" in {safe_url(t.url)}")

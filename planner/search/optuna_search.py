@@ -33,7 +33,7 @@ def study_key(space: Space) -> str:
     """A hash of everything the study's trials depend on (a study of other inputs is refused)."""
     key = json.dumps({"model": space.model.to_dict(), "cluster": space.cluster.to_dict(),
                       "train": space.train.to_dict(), "max_interleave": space.max_interleave,
-                      "megatron_features": space.megatron_features,
+                      "megatron_features": space.megatron_features, "runtime": space.runtime,
                       "space_version": SPACE_VERSION}, sort_keys=True, default=str)
     return hashlib.sha1(key.encode()).hexdigest()[:12]
 
