@@ -73,7 +73,11 @@ def _worker(url: str, study: str, out: Path, hostfile: Path, include: str, *extr
            "--refine", "2", "--refine-steps", "4", "--storage", url, "--study", study, "--heartbeat", "1",
            "--trial-timeout", "240", "--hostfile", str(hostfile), "--include", include, *extra]
     out.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(cmd, stdout=open(out / "worker.log", "w"), stderr=subprocess.STDOUT)
+    # DeepSpeed's JIT ops built for this venv only: a machine-wide ~/.cache/torch_extensions shared
+    # by other venvs rebuilds the op for each of them, and a stale lock there hangs every run
+    env = dict(os.environ)
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    return subprocess.Popen(cmd, stdout=open(out / "worker.log", "w"), stderr=subprocess.STDOUT, env=env)
 
 
 def _trials(url: str, name: str) -> list:
