@@ -37,7 +37,10 @@ def _err(e) -> str:
 @click.argument("run_dir", type=click.Path(file_okay=True, dir_okay=True))
 @click.option("--steps", type=int, default=10, show_default=True, help="Optimizer steps to run.")
 @click.option("--warmup", type=int, default=2, show_default=True, help="Steps left out of the timing.")
-@click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in RUN_DIR/checkpoints.")
+@click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in RUN_DIR/checkpoints "
+              "(refused when there is none).")
+@click.option("--resume-if-present", is_flag=True,
+              help="Continue from the latest checkpoint if there is one, else start at step 1 and say so.")
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds before a run counts as hung.")
 @click.option("--batching", type=click.Choice(["dynamic", "static"]), default="dynamic", show_default=True,
               help="Packed token-budget batches, or one padded sequence per row.")
@@ -77,6 +80,8 @@ def run(run_dir: str, **kw) -> None:
     """Train the plan in RUN_DIR under DeepSpeed and write RUN_DIR/metrics.json."""
     from planner.executor.launch import run_plan
     _check_scale(run_dir, kw.pop("scale"))
+    if kw["resume_if_present"]:
+        kw["resume"] = True
     m = run_plan(run_dir, echo=click.echo, **kw)
     p, e = m["predicted"], m["relative_error"]
     click.echo(f"step time     {_fmt(m['step_time_s'], ' s')}  (predicted {_fmt(p['step_time_s'], ' s')}, "

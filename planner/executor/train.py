@@ -112,6 +112,10 @@ def train(args, run_dir: Path, rank: int, status) -> None:
              "lr": [], "eval": [], "allreduce_s": []}
     tag = checkpoints.resume(engine, ckpt, state) if args.resume else None
     resumed_at = state["step"]
+    if rank == 0 and tag is not None:
+        rec = {"step": resumed_at, "kind": "resume", "tag": tag, "dir": str(ckpt / tag)}
+        progress(run_dir, rec)
+        print(format_progress(rec), flush=True)
     saved = {"step": state["step"] if tag is not None else None}
 
     def save(step: int) -> None:  # every rank; `latest` names the tag once all have saved it
@@ -210,7 +214,7 @@ def train(args, run_dir: Path, rank: int, status) -> None:
         state["step_tokens"] = state.get("step_tokens", [])[:step] + [step_tokens]
         state["allreduce_s"] = state.get("allreduce_s", [])[:step] + [
             max(m["allreduce_seconds"] for m in per_rank) if timer is not None else None]
-        for ev in monitor.observe(step, step_loss, gnorm):
+        for ev in monitor.observe(step + 1, step_loss, gnorm):  # step numbers as the progress lines count
             state["events"].append(ev)
         state["step"], state["cursor"] = step + 1, b + 1
         state["times_by_step"] = {str(k): v for k, v in times.items()}

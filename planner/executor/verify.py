@@ -17,11 +17,19 @@ from typing import Any, Callable
 from planner import dsconfig
 from planner.errors import ExecutionError
 from planner.executor.data import DataSpec, Layout, Rows, batches_for_tokens, padding_stats
-from planner.executor.launch import run_plan
+from planner.executor.launch import check_counts, run_plan
 from planner.rundir import atomic_write_json, load_run, plan_document, read_json
 
 TARGET_THROUGHPUT = 3.0
 TARGET_MEMORY_REDUCTION = 1 / 3
+
+
+def memory_change(ratio: float) -> str:
+    """A memory ratio in words: 0.88 -> "12% less", 1.12 -> "12% more" (never "-12% reduction")."""
+    change = 1 - ratio
+    if round(100 * change) == 0:
+        return "about the same"
+    return f"{abs(change):.0%} {'less' if change > 0 else 'more'}"
 
 
 def _estimate(model, cluster, train, plan):
@@ -44,6 +52,7 @@ def prepare_run_dir(vdir: Path, plan, model, cluster, train, doc_inputs: dict, e
 def verify(run_dir: str | Path, *, steps: int = 12, warmup: int = 2, timeout: float = 900.0, seed: int = 1234,
            data: str = "", tokenizer: str = "", echo: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     run = Path(run_dir).resolve()
+    check_counts(steps, warmup, timeout)
     plan, model, cluster, train, doc = load_run(run)
     from planner.search.baseline import TARGETS_SOURCE, baseline_train, conventional_baseline
     bplan, best = conventional_baseline(model, cluster, train, precision="fp32")
@@ -86,8 +95,8 @@ def verify(run_dir: str | Path, *, steps: int = 12, warmup: int = 2, timeout: fl
         f"target {TARGET_THROUGHPUT:.0f}x (the article's 12,000 -> 36,000 tokens/s): "
         + ("met" if met["throughput_ratio"] else f"MISSED by {TARGET_THROUGHPUT - measured['throughput_ratio']:.2f}x"),
         f"peak memory: measured {measured['memory_ratio']:.2f}x of baseline, "
-        f"{1 - measured['memory_ratio']:+.0%} reduction (predicted {predicted['memory_ratio']:.2f}x), target "
-        f"-33% (the article's 48 -> 32 GB per GPU): " + ("met" if met["memory_reduction"] else
+        f"{memory_change(measured['memory_ratio'])} (predicted {predicted['memory_ratio']:.2f}x), target "
+        f"33% less (the article's 48 -> 32 GB per GPU): " + ("met" if met["memory_reduction"] else
         f"MISSED by {100 * (TARGET_MEMORY_REDUCTION - (1 - measured['memory_ratio'])):.0f} percentage points"),
         f"model states alone: {measured['model_state_ratio']:.2f}x of baseline",
         f"targets from {TARGETS_SOURCE}; baseline here: {bplan.describe()}, padded static batches",

@@ -118,7 +118,8 @@ def test_nan_is_caught_and_rolled_back(tmp_path: Path) -> None:
     assert "nan" in kinds and "rollback" in kinds
     assert m["status"] == "ok" and len(m["loss"]) == 5 and all(x == x for x in m["loss"])
     assert m["skipped_batches"] == [3]
-    assert (d / "debug" / "nan_step3.json").exists()
+    assert (d / "debug" / "nan_step4.json").exists()      # --inject-nan 3 is the 4th step, "step 4/5"
+    assert [e["step"] for e in m["events"] if e["kind"] == "nan"] == [4]
 
 
 def test_rejected_plan_and_timeout_name_the_rank(tmp_path: Path) -> None:

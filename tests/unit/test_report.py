@@ -111,6 +111,8 @@ def test_train_cost_and_formatting() -> None:
     assert fmt.si(143750) == "144k" and fmt.si(2.61e12, "tokens") == "2.61T tokens" and fmt.si(None) == "n/a"
     assert fmt.duration(86400 * 5) == "5 days" and fmt.duration(3600 * 30) == "30 h" and fmt.duration(0.0123) == "12.3 ms"
     assert fmt.money(16) == "$16.00" and fmt.money(8.31e6) == "$8.31M" and fmt.pct(0.425) == "42.5%"
+    # a memory increase reads as one: "12.3% more", never "-12.3% less"
+    assert fmt.less(0.123) == "12.3% less" and fmt.less(-0.123) == "12.3% more" and fmt.less(None) == "n/a"
 
 
 def test_knobs_name_the_deepspeed_settings() -> None:

@@ -101,7 +101,11 @@ def test_verify_says_where_the_targets_come_from(monkeypatch, tmp_path: Path) ->
     lines: list[str] = []
     out = v.verify(d, steps=4, warmup=1, echo=lines.append)
     assert "target 3x (the article's 12,000 -> 36,000 tokens/s): MISSED by 1.50x" in out["summary"]
-    assert "-33% (the article's 48 -> 32 GB per GPU): MISSED by 13 percentage points" in out["summary"]
+    # 2.4 / 3.0 = 0.80x: "20% less", target "33% less" (was "+20% reduction ... target -33%")
+    assert "0.80x of baseline, 20% less (predicted" in out["summary"]
+    assert "target 33% less (the article's 48 -> 32 GB per GPU): MISSED by 13 percentage points" in out["summary"]
+    fake["planned"]["peak_memory_gb"] = 3.36                       # 1.12x: an increase reads as one
+    assert "1.12x of baseline, 12% more (predicted" in v.verify(d, steps=4, warmup=1)["summary"]
     assert lines[-1] == ("targets from the source article's table: 12,000 -> 36,000 tokens/s (3x) and 48 -> 32 GB "
                          "per GPU (one third less) against a baseline of fp32, plain DP, ZeRO-0, padded static "
                          "batches; baseline here: ZeRO-0, TP 1 x PP 1 x DP 2, micro-batch 4, accumulation 1, "
