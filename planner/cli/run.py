@@ -118,7 +118,11 @@ def verify(run_dir: str, **kw) -> None:
     """Run the conventional baseline and the plan; compare against the 3x / one-third-memory targets."""
     from planner.executor.preflight import check_run
     from planner.executor.verify import verify as do_verify
+    from planner.executor.launch import check_counts
+    from planner.rundir import check_writable
     _check_scale(run_dir, kw.pop("scale"))
+    check_counts(kw["steps"], kw["warmup"], kw["timeout"])
     check_run(run_dir)  # refuse before the baseline starts, not after it ran
+    check_writable(run_dir, "RUN_DIR")
     do_verify(run_dir, echo=click.echo, **kw)
     click.echo(f"wrote {run_dir}/verify.json")

@@ -21,6 +21,7 @@ from rich.table import Table
 from planner.cli.common import (common_inputs, comparison_doc, comparison_table, load_inputs, training_comparison,
                                  variant_option)
 from planner.errors import SpecError
+from planner.rundir import check_writable
 from planner.report.plan_text import (headroom_gb, headroom_text, host_bytes_per_rank, host_memory_text,
                                       plan_memory_flag, short_variants)
 from planner.search.outputs import (MEASUREMENTS, SEARCH_FILES, set_aside, set_aside_line, write_estimate,
@@ -208,6 +209,7 @@ def search(ctx: click.Context, **kw: Any) -> None:
     run_dir = out_dir / name
     if out_dir.exists() and not out_dir.is_dir():
         raise SpecError("--out-dir", f"{out_dir} is not a directory", "give a directory path")
+    check_writable(run_dir, "--out-dir")
     storage, tmp_db = kw["storage"], None
     rdb = None
     if storage is not None and not kw["exhaustive"]:
@@ -407,6 +409,8 @@ def estimate(ctx: click.Context, **kw: Any) -> None:
     scale, model_arg, write_dir = kw["scale"], kw["model_arg"], kw["write_dir"]
     if write_dir is not None and write_dir.exists() and not write_dir.is_dir():
         raise SpecError("--write", f"{write_dir} is not a directory", "give a directory path (it is created)")
+    if write_dir is not None:
+        check_writable(write_dir, "--write")
     model, cluster, train = load_inputs(kw)
     tp, pp, mb = kw["tp"], kw["pp"], kw["micro_batch"]
     for flag, v in (("--tp", tp), ("--pp", pp), ("--micro-batch", mb), ("--interleave", kw["interleave"])):

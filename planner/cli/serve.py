@@ -13,6 +13,7 @@ from planner.cli.common import (apply_variants, comparison_doc, comparison_table
                                  model_options, serving_comparison, variant_option)
 from planner.cli.search import _command_line, _console
 from planner.errors import SpecError
+from planner.rundir import check_writable
 from planner.serve.outputs import latency_curve, launch_script, render_report, write_serve_run
 from planner.serve.search import Space, require_target, search_deployments
 from planner.serve.spec import LATENCY_METRICS, SEARCH_KV, SEARCH_WEIGHTS, ServeEstimate, Target, Workload
@@ -123,6 +124,7 @@ def serve(ctx: click.Context, **kw: Any) -> None:
     out_dir = Path(kw["out_dir"])
     if out_dir.exists() and not out_dir.is_dir():
         raise SpecError("--out-dir", f"{out_dir} is not a directory", "give a directory path")
+    check_writable(out_dir / name, "--out-dir")
 
     result = search_deployments(model, cluster, workload, target=target, space=space, requests=kw["requests"],
                                 seed=kw["seed"])

@@ -29,7 +29,7 @@ from planner.executor.buildlock import stale_lock_problem
 from planner.executor.checkpoints import latest_tag
 from planner.executor.files import CKPT_DIR, RANKS_DIR
 from planner.executor.observability import ALERTS_FILE, DASHBOARD_FILE, format_progress
-from planner.rundir import atomic_write_json, load_run, read_json
+from planner.rundir import atomic_write_json, check_writable, load_run, read_json
 
 
 def _free_port() -> int:
@@ -117,6 +117,7 @@ def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: b
                             lr=lr, lr_warmup_steps=lr_warmup_steps, lr_schedule=lr_schedule,
                             metrics_port=metrics_port, metrics_host=metrics_host, init_hf=init_hf, save_hf=save_hf,
                             data_workers=data_workers)
+    check_writable(run, "RUN_DIR")
     lock = stale_lock_problem()
     if lock is not None:
         raise ExecutionError("torch extensions", *lock)
