@@ -24,6 +24,7 @@ from planner.errors import SpecError
 from planner.rundir import check_writable
 from planner.report.plan_text import (headroom_gb, headroom_text, host_bytes_per_rank, host_memory_text,
                                       plan_memory_flag, short_variants)
+from planner.search.claim import claim
 from planner.search.outputs import (MEASUREMENTS, SEARCH_FILES, set_aside, set_aside_line, write_estimate,
                                     write_outputs)
 from planner.specs.estimate import GB, Estimate
@@ -178,6 +179,9 @@ def _print_search(console: Console, result, cluster, run_dir: Path, written: lis
 @click.option("--name", default=None, help="Run directory name (default: <model>_<gpus>).")
 @click.option("--out-dir", default="reports", show_default=True, type=click.Path(file_okay=False),
               help="Parent of the run directory.")
+@click.option("--overwrite", is_flag=True,
+              help="Search into a run directory that holds a plan for other inputs, moving that plan to "
+                   "RUN_DIR/previous/<time>/ (without it such a directory is refused).")
 @click.option("--exhaustive", is_flag=True, help="Evaluate every legal plan instead of sampling with Optuna.")
 @click.option("--trials", "n_trials", type=click.IntRange(1, 1_000_000), default=100, show_default=True,
               help="Optuna trials the study should hold (a rerun resumes up to this many).")
@@ -210,6 +214,11 @@ def search(ctx: click.Context, **kw: Any) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise SpecError("--out-dir", f"{out_dir} is not a directory", "give a directory path")
     check_writable(run_dir, "--out-dir")
+    held = claim(run_dir, {"model": model.to_dict(), "cluster": cluster.to_dict(), "train": train.to_dict()},
+                 overwrite=kw["overwrite"])
+    ctx.call_on_close(held.release)
+    if held.moved:
+        click.echo(held.moved)
     storage, tmp_db = kw["storage"], None
     rdb = None
     if storage is not None and not kw["exhaustive"]:
