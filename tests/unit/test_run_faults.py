@@ -237,3 +237,29 @@ def test_a_lock_left_while_ranks_start_stops_the_run_with_its_name(tmp_path, mon
             return None
     with pytest.raises(ExecutionError, match=f"rank 0 cannot start: stale torch-extensions build lock {lock}"):
         launch._watch(tmp_path, [Waiting()], __import__("time").monotonic(), 600.0)
+
+
+# --- the one-time op build -----------------------------------------------------------------------
+
+def test_make_builds_the_ops_a_run_loads() -> None:
+    """`make`'s install step runs planner.executor.ops, whose OPS are the builders DeepSpeed's
+    CPU comm backend loads at init_distributed (deepspeed/comm/torch.py build_shm_op)."""
+    import importlib
+    import inspect
+
+    from planner.executor import ops
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    makefile = (Path(__file__).parents[2] / "Makefile").read_text()
+    install = makefile.split("$(STAMP):", 1)[1].split("\n\n", 1)[0]
+    assert "-m planner.executor.ops" in install
+    src = inspect.getsource(ds_torch.build_shm_op)
+    assert all(f'"{name}"' in src for name in ops.OPS)
+
+
+def test_the_op_build_stops_at_a_stale_lock(tmp_path, monkeypatch) -> None:
+    from planner.executor import ops
+    lock = _lock(tmp_path)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "py312_cpu"))
+    said: list[str] = []
+    assert ops.build(said.append) == 1
+    assert said == [f"warning: DeepSpeed ops not built: {buildlock.stale_lock_problem()[0]} (fix: delete it: rm {lock})"]
