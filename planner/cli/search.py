@@ -23,7 +23,7 @@ from planner.cli.common import (common_inputs, comparison_doc, comparison_table,
 from planner.errors import SpecError
 from planner.rundir import check_writable
 from planner.report.plan_text import (headroom_gb, headroom_text, host_bytes_per_rank, host_memory_text,
-                                      plan_memory_flag, short_variants)
+                                      option_labels, plan_memory_flag)
 from planner.search.claim import claim
 from planner.search.outputs import (MEASUREMENTS, SEARCH_FILES, set_aside, set_aside_line, write_estimate,
                                     write_outputs)
@@ -81,9 +81,7 @@ def _plan_cells(plan: Plan) -> list[str]:
     if rc == "full" and plan.recompute_layers:
         rc = f"full {sum(plan.recompute_layers)}/{sum(plan.stage_layers) or '?'}"
     sched = f"interleaved x{plan.interleave}" if plan.schedule == "interleaved" else ("1F1B" if plan.pp > 1 else "-")
-    variants = list(short_variants(plan))
-    if plan.bucket_elements != _PLAN_DEFAULTS.bucket_elements:   # else two rows can look the same
-        variants.append(f"bucket {plan.bucket_elements:.0e}".replace("e+0", "e").replace("e+", "e"))
+    variants = option_labels(plan)          # every option away from its default: else two rows look the same
     return [f"{plan.tp}x{plan.pp}x{plan.dp}", str(plan.zero), " ".join(variants) or "-",
             f"{plan.micro_batch}x{plan.grad_accum}", rc, "yes" if plan.sequence_parallel else "-", sched]
 

@@ -12,7 +12,8 @@ import pandas as pd
 
 from planner.errors import PlannerError
 from planner.report.data import PLAN_FIELDS, RunData
-from planner.report.plan_text import headroom_gb, headroom_text, host_memory, memory_flag, short_variants
+from planner.report.plan_text import (headroom_gb, headroom_text, host_memory, memory_flag, option_labels,
+                                      short_variants)
 from planner.specs.estimate import GB
 from planner.specs import MemoryBreakdown, Plan, TimeBreakdown
 
@@ -59,7 +60,7 @@ def short_label(plan: Plan) -> str:
     """Two short lines for a figure: "TP4·PP8·DP2" and "Z1 mb1 sel-rc"."""
     rc = {"none": "", "selective": " sel-rc", "full": " full-rc"}[plan.recompute]
     extra = (" SP" if plan.sequence_parallel else "") + (f" v{plan.interleave}" if plan.interleave > 1 else "")
-    extra += "".join(f" {v}" for v in short_variants(plan))
+    extra += "".join(f" {v}" for v in option_labels(plan))
     return f"TP{plan.tp}·PP{plan.pp}·DP{plan.dp}\nZ{plan.zero} mb{plan.micro_batch}{rc}{extra}"
 
 

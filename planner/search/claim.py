@@ -2,15 +2,18 @@
 same inputs (a re-search resumes its study) unless told to set the old plan aside.
 
 Two searches into one `--name` both printed "wrote reports/same/" and the second silently
-replaced the first (issue 25). `claim` holds an exclusive lock (fcntl.flock on
-OUT_DIR/.NAME.lock, released when the search ends or its process dies) and compares the inputs
-recorded in an existing plan.json with this search's model, cluster and training spec.
+replaced the first (issue 25). `claim` holds an exclusive lock (fcntl.flock on a file in the
+temp directory named by the run directory's path, released when the search ends or its process
+dies) and compares the inputs recorded in an existing plan.json with this search's model,
+cluster and training spec.
 """
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -57,12 +60,20 @@ class Claim:
             self._fh.close()
 
 
+def lock_path(run_dir: Path) -> Path:
+    """The lock of one run directory: in the temp directory, named by the directory's absolute
+    path, so a refused or failed search leaves nothing in OUT_DIR."""
+    key = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]
+    d = Path(tempfile.gettempdir()) / "planner-run-locks"
+    d.mkdir(exist_ok=True)
+    return d / f"{key}.lock"
+
+
 def claim(run_dir: Path, inputs: dict[str, Any], *, overwrite: bool) -> Claim:
     """Lock run_dir for this search, or refuse (SpecError on --name) while another search holds
     it, or when it holds a plan of other inputs and not `overwrite`; with `overwrite` that plan,
     its search files and measurements move to run_dir/previous/<time>/ (Claim.moved says so)."""
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    fh = open(run_dir.parent / f".{run_dir.name}.lock", "a+")
+    fh = open(lock_path(run_dir), "a+")
     try:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
