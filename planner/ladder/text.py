@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from planner.ladder.claims import fmt_value
+from planner.ladder.claims import ours_text
 
 
 def _mem(r: dict[str, Any]) -> str:
@@ -48,17 +48,13 @@ def rung_lines(rungs: list[dict[str, Any]], measured: bool) -> list[str]:
 
 
 def claim_lines(rungs: list[dict[str, Any]], measured: bool) -> list[str]:
-    out = [f"{'#':>2}  {'technique':<28} {'article':<32} {'ours (predicted)':<18}" + (" measured" if measured else "")]
+    out = [f"{'#':>2}  {'technique':<28} {'article':<32} {'ours (predicted)':<26}" + (" measured" if measured else "")]
     for r in rungs:
         c = r.get("claim")
         if not c:
             continue
-        ours = fmt_value(c["ours"], c["unit"])
-        if c.get("before") is not None:
-            ours = f"{fmt_value(c['before'], c['unit'])} -> {ours}"
-        if c.get("compute_ratio") is not None:
-            ours += f", compute {c['compute_ratio'] - 1:+.0%}"
-        line = f"{r['index']:>2}  {_name(r):<28} {c['article']:<32} {ours:<18}"
+        ours = ours_text(c)
+        line = f"{r['index']:>2}  {_name(r):<28} {c['article']:<32} {ours:<26}"
         if measured:
             m = r.get("measured") or {}
             mc = m.get("claim")

@@ -249,3 +249,17 @@ def test_measured_optimizer_states_leave_out_buckets():
     assert optimizer_gb({"model_state_buffers_bytes_per_rank": [zero3, zero3]}) * 1e9 == 6746884
     assert optimizer_gb({"model_state_buffers_bytes_per_rank": [bf16]}) * 1e9 == 13493760
     assert optimizer_gb({}) is None
+
+
+def test_ours_names_its_metric_so_it_is_not_a_second_gain() -> None:
+    """precision's gain column (tokens/s, 14.88x on glm-10b 8xA100) and our figure beside the
+    article (compute per token, 15.17x) were two unlabelled "x" figures for one rung."""
+    from planner.ladder.claims import CLAIMS, ours_text
+    c = {"ours": 15.17, "unit": "x", "short": "compute/token"}
+    assert ours_text(c) == "15.17x compute/token"
+    assert ours_text({"ours": 0.97, "before": 0.43, "unit": "%", "metric": CLAIMS["batching"].metric}) == \
+        "43% -> 97% real tokens"                     # a ladder.json without "short": named by its metric
+    assert ours_text({"ours": 0.08, "unit": "x", "short": "activations/seq", "compute_ratio": 1.3}) == \
+        "0.08x activations/seq, compute +30%"
+    assert ours_text({"ours": None, "unit": "x"}) == "-"
+    assert len({v.short for v in CLAIMS.values()}) == len(CLAIMS)
