@@ -81,6 +81,7 @@ def build_metrics(result: dict, plan, model, warmup: int, steps: int, estimate_d
         "eval_loss": result.get("eval_loss", []),
         "allreduce_s_per_step": result.get("allreduce_s"),
         "loader": result.get("loader"),
+        "data": result.get("data"),   # the corpus it trained on (the report labels verify's runs by it)
     })
     if any(r.get("activations") is not None for r in ranks):
         # worker --measure-activations: per rank, the bytes each block ("activation_bytes_per_block",

@@ -284,6 +284,7 @@ def train(args, run_dir: Path, rank: int, status) -> None:
             "lr": state.get("lr", []), "lr_schedule": lr_info, "eval_loss": state.get("eval", []),
             "allreduce_s": state.get("allreduce_s", []) if timer is not None else None,
             "loader": loading.to_dict(),
+            "data": {"corpus": args.data or "synthetic", "tokenizer": args.tokenizer or None, "seed": args.seed},
             "ranks": gathered}
         atomic_write_json(run_dir / RANKS_DIR / "result.json", result)
         estimate = (read_json(run_dir / "estimate.json", "estimate.json")

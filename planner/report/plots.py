@@ -287,9 +287,24 @@ def loss_curve(metrics: dict[str, Any]) -> str:
             if isinstance(ev, dict) and isinstance(ev.get("step"), int) and 0 < ev["step"] <= len(loss):
                 bad = ev.get("kind") in ("nan", "spike", "stall", "rollback")
                 a1.axvline(ev["step"], color="#c44e52" if bad else "#999", ls=":", lw=1)
+        evals = [(e["step"], _num(e.get("loss"))) for e in metrics.get("eval_loss") or []
+                 if isinstance(e, dict) and isinstance(e.get("step"), int)]
+        if evals:
+            a1.plot(*zip(*evals), "s", ms=5, color="#dd8452", label="held-out loss", zorder=3)
+        lr = [_num(x) for x in metrics.get("lr") or []]
+        if lr:
+            a3 = a1.twinx()
+            a3.plot(range(1, len(lr) + 1), lr, color="#8c8c8c", ls="--", lw=1, label="learning rate")
+            a3.set_ylabel("learning rate", color="#8c8c8c")
+            a3.set_ylim(bottom=0)
+            a3.tick_params(axis="y", labelcolor="#8c8c8c")
+        handles = [h for ax in fig.axes for h in ax.get_legend_handles_labels()[0]]
+        if evals or lr:
+            a1.legend(handles=[a1.lines[0]] + handles, labels=["training loss"] + [h.get_label() for h in handles],
+                      loc="upper right", frameon=False)
         a1.set_xlabel("step")
         a1.set_ylabel("loss")
-        a1.set_title("training loss")
+        a1.set_title("training loss" + (", held-out loss" if evals else "") + (" and learning rate" if lr else ""))
         a2.plot(range(1, len(times) + 1), times, "-o", ms=2.5, color="#55a868", lw=1)
         if 0 < warm < len(times):
             a2.axvspan(0.5, warm + 0.5, color="#ddd", alpha=0.6, label="warm-up (not counted)")

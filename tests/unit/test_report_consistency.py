@@ -1,8 +1,11 @@
 """Where the report and the CLI contradicted themselves (issue 25): the frontier's legend counted
 trials.csv rows while its caption counts distinct plans; tied plans got identical chart labels;
-top rows that differ only in a hidden ZeRO option looked identical."""
+top rows that differ only in a hidden ZeRO option looked identical; after a real-text run the
+Measured section showed no held-out loss or learning rate and an older synthetic verify as if it
+were this run's."""
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -98,3 +101,25 @@ def test_cli_rows_show_every_option_away_from_its_default() -> None:
     assert option_labels(live) == ("live=1e9",) and option_labels(off) == ("overlap=off",)
     assert option_labels(base) == ()
     Console(record=True).print(" ".join(cells[1]))       # prints as one plain row
+
+
+def test_measured_section_after_a_real_text_run(tmp_path: Path, monkeypatch) -> None:
+    d = write_sample_run(tmp_path / "m", study_trials=0, metrics=True, verify=True)
+    m = json.loads((d / "metrics.json").read_text())
+    m.update(eval_loss=[{"step": 2, "loss": 6.5}, {"step": 4, "loss": 6.1234}], lr=[1e-4, 3e-4, 2e-4, 3e-5],
+             lr_schedule={"schedule": "cosine", "lr": 3e-4, "warmup_steps": 1},
+             data={"corpus": "/data/text.txt", "tokenizer": "/data/tok", "seed": 1234})
+    (d / "metrics.json").write_text(json.dumps(m))
+    v = json.loads((d / "verify.json").read_text())
+    v["planned"]["data"] = {"corpus": "synthetic", "tokenizer": None, "seed": 1234}
+    (d / "verify.json").write_text(json.dumps(v))
+    legends = _legends(monkeypatch)
+    html = build.write_report(d).read_text()
+    assert "Held-out loss 6.5000 (step 2) &rarr; 6.1234 (step 4), 2 evaluations." in html
+    assert "Learning rate cosine: 0.0001 &rarr; 3e-05 (peak 0.0003, warm-up 1 steps)." in html
+    assert "Data: /data/text.txt (tokenizer /data/tok)." in html
+    assert 'id="verify-other-data"' in html and "ran on synthetic, not on /data/text.txt" in html
+    assert legends["loss_curve"][0][:3] == ["training loss", "held-out loss", "learning rate"]
+    v["planned"]["data"] = {"corpus": "/data/text.txt", "tokenizer": "/data/tok", "seed": 7}
+    (d / "verify.json").write_text(json.dumps(v))
+    assert 'id="verify-other-data"' not in build.write_report(d).read_text()      # the same corpus
