@@ -116,12 +116,24 @@ def frontier(trials: pd.DataFrame, chosen: dict[str, Any], baseline: dict[str, A
     return render(draw, (10.5, 4.6)), {str(k): int(v) for k, v in counts.items()}
 
 
+OVERHEAD_HIDDEN = 0.9
+"""The runtime allowance is left out of the memory bars (and stated) when it is at least this
+share of every bar: the rest would be slivers."""
+
+
 def memory_stacks(groups: list[dict[str, Any]], capacity_gb: float) -> str:
     """Stacked per-GPU memory, one bar per pipeline stage, grouped by plan.
 
     groups: [{"label": str, "stages": [{part: GB}], "note": str, "needs_gb": float|None}]"""
 
-    totals = [sum(float(v or 0.0) for v in st.values()) for g in groups for st in g["stages"]]
+    # a small model's bars are nearly all runtime allowance (a fixed GB or so): drawn stacked, the
+    # model states are invisible slivers. Then the allowance is stated, not drawn.
+    bars = [st for g in groups for st in g["stages"]]
+    allowance = [float(st.get("overhead", 0.0) or 0.0) for st in bars]
+    hide = bool(bars) and all(a >= OVERHEAD_HIDDEN * sum(float(v or 0.0) for v in st.values())
+                              for a, st in zip(allowance, bars)) and max(allowance) > 0
+    parts = [p for p in MEM_PARTS if not (hide and p == "overhead")]
+    totals = [sum(float(st.get(p, 0.0) or 0.0) for p in parts) for st in bars]
     fitting = [t for t in totals if t <= capacity_gb] or [capacity_gb]
     top = max(capacity_gb * 1.3, max(fitting) * 1.1)     # far-over-capacity bars are clipped and labelled
     # when every plan uses a sliver of the capacity (a tiny model on a CPU host), scale to the
@@ -146,7 +158,7 @@ def memory_stacks(groups: list[dict[str, Any]], capacity_gb: float) -> str:
                 x += 1
             for si, st in enumerate(stages):
                 bottom = 0.0
-                for part in MEM_PARTS:
+                for part in parts:
                     v = float(st.get(part, 0.0) or 0.0)
                     if v > 0:
                         ax.bar(x, v, width, bottom=bottom, color=MEM_COLORS[part], lw=0)
@@ -176,7 +188,13 @@ def memory_stacks(groups: list[dict[str, Any]], capacity_gb: float) -> str:
         ax.tick_params(axis="x", length=0, pad=12)
         ax.set_ylabel("GB per GPU (bars: pipeline stages)")
         ax.grid(axis="x", visible=False)
-        handles = [Patch(color=MEM_COLORS[p], label=MEM_LABELS[p]) for p in MEM_PARTS]
+        if hide:
+            lo, hi = min(allowance), max(allowance)
+            amount = f"{lo:.2g} GB" if hi - lo < 0.005 else f"{lo:.2g}-{hi:.2g} GB"
+            ax.text(0.995, 0.97, f"+ runtime allowance {amount} per GPU, not drawn (it is over "
+                    f"{OVERHEAD_HIDDEN:.0%} of every bar)", ha="right", va="top", fontsize=8, color="#555",
+                    transform=ax.transAxes)
+        handles = [Patch(color=MEM_COLORS[p], label=MEM_LABELS[p]) for p in parts]
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
 
     return render(draw, (10.5, 4.2))

@@ -123,3 +123,28 @@ def test_measured_section_after_a_real_text_run(tmp_path: Path, monkeypatch) -> 
     v["planned"]["data"] = {"corpus": "/data/text.txt", "tokenizer": "/data/tok", "seed": 7}
     (d / "verify.json").write_text(json.dumps(v))
     assert 'id="verify-other-data"' not in build.write_report(d).read_text()      # the same corpus
+
+
+def test_small_models_memory_bars_show_the_states_not_only_the_allowance(monkeypatch) -> None:
+    """tiny chatglm3 on CPU: ~1 GB runtime allowance over a few MB of states; stacked, every
+    bar was all allowance. The allowance is stated instead, the states fill the scale."""
+    drawn: dict[str, list] = {}
+    real = plots.render
+
+    def spy(draw, size):
+        fig = Figure(figsize=size)
+        draw(fig)
+        ax = fig.axes[0]
+        drawn["heights"] = [round(p.get_height(), 6) for p in ax.patches]
+        drawn["texts"] = [t.get_text() for t in ax.texts]
+        drawn["legend"] = [t.get_text() for t in ax.get_legend().get_texts()]
+        return real(draw, size)
+    monkeypatch.setattr(plots, "render", spy)
+    stage = {"params": 0.004, "grads": 0.004, "optimizer": 0.016, "activations": 0.01, "overhead": 1.0}
+    plots.memory_stacks([{"label": "chosen", "stages": [stage, dict(stage, activations=0.02)]}], 20.0)
+    assert max(drawn["heights"]) == pytest.approx(0.02) and 1.0 not in drawn["heights"]
+    assert any("runtime allowance 1 GB per GPU, not drawn" in t for t in drawn["texts"])
+    assert "runtime allowance" not in drawn["legend"] and "optimizer states" in drawn["legend"]
+    big = dict(stage, params=2.0, optimizer=8.0)          # the allowance is a small share: drawn as before
+    plots.memory_stacks([{"label": "chosen", "stages": [big]}], 20.0)
+    assert 1.0 in drawn["heights"] and "runtime allowance" in drawn["legend"]
