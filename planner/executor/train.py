@@ -111,6 +111,8 @@ def train(args, run_dir: Path, rank: int, status) -> None:
     state = {"step": 0, "cursor": 0, "skip": [], "loss": [], "events": [], "times": [], "tokens": 0, "padding": 0,
              "lr": [], "eval": [], "allreduce_s": []}
     tag = checkpoints.resume(engine, ckpt, state) if args.resume else None
+    if args.resume and tag is None:  # launch.sh runs: `planner run` refuses this before starting ranks
+        raise ExecutionError("--resume", f"no checkpoint to resume from in {ckpt}", "run without --resume")
     resumed_at = state["step"]
     if rank == 0 and tag is not None:
         rec = {"step": resumed_at, "kind": "resume", "tag": tag, "dir": str(ckpt / tag)}
