@@ -94,8 +94,10 @@ def reason_category(reason: str) -> str:
     if re.search(r"GB\s*>", first) or "does not fit" in first or "fits no" in first:
         m = re.search(r":\s*([a-z][a-z +\-]*?)\s+\d", first)
         return f"out of memory ({m.group(1)})" if m else "out of memory"
-    generic = _NUM.sub("#", first)
-    return generic if len(generic) <= 60 else generic[:57] + "..."
+    # the statement without its parenthetical detail (the table of reasons has the detail), never
+    # cut mid-word: the legend wraps it
+    generic = _NUM.sub("#", first.split(" (", 1)[0].strip())
+    return generic
 
 
 def knobs(plan: Plan, layers: int) -> list[tuple[str, str, str]]:

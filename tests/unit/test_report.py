@@ -36,6 +36,11 @@ def test_reason_classes() -> None:
         "out of memory (optimizer states)"
     assert analysis.reason_category("tp 8 does not divide the 12 attention heads") == "tp # does not divide the # attention heads"
     assert analysis.reason_category("") == "infeasible (no reason given)"
+    # whole words, no "..." (the legend read "MiCS was removed from DeepSpeed (#.# rejects zero_optimiz...")
+    assert analysis.reason_category("MiCS was removed from DeepSpeed (0.19.8 rejects zero_optimization.mics_shard_size, "
+                                    "runtime/zero/config.py)") == "MiCS was removed from DeepSpeed"
+    long = "a reason that states at length why this plan cannot run on the runtime it was written for"
+    assert analysis.reason_category(long) == long
 
 
 def test_1f1b_balanced_schedule_matches_the_closed_form() -> None:
