@@ -48,6 +48,20 @@ def _what(inputs: dict[str, Any]) -> str:
     return f"{model.get('name', '?')} on {cluster.get('spec') or '?'}"
 
 
+def _differences(old: dict[str, Any], new: dict[str, Any], most: int = 3) -> str:
+    """What differs, e.g. "train.global_batch 8 -> 16" (at most `most` fields, then "...")."""
+    out = []
+    for section in COMPARED:
+        a, b = old.get(section), new.get(section)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += [f"{section}.{k} {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        else:
+            out.append(f"{section} differs")
+    return ", ".join(out[:most]) + (", ..." if len(out) > most else "")
+
+
 class Claim:
     """The lock on one run directory (release it once; the process's exit releases it too)."""
 
@@ -92,8 +106,8 @@ def claim(run_dir: Path, inputs: dict[str, Any], *, overwrite: bool) -> Claim:
         new = _normal({k: inputs[k] for k in COMPARED})
         if old is not None and {k: old.get(k) for k in COMPARED} != new:
             if not overwrite:
-                raise SpecError("--name", f"{run_dir} holds a plan for other inputs ({_what(old)}; this search: "
-                                f"{_what(new)})", f"pass --overwrite to move it to {run_dir}/previous/<time>/, or "
+                raise SpecError("--name", f"{run_dir} holds a plan for other inputs ({_what(old)}: "
+                                f"{_differences(old, new)})", f"pass --overwrite to move it to {run_dir}/previous/<time>/, or "
                                 "pick another --name")
             moved = set_aside_line(*set_aside(run_dir, PLAN_FILES + SEARCH_FILES + MEASUREMENTS))
     except BaseException:

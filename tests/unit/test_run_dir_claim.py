@@ -26,6 +26,7 @@ def test_other_inputs_into_the_same_name_are_refused_unless_overwrite(capsys, tm
     assert rc == 2 and "wrote" not in out
     line = err.strip()
     assert "\n" not in line and line.startswith(f"error: --name: {d} holds a plan for other inputs")
+    assert "(chatglm3-6b-tiny on 2xcpu: train.global_batch 8 -> 16)" in line
     assert "--overwrite" in line and (d / "plan.json").read_text() == first          # untouched
     rc, out, _ = _search(capsys, tmp_path, "--global-batch", "16", "--overwrite")
     assert rc == 0 and f"wrote {d}/" in out
