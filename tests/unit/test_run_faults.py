@@ -56,6 +56,7 @@ def test_cli_resume_without_checkpoint_is_one_line_exit_2(tmp_path, no_launch, c
 def test_a_resumed_run_echoes_only_its_own_progress(tmp_path, monkeypatch) -> None:
     """The killed run's records stay in progress.jsonl; the resumed launcher starts reading
     after them, and rank 0's "resume" record reads as what it is."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     d = tiny(tmp_path)
     (d / CKPT_DIR / "step2").mkdir(parents=True)
     (d / CKPT_DIR / "latest").write_text("step2")
