@@ -36,17 +36,14 @@ def _claim(technique: str, m: dict[str, Any], prev: dict[str, Any]) -> str:
 
 
 def optimizer_gb(metrics: dict[str, Any]) -> float | None:
-    """The most optimizer-state GB a rank holds, on the device or offloaded: Adam's moments and the
-    fp32 master weights (what the article's 3N -> 1.5N and the cost model's "optimizer" count),
-    from the executor's per-buffer count (planner.executor.measure.model_states). Not the other
-    buffers DeepSpeed's optimizer object holds, such as ZeRO-3's reduce bucket (ipg_buckets: 100
-    MB at the tiny plan's 5e7 bf16 elements, six times the tiny model's states) or the flat
-    gradient partition, which the cost model counts as buckets and gradients."""
-    ranks = metrics.get("model_state_buffers_bytes_per_rank") or []
-    keep = ("state[", "fp32")
-    sums = [sum(b for k, b in r.items() if ".optimizer:" in k and any(w in k.split(":", 1)[1] for w in keep))
-            for r in ranks]
-    return max(sums) / 1e9 if sums and max(sums) > 0 else None
+    """The most optimizer-state GB a rank holds, on the device or offloaded: the "optimizer" class
+    of metrics.json's model states (Adam's moments and the fp32 master weights: what the
+    article's 3N -> 1.5N and the cost model's "optimizer" count; planner.executor.measure
+    storage_class). ZeRO-3's reduce bucket is a bucket, the flat gradient partition a gradient."""
+    dev = metrics.get("model_state_breakdown_gb_per_rank") or []
+    host = metrics.get("host_model_state_breakdown_gb_per_rank") or [{} for _ in dev]
+    sums = [d.get("optimizer", 0.0) + h.get("optimizer", 0.0) for d, h in zip(dev, host)]
+    return max(sums) if sums and max(sums) > 0 else None
 
 
 def measure(run_dir: str | Path, ladder: dict[str, Any], model: ModelSpec, cluster: ClusterSpec,
@@ -105,6 +102,7 @@ def measure(run_dir: str | Path, ladder: dict[str, Any], model: ModelSpec, clust
             continue
         real, pad = got.get("real_tokens") or 0, got.get("padding_tokens") or 0
         m = {"tokens_per_s": got.get("tokens_per_s"), "peak_memory_gb": got.get("peak_memory_gb"),
+             "allocated_peak_gb": got.get("allocated_peak_gb"),
              "step_time_s": got.get("step_time_s"), "steps": n, "dir": str(rdir.relative_to(run)),
              "real_share": real / (real + pad) if real + pad else None,
              "model_state_gb": max(got.get("model_state_gb_per_rank") or [0.0]) or None,

@@ -233,19 +233,12 @@ def test_waterfall_labels_are_short():
 
 
 def test_measured_optimizer_states_leave_out_buckets():
-    """The zero rung's measured figure: Adam's moments and the fp32 master only, as the executor's
-    buffer labels name them (a tiny ZeRO-3 run's labels), not ZeRO-3's 100 MB reduce bucket."""
+    """The zero rung's measured figure: the optimizer class of metrics.json's model states (a
+    tiny ZeRO-3 run's figures), device plus host, not ZeRO-3's 100 MB reduce bucket (buckets)."""
     from planner.ladder.measure import optimizer_gb
-    zero3 = {"device.params:module.ds_tensor": 1124480, "device.optimizer:optimizer.grad_partitions_flat_buffer": 1124480,
-             "device.optimizer:optimizer.fp32_partitioned_groups_flat[i]": 2248960,
-             "device.optimizer:optimizer.ipg_buckets[torch.bfloat16].buffer": 100000000,
-             "device.optimizer:optimizer.optimizer.state[p][step]": 4,
-             "device.optimizer:optimizer.optimizer.state[p][exp_avg]": 2248960,
-             "device.optimizer:optimizer.optimizer.state[p][exp_avg_sq]": 2248960}
-    bf16 = {"device.params:module.param": 2248960, "device.grads:module.grad": 2248960,
-            "device.optimizer:optimizer.optimizer.state[key]": 4497920,
-            "device.optimizer:optimizer.optimizer.state[p][exp_avg]": 4497920,
-            "device.optimizer:optimizer.optimizer.state[p][exp_avg_sq]": 4497920}
-    assert optimizer_gb({"model_state_buffers_bytes_per_rank": [zero3, zero3]}) * 1e9 == 6746884
-    assert optimizer_gb({"model_state_buffers_bytes_per_rank": [bf16]}) * 1e9 == 13493760
+    zero3 = {"params": 0.00112448, "grads": 0.00112448, "optimizer": 0.006746884, "buckets": 0.1, "other": 0.0}
+    offload = {"params": 0.0022, "grads": 0.0, "optimizer": 0.000001, "buckets": 0.0, "other": 0.0}
+    assert optimizer_gb({"model_state_breakdown_gb_per_rank": [zero3, zero3]}) == 0.006746884
+    assert optimizer_gb({"model_state_breakdown_gb_per_rank": [offload],
+                         "host_model_state_breakdown_gb_per_rank": [{"optimizer": 0.0135}]}) == pytest.approx(0.013501)
     assert optimizer_gb({}) is None
