@@ -54,6 +54,8 @@ from planner.cost import estimate, memory
 from planner.cost.attention import attention_kernel
 from planner.cost.model import rebuilds_shared_per_block
 from planner.cost.states import rank_coords
+from planner.errors import PlannerError
+from planner.executor.lab_inputs import check_metrics, check_profile
 from planner.rundir import atomic_write_json
 from planner.search.driver import search
 from planner.specs import Plan, TrainSpec, load_profile, parse_cluster, preset, scale
@@ -201,7 +203,7 @@ def load_rounds(s: Setup, rounds: int) -> list[dict[str, Any]] | None:
     found = [s.run_dir / f"metrics-round{r}.json" for r in range(rounds)]
     if not all(p.exists() for p in found):
         return None
-    return [json.loads(p.read_text()) for p in found]
+    return [check_metrics(json.loads(p.read_text()), str(p)) for p in found]
 
 
 def plan_key(plan: Plan, layers: int) -> tuple:
@@ -230,6 +232,7 @@ def main() -> int:
     if profile_path is None:
         saved = out / "cpu-measured.json"
         profile_path = str(saved) if args.reuse and saved.exists() else profile_machine(saved)
+    check_profile(profile_path, ("bf16", "fp32"), "--profile")
     device = load_profile(profile_path)
     os.environ["PLANNER_MEASURE_ACTIVATIONS"] = "1"
     runner = locked_runner(args.lock)
@@ -375,4 +378,8 @@ def search_regret(cases: list[Setup], measured: dict, device, args, runner, out:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except PlannerError as exc:  # bad input: one line, exit 2
+        print(f"error: {exc.line()}", file=sys.stderr)
+        sys.exit(2)

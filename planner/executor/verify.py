@@ -17,6 +17,7 @@ from typing import Any, Callable
 from planner import dsconfig
 from planner.errors import ExecutionError
 from planner.executor.data import DataSpec, Layout, Rows, batches_for_tokens, padding_stats
+from planner.executor.lab_inputs import check_run_dir
 from planner.executor.launch import run_plan
 from planner.rundir import atomic_write_json, load_run, plan_document, read_json
 
@@ -44,6 +45,7 @@ def prepare_run_dir(vdir: Path, plan, model, cluster, train, doc_inputs: dict, e
 def verify(run_dir: str | Path, *, steps: int = 12, warmup: int = 2, timeout: float = 900.0, seed: int = 1234,
            data: str = "", tokenizer: str = "", echo: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     run = Path(run_dir).resolve()
+    check_inputs(run)
     plan, model, cluster, train, doc = load_run(run)
     from planner.search.baseline import TARGETS_SOURCE, baseline_train, conventional_baseline
     bplan, best = conventional_baseline(model, cluster, train, precision="fp32")
@@ -112,6 +114,20 @@ def verify(run_dir: str | Path, *, steps: int = 12, warmup: int = 2, timeout: fl
     for ln in lines:
         echo(ln)
     return out
+
+
+def check_inputs(run: Path) -> None:
+    """The run directory's profile serves both predictions (planner.executor.lab_inputs): before
+    load_run, which falls back to a built-in profile when the named one is not here."""
+    check_run_dir(Path(run), ("fp32", _precision(Path(run))))  # the baseline runs in fp32
+
+
+def _precision(run: Path) -> str:
+    """The plan's precision as plan.json records it (load_run reports an unreadable one)."""
+    try:
+        return str(read_json(run / "plan.json", "plan.json")["plan"].get("precision", "bf16"))
+    except Exception:  # noqa: BLE001 -- load_run says what is wrong with plan.json
+        return "bf16"
 
 
 def _rss(metrics: dict) -> float | None:

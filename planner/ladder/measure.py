@@ -59,7 +59,10 @@ def measure(run_dir: str | Path, ladder: dict[str, Any], model: ModelSpec, clust
     from planner.executor.launch import run_plan
     from planner.executor.verify import prepare_run_dir
 
+    from planner.executor.lab_inputs import check_run_dir
     run = Path(run_dir).resolve()
+    check_run_dir(run, tuple(dict.fromkeys(["fp32"] + [r["plan"]["precision"] for r in ladder["rungs"]
+                                                         if "illegal" not in r])))  # before any rung runs
     root = run / LADDER_DIR
     spec = DataSpec(seq_len=train.seq_len, vocab=model.vocab, seed=seed, token_file=data, tokenizer=tokenizer)
     legal = [r for r in ladder["rungs"] if "illegal" not in r]
