@@ -40,10 +40,19 @@ def optimizer_gb(metrics: dict[str, Any]) -> float | None:
     of metrics.json's model states (Adam's moments and the fp32 master weights: what the
     article's 3N -> 1.5N and the cost model's "optimizer" count; planner.executor.measure
     storage_class). ZeRO-3's reduce bucket is a bucket, the flat gradient partition a gradient."""
+    return states_gb(metrics).get("optimizer") or None
+
+
+def states_gb(metrics: dict[str, Any]) -> dict[str, float]:
+    """Per class (the estimate's: params, grads, optimizer, buckets, other), the most GB a rank
+    holds on the device or offloaded, as metrics.json's model_state_breakdown_gb_per_rank."""
     dev = metrics.get("model_state_breakdown_gb_per_rank") or []
     host = metrics.get("host_model_state_breakdown_gb_per_rank") or [{} for _ in dev]
-    sums = [d.get("optimizer", 0.0) + h.get("optimizer", 0.0) for d, h in zip(dev, host)]
-    return max(sums) if sums and max(sums) > 0 else None
+    out: dict[str, float] = {}
+    for d, h in zip(dev, host):
+        for k, v in d.items():
+            out[k] = max(out.get(k, 0.0), v + h.get(k, 0.0))
+    return out
 
 
 def measure(run_dir: str | Path, ladder: dict[str, Any], model: ModelSpec, cluster: ClusterSpec,
@@ -109,7 +118,7 @@ def measure(run_dir: str | Path, ladder: dict[str, Any], model: ModelSpec, clust
              "step_time_s": got.get("step_time_s"), "steps": n, "dir": str(rdir.relative_to(run)),
              "real_share": real / (real + pad) if real + pad else None,
              "model_state_gb": max(got.get("model_state_gb_per_rank") or [0.0]) or None,
-             "optimizer_gb": optimizer_gb(got)}
+             "optimizer_gb": optimizer_gb(got), "model_states_gb": states_gb(got)}
         if prev_m is not None and m["tokens_per_s"] and prev_m.get("tokens_per_s"):
             m["gain"] = m["tokens_per_s"] / prev_m["tokens_per_s"]
             m["memory_ratio"] = m["peak_memory_gb"] / prev_m["peak_memory_gb"]

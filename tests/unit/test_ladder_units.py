@@ -242,3 +242,7 @@ def test_measured_optimizer_states_leave_out_buckets():
     assert optimizer_gb({"model_state_breakdown_gb_per_rank": [offload],
                          "host_model_state_breakdown_gb_per_rank": [{"optimizer": 0.0135}]}) == pytest.approx(0.013501)
     assert optimizer_gb({}) is None
+    from planner.ladder.measure import states_gb
+    assert states_gb({"model_state_breakdown_gb_per_rank": [zero3, {**zero3, "grads": 0.002}],
+                      "host_model_state_breakdown_gb_per_rank": [{"optimizer": 0.01}, {}]}) == {
+        "params": 0.00112448, "grads": 0.002, "optimizer": pytest.approx(0.016746884), "buckets": 0.1, "other": 0.0}
