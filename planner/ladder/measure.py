@@ -132,5 +132,8 @@ def measure(run_dir: str | Path, ladder: dict[str, Any], model: ModelSpec, clust
     first, last = legal[0].get("measured") or {}, legal[-1].get("measured") or {}
     if first.get("tokens_per_s") and last.get("tokens_per_s"):
         ladder["measured_ratio"] = {"throughput": last["tokens_per_s"] / first["tokens_per_s"],
-                                    "memory": last["peak_memory_gb"] / first["peak_memory_gb"]}
+                                    "memory": last["peak_memory_gb"] / first["peak_memory_gb"],
+                                    "allocated": (last["allocated_peak_gb"] / first["allocated_peak_gb"]
+                                                  if last.get("allocated_peak_gb") and first.get("allocated_peak_gb")
+                                                  else None)}
     return ladder

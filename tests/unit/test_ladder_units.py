@@ -246,3 +246,15 @@ def test_measured_optimizer_states_leave_out_buckets():
     assert states_gb({"model_state_breakdown_gb_per_rank": [zero3, {**zero3, "grads": 0.002}],
                       "host_model_state_breakdown_gb_per_rank": [{"optimizer": 0.01}, {}]}) == {
         "params": 0.00112448, "grads": 0.002, "optimizer": pytest.approx(0.016746884), "buckets": 0.1, "other": 0.0}
+
+
+def test_measured_rungs_print_the_prediction_error_and_allocated_peak():
+    """Each measured rung: its gain's error against the measurement ((predicted - measured) /
+    measured) and the allocated peak beside peak RSS; the whole ladder's too."""
+    from planner.ladder.text import _err, rung_lines
+    assert (_err(2.3, 2.0), _err(1.7, 2.0), _err(None, 2.0), _err(1.5, None)) == ("+15%", "-15%", "-", "-")
+    rung = {"index": 1, "technique": "precision", "tokens_per_s": 2300.0, "gain": 2.3, "step_time_s": 0.5,
+            "comm_share": 0.0, "padding_share": 0.0, "peak_memory_gb": 0.3, "feasible": True, "memory_ratio": 0.8,
+            "measured": {"tokens_per_s": 2000.0, "gain": 2.0, "peak_memory_gb": 0.45, "allocated_peak_gb": 0.025}}
+    line = rung_lines([rung], measured=True)[1]
+    assert line.endswith("|     2,000  2.00x   +15%    0.025    0.450")
