@@ -107,3 +107,14 @@ def test_estimate_predicts_the_allocated_peak_beside_the_resident_one() -> None:
     assert alloc.buckets - rss.buckets == 100_000_000 - 2 * 1124480
     assert est.allocated_peak_bytes == pytest.approx(alloc.total)
     assert est.to_json()["allocated_peak_gb"] == pytest.approx(alloc.total / 1e9)
+
+
+def test_a_pipelines_zero1_holds_two_reduce_buffers() -> None:
+    """DeepSpeed turns overlap_comm off under a pipeline, yet reduce_gradients(pipeline_parallel)
+    appends a second reduce_bucket_size buffer: 2 x 5e7 x 2 B allocated (a DP2xPP2 ZeRO-1 run
+    measured 206-207 MB per rank, docs/lab.md); without a pipeline, overlap_comm alone doubles it."""
+    for plan in (Plan(dp=2, pp=2, zero=1, micro_batch=2, grad_accum=2), Plan(dp=2, zero=1, micro_batch=2, grad_accum=2)):
+        est = estimate(TINY, parse_cluster(f"{plan.world_size}xcpu"), TRAIN, plan)
+        assert est.allocated_memory[0].buckets == 2 * plan.bucket_elements * 2 == 200_000_000
+    off = Plan(dp=2, zero=1, micro_batch=2, grad_accum=2, overlap_comm=False)
+    assert estimate(TINY, parse_cluster("2xcpu"), TRAIN, off).allocated_memory[0].buckets == 100_000_000
