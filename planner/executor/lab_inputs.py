@@ -45,7 +45,10 @@ def check_profile(path: str | None, precisions: tuple[str, ...], where: str) -> 
         if (env.get("cpu") and here and env["cpu"] != here) or (env.get("cpu_count") and env["cpu_count"] != cores):
             raise SpecError(str(p), f"was measured on another machine ({env.get('cpu')}, {env.get('cpu_count')} "
                                     f"cores; this one: {here}, {cores} cores)", REPROFILE)
-    curves = data.get("gemm_efficiency_by_precision") or {}
+    # the profiled precision's curve is gemm_efficiency itself (planner/profiler/write.py), the
+    # others' are gemm_efficiency_by_precision
+    options = (data.get("measured") or {}).get("options") or {}
+    curves = set(data.get("gemm_efficiency_by_precision") or {}) | {options.get("precision")}
     for prec in precisions:
         if prec not in curves:
             raise SpecError(str(p), f"has no {prec} GEMM curve (gemm_efficiency_by_precision.{prec}), which the "

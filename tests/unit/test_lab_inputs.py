@@ -24,9 +24,11 @@ def measured_profile(tmp_path: Path, *, cpu: str | None = None, cores: int | Non
     """The built-in cpu profile dressed as one `planner profile` measured on (cpu, cores)."""
     data = json.loads((ROOT / "profiles" / "cpu.json").read_text())
     curve = data["gemm_efficiency"]
+    # as planner/profiler/write.py writes it: the profiled precision's curve is gemm_efficiency
     data.update({"name": "cpu-measured", "builtin": False,
-                 "gemm_efficiency_by_precision": {p: curve for p in precisions},
-                 "measured": {"environment": {"kind": "cpu", "cpu": cpu or cpu_name(),
+                 "gemm_efficiency_by_precision": {p: curve for p in precisions[1:]},
+                 "measured": {"options": {"precision": precisions[0]},
+                              "environment": {"kind": "cpu", "cpu": cpu or cpu_name(),
                                               "cpu_count": cores or os.cpu_count()}}})
     out = tmp_path / "cpu-measured.json"
     out.write_text(json.dumps(data))
@@ -49,6 +51,7 @@ def test_another_machines_profile_is_named(tmp_path: Path) -> None:
 
 def test_a_missing_precision_curve_is_named(tmp_path: Path) -> None:
     p = measured_profile(tmp_path, precisions=("bf16",))
+    check_profile(str(p), ("bf16",), "--profile")  # the profiled precision: gemm_efficiency itself
     with pytest.raises(SpecError, match=r"has no fp32 GEMM curve \(gemm_efficiency_by_precision.fp32\)"):
         check_profile(str(p), ("fp32", "bf16"), "--profile")
 
