@@ -16,7 +16,7 @@ glm-10b tiny (LayerNorm, GELU, learned positions, tied embeddings, dropout 0.1),
   planner.cost.states: after backward, or after the step under a pipeline), worst class;
   target 1%;
 - allocated peak: the peak of live tensor bytes per rank during the warm-up steps
-  (planner.executor.measure.AllocatedMeter; a GPU's max_memory_allocated) against the
+  (planner.executor.allocated.AllocatedMeter; a GPU's max_memory_allocated) against the
   estimate's allocated_memory of the rank's stage (no calibration); target 5%;
 - activations: the bytes each block keeps for backward in a real step (ActivationRecorder:
   saved-tensor hooks + the checkpoints' inputs) against planner.cost.memory, worst block;

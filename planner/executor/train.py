@@ -19,8 +19,9 @@ from planner.executor.checkpoints import latest_tag
 from planner.executor.data import Layout, Rows
 from planner.executor.evaluate import evaluate
 from planner.executor.hooks import dump_first_grads, record_first_forward, slow_saves
-from planner.executor.measure import (ALLOCATED_METHOD, CPU_METHOD, GPU_METHOD, ActivationRecorder, AllocatedMeter,
-                                      model_states, peak_bytes, reset_peak, rss_bytes)
+from planner.executor.allocated import ALLOCATED_METHOD, AllocatedMeter
+from planner.executor.measure import (CPU_METHOD, GPU_METHOD, ActivationRecorder, model_states, peak_bytes,
+                                      reset_peak, rss_bytes)
 from planner.executor.model import Block
 from planner.executor.monitor import StabilityMonitor
 from planner.executor.files import CKPT_DIR, RANKS_DIR, progress
@@ -311,7 +312,7 @@ PER_RANK = 5
 """Values each rank contributes to the per-step collective (see the step loop)."""
 
 ALLOCATED_STEPS = 2
-"""Steps the CPU allocated-bytes profiler covers at least (planner.executor.measure.AllocatedMeter):
+"""Steps the CPU allocated-bytes profiler covers at least (planner.executor.allocated.AllocatedMeter):
 the first allocates the optimizer's states, the second is a steady-state step. Steps past the
 warm-up that it covers are timed with its overhead (metrics.json allocated_steps says how many)."""
 

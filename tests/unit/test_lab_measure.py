@@ -7,7 +7,8 @@ import torch
 
 from planner.cost import estimate
 from planner.cost.states import counted_phases, rank_coords, rank_states
-from planner.executor.measure import CLASSES, AllocatedMeter, allocated_peak, storage_class
+from planner.executor.allocated import AllocatedMeter, allocated_peak
+from planner.executor.measure import CLASSES, storage_class
 from planner.executor.metrics import state_errors
 from planner.specs import Plan, TrainSpec, parse_cluster, preset, scale
 
