@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from planner.cost import comm, compute, engines, params, pipeline, zero
+from planner.cost import comm, compute, engines, longctx, moe, params, pipeline, zero
 from planner.cost.attention import recomputes_scores
 from planner.cost.engines import Engine
 from planner.cost.factors import cluster_factors
@@ -117,7 +117,11 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
     oversized plan: those come back with feasible=False and the reasons."""
     reasons = plan_problems(model, cluster, train, plan)
     f = cluster_factors(cluster)
-    bt = _block_times(model, cluster, train, plan, f)
+    # context parallelism: every term below for the cp-free equivalent (planner.cost.longctx),
+    # the FLOPs and tokens for the plan as given
+    full_plan, full_train = plan, train
+    plan, train = longctx.local(plan, train)
+    bt = _block_times(model, cluster, train, plan, f, (full_plan.cp, full_plan.cp_kind))
     lc = _layer_costs(model, cluster, train, plan, f, bt)
     engine = engines.engine_for(plan)
     layers = plan.layers_per_stage(model.layers)
@@ -177,10 +181,11 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
             + (lc.last_stage_time / 3.0 if i == p - 1 else 0.0)
         fwd_share.append((fw, max(t_i - fw, 0.0)))
 
-    world = plan.world_size
+    world = full_plan.world_size
+    train = full_train
     tokens = train.global_batch * train.seq_len
-    model_flops = compute.model_flops_per_sequence(model, train.seq_len) * train.global_batch
-    hw_flops = model_flops + hardware_extra_flops(model, cluster, train, plan, ckpt)
+    model_flops = moe.model_flops_per_sequence(model, train.seq_len) * train.global_batch
+    hw_flops = model_flops + hardware_extra_flops(model, cluster, train, full_plan, ckpt)
     peak = cluster.device.peak_flops(plan.precision) or cluster.device.peak_flops("fp32")
     denom = step * world
     return Estimate(
@@ -202,8 +207,9 @@ def _breakdown(lc: LayerCosts, bt, plan: Plan, n: int, r: int, first: bool, last
         "forward": m * (n * bt.forward + (first_c + last_c) / 3.0),
         "backward": m * (n * bt.backward + 2.0 * (first_c + last_c) / 3.0),
         "recompute": m * (r * (bt.forward + bt.tp_fwd) + selective),
-        "tp_comm": m * (n * (bt.tp_fwd + bt.tp_bwd) + (lc.first_stage_tp if first else 0.0)
+        "tp_comm": m * (n * (bt.tp_fwd + bt.tp_bwd - bt.a2a_fwd - bt.a2a_bwd) + (lc.first_stage_tp if first else 0.0)
                         + (lc.last_stage_tp if last else 0.0)),
+        "a2a_comm": m * n * (bt.a2a_fwd + bt.a2a_bwd),
     }
 
 
@@ -214,7 +220,7 @@ def hardware_extra_flops(model: ModelSpec, cluster: ClusterSpec, train: TrainSpe
     the attention core; flash's backward recomputes QK^T in every block; the padded vocabulary's
     extra output columns (forward and backward)."""
     s = train.seq_len
-    full = sum(ckpt) * compute.block_forward_flops(model, s, 1)  # ckpt is all zeros unless recompute is full
+    full = sum(ckpt) * moe.block_forward_flops(model, s)  # ckpt is all zeros unless recompute is full
     selective = model.layers * compute.block_gemms(model, s, 1, 1)[1] if plan.recompute == "selective" else 0.0
     flash = model.layers * compute.flash_recompute_flops(model, s, 1) \
         if recomputes_scores(_kernel(model, cluster, train)) else 0.0

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from planner.cost import estimate, layer_costs
+from planner.cost.longctx import local
 from planner.search.checkpoint import StageModel
 from planner.search.partition import NoFit, solve
 from planner.search.space import Outer
@@ -70,7 +71,8 @@ class Evaluator:
         base = outer.plan(train.precision)
         lc = layer_costs(model, self.cluster, train, base)
         full = outer.recompute == "full"
-        sol = solve(StageModel(self.cluster, base, lc), model.layers, checkpoint=full)
+        # the stage model's ZeRO groups are those of the cp-free equivalent (dp x cp ranks)
+        sol = solve(StageModel(self.cluster, local(base, train)[0], lc), model.layers, checkpoint=full)
         if isinstance(sol, NoFit):
             why = "; ".join(([] if self.megatron_features else runtime_problems(base)) + [sol.reason])
             return Trial(outer=outer, plan=base, estimate=None, feasible=False, reason=why,
