@@ -124,7 +124,7 @@ def _runner(model, device, dep_tp: int, max_batch: int, workload: dict, requests
     def run(rate: float) -> dict:
         if rate not in cache:
             cache[rate] = queue.simulate(prefill, decode, Workload(**workload), rate, requests=requests, seed=seed,
-                                         max_batch=max_batch, max_total=model.max_seq, wake_s=wake)
+                                         max_batch=max_batch, max_total=model.max_seq, wake_s=wake, engine="executor")
         return cache[rate]
     return run
 

@@ -108,7 +108,8 @@ def serve_predict(m: dict, device) -> dict:
     cluster = parse_cluster(f"1x{device.name}", device)
     prefill, decode = step_fns(model, cluster, dep)
     return queue.simulate(prefill, decode, Workload(**WORKLOAD), RATE, requests=REQUESTS, seed=0,
-                          max_batch=MAX_BATCH, max_total=model.max_seq, wake_s=serve_factor(cluster, "serve_wake_s"))
+                          max_batch=MAX_BATCH, max_total=model.max_seq, wake_s=serve_factor(cluster, "serve_wake_s"),
+                          engine="executor")
 
 
 def _r(x: float, base: float) -> str:

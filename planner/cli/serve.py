@@ -1,6 +1,7 @@
 """`planner serve`: parse -> load specs -> planner.serve.search -> print and write reports/<name>/."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -13,8 +14,10 @@ from planner.cli.common import (apply_variants, comparison_doc, comparison_table
                                  model_options, serving_comparison, variant_option)
 from planner.cli.search import _command_line, _console
 from planner.errors import SpecError
-from planner.serve.outputs import latency_curve, launch_script, render_report, write_serve_run
-from planner.serve.search import Space, require_target, search_deployments
+from planner.serve.cost import engine_budget
+from planner.serve.launch import launch_script
+from planner.serve.outputs import latency_curve, render_report, write_serve_run
+from planner.serve.search import Space, distinct, require_target, search_deployments
 from planner.serve.spec import LATENCY_METRICS, SEARCH_KV, SEARCH_WEIGHTS, ServeEstimate, Target, Workload
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$")
@@ -40,7 +43,7 @@ def _ms(x: float | None) -> str:
 
 
 def _table(ranked: list[ServeEstimate], top: int) -> Table:
-    t = Table(title="top deployments (per-GPU memory in GB)")
+    t = Table(title="top deployments (per-GPU memory in GiB)")
     for col in ("#", "TPxR", "batch", "weights", "KV", "chunk", "TTFT ms", "TPOT ms", "e2e p50", "e2e p99",
                 "at QPS", "QPS@target", "max QPS", "mem W/KV/act/rt"):
         t.add_column(col, justify="right")
@@ -66,6 +69,19 @@ def _table(ranked: list[ServeEstimate], top: int) -> Table:
               help="Log-normal sigma of prompt lengths (0: all equal).")
 @click.option("--output-sigma", type=float, default=0.0, show_default=True,
               help="Log-normal sigma of output lengths (0: all equal).")
+@click.option("--concurrency", type=int, default=0, show_default=True,
+              help="Closed loop: N users, each sending its next request when its last one finished (0: Poisson).")
+@click.option("--trace", "trace_path", default=None, metavar="FILE",
+              help="Request lengths to replay: one 'prompt_tokens,output_tokens' pair per line (or a JSON list).")
+@click.option("--prefix-len", type=int, default=0, show_default=True,
+              help="Prompt tokens every request shares (a system prompt); cached with --prefix-caching.")
+@click.option("--prefix-caching", is_flag=True, default=False, help="Reuse the shared prefix's KV blocks.")
+@click.option("--rate-qps", type=float, default=None,
+              help="Show the deployments at this arrival rate (requests/s), above saturation too.")
+@click.option("--engine", type=click.Choice(["vllm", "sglang"]), default="vllm", show_default=True,
+              help="The serving engine the plan and its launch script are for.")
+@click.option("--weights", default=None, metavar="DIR|HF_ID",
+              help="The checkpoint the launch script loads (required for int4/int8: a quantized one).")
 @click.option("--target-p50-ms", type=float, default=None, help="Median latency target (of --latency-metric), ms.")
 @click.option("--target-p99-ms", type=float, default=None, help="99th-percentile latency target, ms.")
 @click.option("--target-qps", type=float, default=None, help="Throughput target, requests/s over all GPUs.")
@@ -91,23 +107,36 @@ def serve(ctx: click.Context, **kw: Any) -> None:
     command = _command_line(ctx)
     model = apply_variants(load_model(kw["model_arg"], kw["scale"]), kw["variants"])
     cluster = load_cluster(kw["gpus"], kw["profile_path"], None, None, None)
+    trace = ()
+    if kw["trace_path"] is not None:
+        from planner.serve.trace import read_trace
+        trace = read_trace(kw["trace_path"])
     workload = Workload(prompt_len=kw["prompt_len"], output_len=kw["output_len"], prompt_sigma=kw["prompt_sigma"],
-                        output_sigma=kw["output_sigma"], seed=kw["seed"])
+                        output_sigma=kw["output_sigma"], seed=kw["seed"], trace=trace, concurrency=kw["concurrency"],
+                        prefix_len=kw["prefix_len"])
+    if kw["prefix_len"] and kw["prefix_len"] >= workload.prompt_len and not trace:
+        raise SpecError("--prefix-len", f"{kw['prefix_len']} is not shorter than the prompt ({workload.prompt_len})",
+                        "give the shared part of the prompt, e.g. half of --prompt-len")
+    rate = kw["rate_qps"]
+    if rate is not None and not (math.isfinite(rate) and rate > 0):
+        raise SpecError("--rate-qps", f"must be a positive number of requests/s, got {rate}", "e.g. 20")
+    if rate is not None and kw["concurrency"]:
+        raise SpecError("--rate-qps", "and --concurrency both set the load", "give one of them")
     target = _target(kw)
-    space = Space()
+    space = Space(engine=kw["engine"], prefix_caching=kw["prefix_caching"])
     if kw["tp"] is not None:
         if kw["tp"] < 1 or cluster.world_size % kw["tp"]:
             raise SpecError("--tp", f"{kw['tp']} does not divide the {cluster.world_size} GPUs",
                             "give a divisor of the GPU count")
-        space = Space(tp=(kw["tp"],), max_batch=space.max_batch)
+        space = dataclasses.replace(space, tp=(kw["tp"],))
     if kw["max_batch"] is not None:
         if kw["max_batch"] < 1:
             raise SpecError("--max-batch", f"must be >= 1, got {kw['max_batch']}", "e.g. 64")
-        space = Space(tp=space.tp, max_batch=(kw["max_batch"],))
+        space = dataclasses.replace(space, max_batch=(kw["max_batch"],))
     if kw["prefill_chunk"] is not None:
         if kw["prefill_chunk"] < 0:
             raise SpecError("--prefill-chunk", f"must be >= 0, got {kw['prefill_chunk']}", "0 or e.g. 512")
-        space = Space(tp=space.tp, max_batch=space.max_batch, prefill_chunk=(kw["prefill_chunk"],))
+        space = dataclasses.replace(space, prefill_chunk=(kw["prefill_chunk"],))
     kv = space.kv_precision
     if kw["kv_precision"] is not None:
         if kw["kv_precision"] == "fp8" and not cluster.device.fp8:
@@ -115,8 +144,10 @@ def serve(ctx: click.Context, **kw: Any) -> None:
                             "profile field fp8)", "use --kv-precision bf16, or an Ada/Hopper GPU")
         kv = (kw["kv_precision"],)
     wp = (kw["weight_precision"],) if kw["weight_precision"] else space.weight_precision
-    space = Space(tp=space.tp, max_batch=space.max_batch, prefill_chunk=space.prefill_chunk,
-                  weight_precision=wp, kv_precision=kv)
+    if kw["weight_precision"] == "fp8" and not cluster.device.fp8:
+        raise SpecError("--weight-precision", f"{cluster.device.name} has no FP8 tensor cores for fp8 weights "
+                        "(profile field fp8)", "use bf16, int8 or int4 weights, or a Hopper/Ada GPU")
+    space = dataclasses.replace(space, weight_precision=wp, kv_precision=kv)
     name = kw["name"] or re.sub(r"[^A-Za-z0-9_.+-]+", "-", f"serve_{model.name}_{kw['gpus']}").strip("-.")[:120]
     if not _NAME_RE.match(name) or name in (".", ".."):
         raise SpecError("--name", f"{name!r} is not a plain directory name", "use letters, digits, '.', '_', '+', '-'")
@@ -125,11 +156,12 @@ def serve(ctx: click.Context, **kw: Any) -> None:
         raise SpecError("--out-dir", f"{out_dir} is not a directory", "give a directory path")
 
     result = search_deployments(model, cluster, workload, target=target, space=space, requests=kw["requests"],
-                                seed=kw["seed"])
+                                seed=kw["seed"], rate_qps=rate)
     require_target(result, target)
-    ranked = [e for e in result.ranked if e.meets_target is not False][:max(kw["top"], 3)]
+    ranked = distinct([e for e in result.ranked if e.meets_target is not False])[:max(kw["top"], 3)]
     best = ranked[0]
-    script = launch_script(model, kw["model_arg"], best.deployment, workload, best)
+    script = launch_script(model, kw["model_arg"], best.deployment, workload, best,
+                           budget=engine_budget(cluster, best.deployment), weights=kw["weights"])
     curves = [(f"#{i} {e.deployment.tp}x{e.deployment.replicas} b{e.deployment.max_batch} "
                f"{e.deployment.weight_precision}", latency_curve(model, cluster, e, workload, requests=kw["requests"],
                                                                  seed=kw["seed"]))
@@ -151,7 +183,7 @@ def serve(ctx: click.Context, **kw: Any) -> None:
         "serve_top.json": {"version": 1, "evaluated": result.evaluated, "infeasible": result.infeasible,
                            "infeasible_reasons": result.reasons, "top": [e.to_json() for e in ranked],
                            "curves": {label: pts for label, pts in curves}},
-        "vllm_serve.sh": script,
+        f"{kw['engine']}_serve.sh": script,
         "serve_report.html": render_report(f"{model.name} on {cluster.spec}", workload, target, ranked, curves,
                                            script, result.evaluated, result.infeasible,
                                            variant=variant_doc.get("variant_comparison")),
@@ -164,6 +196,16 @@ def serve(ctx: click.Context, **kw: Any) -> None:
                   f"{result.evaluated} deployments, {result.infeasible} infeasible")
     console.print(_table(ranked, kw["top"]))
     console.print(f"best: {best.deployment.describe()}")
+    if workload.concurrency:
+        console.print(f"closed loop, {workload.concurrency} users: {best.rate_qps:.2f} requests/s, TTFT p99 "
+                      f"{_ms(best.ttft_p99_s)} ms, e2e p99 {_ms(best.e2e_p99_s)} ms")
+    if best.overloaded:
+        console.print(f"overloaded: {best.rate_qps:g} requests/s offered, {best.max_qps:.2f} served at most; the queue "
+                      f"grows by {best.backlog_growth_qps:.2f} requests/s (over {kw['requests']} requests the wait "
+                      f"reaches p99 {_ms(best.queue_p99_s)} ms, e2e p99 {_ms(best.e2e_p99_s)} ms, and keeps growing)")
+    if best.preemptions:
+        console.print(f"KV cache full at this load: {best.preemptions} preemptions (recomputed) in "
+                      f"{kw['requests']} requests")
     if compare:
         console.print(comparison_table(f"--variant on {best.deployment.describe()}: {model.describe()}",
                                        compare, model.base().name, model.name))

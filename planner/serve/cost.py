@@ -27,6 +27,7 @@ output) and 0 without.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from planner.cost.comm import allgather_time, allreduce_time
@@ -35,14 +36,15 @@ from planner.errors import SpecError
 from planner.serve.memory import (GB, GPU_MEMORY_UTILIZATION, cache_read_bytes, kv_bytes_per_token,
                                   kv_bytes_per_token_rank,
                                   kv_heads_per_rank, linear_weights, serve_memory, weight_bytes, weight_read_bytes)
-from planner.serve.spec import Deployment, ServeEstimate, Target, Workload
+from planner.serve.kernels import kernel_efficiency
+from planner.serve.spec import WEIGHT_BYTES, Deployment, ServeEstimate, Target, Workload
 from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
 
 ACT_BYTES = 2.0
 """Activations and all-reduced tensors in bf16/fp16 (weight-only quantization keeps them so)."""
 __all__ = ["GB", "GPU_MEMORY_UTILIZATION", "SERVE_DEFAULTS", "check_workload", "combine", "decode_step_time_s",
-           "decode_terms", "deployment_problems", "estimate_serving", "kv_bytes_per_token", "kv_bytes_per_token_rank",
+           "decode_terms", "deployment_problems", "engine_budget", "mixed_fn", "step_terms", "causal_core_flops", "estimate_serving", "kv_bytes_per_token", "kv_bytes_per_token_rank",
            "kv_heads_per_rank", "linear_weights", "prefill_terms", "prefill_time_s", "prompt_time_s", "serve_factor",
            "serve_factors", "serve_memory", "step_fns", "weight_bytes", "weight_read_bytes"]
 
@@ -88,8 +90,8 @@ def serve_factors(cluster: ClusterSpec) -> dict[str, float]:
 def _precision(cluster: ClusterSpec, dep: Deployment) -> str:
     """GEMMs run in bf16 (fp16 where the device has no bf16); weight-only int8/int4 dequantize
     to it; an fp32 deployment (the executor's CPU runs) computes in fp32."""
-    if dep.weight_precision == "fp32":
-        return "fp32"
+    if dep.weight_precision in ("fp32", "fp8"):
+        return dep.weight_precision
     return "bf16" if cluster.device.supports("bf16") else "fp16"
 
 
@@ -106,6 +108,10 @@ def _gemm_s(cluster: ClusterSpec, dep: Deployment, flops: float, one_gemm: float
     """Seconds of `flops` at peak x the efficiency of a GEMM of `one_gemm` FLOPs."""
     dev = cluster.device
     prec = _precision(cluster, dep)
+    if prec == "fp8" and not dev.peak_flops("fp8"):
+        # FP8 tensor cores run at twice the BF16 rate on Hopper and Ada (H100 SXM datasheet: 1,979
+        # vs 989 dense TFLOP/s; L40S 733 vs 362), at the BF16 efficiency curve (assumed)
+        return flops / (2.0 * dev.peak_flops("bf16") * dev.gemm_eff(one_gemm, "bf16"))
     return flops / (dev.peak_flops(prec) * dev.gemm_eff(one_gemm, prec))
 
 
@@ -138,60 +144,80 @@ def _hbm(cluster: ClusterSpec) -> float:
 
 
 # --- times --------------------------------------------------------------------------------
+def causal_core_flops(model: ModelSpec, tokens: int, context: int, t: int) -> float:
+    """QK^T and AV of a prefill chunk of `tokens` queries after `context` cached keys, under the
+    causal mask, one TP rank, one layer: 2 x 2 x q_size / t per (query, key) pair kept, and a
+    chunk keeps tokens x context + tokens (tokens + 1) / 2 of them (each query sees the cache
+    and the chunk's tokens up to itself). FlashAttention skips the masked-out blocks (Dao 2023,
+    "FlashAttention-2", sec. 3.1.1: causal attention at about half the FLOPs of the full
+    square), so the mask halves the square's cost, not the cache's."""
+    return 4.0 * (tokens * context + tokens * (tokens + 1) / 2.0) * model.q_size / t
+
+
+def step_terms(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, chunks: list[tuple[int, int]],
+               batch: int = 0, context_tokens: int = 0) -> dict[str, float]:
+    """Factor-free seconds of one engine step on one TP rank: prefill chunks [(tokens, cached
+    context)] of several sequences [SA] beside a decode of `batch` sequences attending to
+    `context_tokens` tokens in all (each one's cached tokens plus its new one) [P22].
+    compute: the block GEMMs over every row of the step at once (2 x rows x weights / tp,
+    compute.block_gemms: the engine flattens the step's tokens into one batch), each chunk's
+    causal attention (causal_core_flops), the decodes' attention (2 x 2 x context_tokens x
+    q_size / tp per layer) and the output layer for one row per sequence (vLLM computes the
+    logits of the sampled rows only); memory: every weight read once (weights / tp at
+    hbm_bandwidth, the floor [P22]), the decodes' KV cache and each chunk's cached context;
+    comm: _tp_comm_s of the step's rows. attn_*: the decodes' attention parts
+    (decode_attention_scale)."""
+    rows = sum(n for n, _ in chunks) + batch
+    if rows < 1 or any(n < 1 or c < 0 for n, c in chunks) or batch < 0 or (batch and context_tokens < batch):
+        raise SpecError("step", f"needs tokens >= 1, context >= 0 and context_tokens >= batch, got chunks {chunks}, "
+                        f"batch {batch}, context_tokens {context_tokens}", "")
+    t, k = dep.tp, _slowdown(cluster, dep)
+    gemms, _ = block_gemms(model, rows, 1, t)
+    keff = kernel_efficiency(dep.weight_precision, rows)  # quantized kernels: measured share of their roofline
+    per_layer = sum(_gemm_s(cluster, dep, g, g) / e for g, e in zip(gemms, ffn_time_divisors(model))) / keff
+    for n, c in chunks:
+        if model.linear_attention:  # chunked, the earlier chunks' state carried: no context term
+            w = min(LINEAR_CHUNK, n)
+            per_layer += _gemm_s(cluster, dep, linear_core_flops(model, n, 1, t), 2.0 * w * w * model.dim_per_head)
+        else:
+            per_layer += _gemm_s(cluster, dep, causal_core_flops(model, n, c, t),
+                                 2.0 * n * (c + n) * model.dim_per_head)
+    core = 0.0
+    if batch and model.linear_attention:  # each sequence's new token against its d x d state
+        core = _gemm_s(cluster, dep, linear_core_flops(model, 1, batch, t), 2.0 * model.dim_per_head ** 2)
+    elif batch:
+        core = _gemm_s(cluster, dep, 4.0 * context_tokens * model.q_size / t,
+                       2.0 * model.dim_per_head * context_tokens / batch)
+    seqs = len(chunks) + batch
+    logits = 2.0 * seqs * model.hidden * model.padded_vocab(t) / t
+    compute = (model.layers * (per_layer + core) + _gemm_s(cluster, dep, logits, logits)) * k
+    cache = cache_read_bytes(model, dep, batch, context_tokens) / _hbm(cluster) * k if batch else 0.0
+    ctx_read = sum(c for _, c in chunks) * kv_bytes_per_token_rank(model, dep) / _hbm(cluster) * k
+    quant = model.layers * linear_weights(model) * WEIGHT_BYTES[dep.weight_precision] if keff < 1.0 else 0.0
+    memory = (weight_read_bytes(model, dep) + quant * (1.0 / keff - 1.0)) / t / _hbm(cluster) * k + cache + ctx_read
+    return {"compute_s": compute, "memory_s": memory, "comm_s": _tp_comm_s(model, cluster, dep, rows, seqs),
+            "tp_steps": 1.0 if t > 1 else 0.0, "serial": _serial(cluster),
+            "attn_compute_s": model.layers * core * k, "attn_memory_s": cache,
+            "mixed": 1.0 if chunks and batch else 0.0}
+
+
 def prefill_terms(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, tokens: int,
                   context: int = 0) -> dict[str, float]:
     """Factor-free seconds of one prefill step of `tokens` prompt tokens of one sequence whose
-    first `context` tokens are already cached (a later chunk [SA]), on one TP rank:
-    compute: the block GEMMs (2 x tokens x weights / tp, compute.block_gemms), attention
-    QK^T and AV (2 x 2 x tokens x (context + tokens) x q_size / tp per layer, no causal halving,
-    as planner/cost/compute.py), and the output layer for the last token only (vLLM computes
-    logits of the sampled rows); memory: the weight read floor [P22] (weights / tp at
-    hbm_bandwidth); comm: _tp_comm_s."""
+    first `context` tokens are already cached (a later chunk [SA]): step_terms of that chunk."""
     if tokens < 1 or context < 0:
         raise SpecError("prefill", f"needs tokens >= 1 and context >= 0, got {tokens}, {context}", "")
-    t, k = dep.tp, _slowdown(cluster, dep)
-    gemms, _ = block_gemms(model, tokens, 1, t)
-    per_layer = sum(_gemm_s(cluster, dep, g, g) / e for g, e in zip(gemms, ffn_time_divisors(model)))
-    keys = context + tokens
-    if model.linear_attention:  # chunked, the earlier chunks' state carried: no context term
-        c = min(LINEAR_CHUNK, tokens)
-        per_layer += _gemm_s(cluster, dep, linear_core_flops(model, tokens, 1, t), 2.0 * c * c * model.dim_per_head)
-    else:
-        core = 4.0 * tokens * keys * model.q_size / t
-        per_layer += _gemm_s(cluster, dep, core, 2.0 * tokens * keys * model.dim_per_head)
-    logits = 2.0 * model.hidden * model.padded_vocab(t) / t
-    compute = (model.layers * per_layer + _gemm_s(cluster, dep, logits, logits)) * k
-    memory = weight_read_bytes(model, dep) / t / _hbm(cluster) * k
-    return {"compute_s": compute, "memory_s": memory, "comm_s": _tp_comm_s(model, cluster, dep, tokens, 1),
-            "tp_steps": 1.0 if t > 1 else 0.0, "serial": _serial(cluster)}
+    terms = step_terms(model, cluster, dep, [(tokens, context)])
+    return {k: v for k, v in terms.items() if k not in ("attn_compute_s", "attn_memory_s")}
 
 
 def decode_terms(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, batch: int,
                  context_tokens: int) -> dict[str, float]:
     """Factor-free seconds of one decode step of `batch` sequences attending to
-    `context_tokens` tokens in all (the sum over the batch of each one's cached tokens plus the
-    new one), on one TP rank [P22]: memory: every weight read once plus the KV cache of every
-    sequence (context_tokens x kv_bytes_per_token_rank) at hbm_bandwidth; compute floor: the
-    block GEMMs for `batch` tokens (2 x batch x weights / tp), attention (2 x 2 x
-    context_tokens x q_size / tp per layer) and the output layer (2 x batch x hidden x V / tp);
-    comm: _tp_comm_s for `batch` tokens."""
+    `context_tokens` tokens in all [P22]: step_terms of the decodes alone."""
     if batch < 1 or context_tokens < batch:
         raise SpecError("decode", f"needs batch >= 1 and context_tokens >= batch, got {batch}, {context_tokens}", "")
-    t, k = dep.tp, _slowdown(cluster, dep)
-    gemms, _ = block_gemms(model, 1, batch, t)
-    per_layer = sum(_gemm_s(cluster, dep, g, g) / e for g, e in zip(gemms, ffn_time_divisors(model)))
-    if model.linear_attention:  # each sequence's new token against its d x d state
-        core = _gemm_s(cluster, dep, linear_core_flops(model, 1, batch, t), 2.0 * model.dim_per_head ** 2)
-    else:
-        core = _gemm_s(cluster, dep, 4.0 * context_tokens * model.q_size / t,
-                       2.0 * model.dim_per_head * context_tokens / batch)
-    logits = 2.0 * batch * model.hidden * model.padded_vocab(t) / t
-    compute = (model.layers * (per_layer + core) + _gemm_s(cluster, dep, logits, logits)) * k
-    cache = cache_read_bytes(model, dep, batch, context_tokens) / _hbm(cluster) * k
-    memory = weight_read_bytes(model, dep) / t / _hbm(cluster) * k + cache
-    return {"compute_s": compute, "memory_s": memory, "comm_s": _tp_comm_s(model, cluster, dep, batch, batch),
-            "tp_steps": 1.0 if t > 1 else 0.0, "serial": _serial(cluster),
-            "attn_compute_s": model.layers * core * k, "attn_memory_s": cache}
+    return step_terms(model, cluster, dep, [], batch, context_tokens)
 
 
 def combine(terms: dict[str, float], f: dict[str, float], decode: bool = False) -> float:
@@ -199,7 +225,8 @@ def combine(terms: dict[str, float], f: dict[str, float], decode: bool = False) 
     the terms are a decode step's (decode_compute_scale on compute), else a prefill's."""
     scale = f.get("decode_compute_scale", SERVE_DEFAULTS["decode_compute_scale"]) if decode \
         else f["prefill_compute_scale"]
-    extra = f.get("decode_attention_scale", 1.0) - 1.0 if decode else 0.0  # on the attention parts only
+    # on the decodes' attention parts only (a mixed step's decodes too)
+    extra = f.get("decode_attention_scale", 1.0) - 1.0 if decode or terms.get("mixed") else 0.0
     comp = (terms["compute_s"] + extra * terms.get("attn_compute_s", 0.0)) * scale
     mem = (terms["memory_s"] + extra * terms.get("attn_memory_s", 0.0)) / f["decode_bw_efficiency"]
     return ((comp + mem if terms.get("serial", 0.0) else max(comp, mem))
@@ -219,9 +246,27 @@ def decode_step_time_s(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, 
     return combine(decode_terms(model, cluster, dep, batch, context_tokens), serve_factors(cluster), decode=True)
 
 
+def engine_budget(cluster: ClusterSpec, dep: Deployment) -> float:
+    """Tokens per engine step (vLLM --max-num-batched-tokens, SGLang --chunked-prefill-size):
+    the deployment's, else the engine's default for this GPU. vLLM V1 (vllm/engine/arg_utils.py
+    EngineArgs.get_batch_defaults, OpenAI API server): 8192 on GPUs of >= 70 GiB other than
+    A100 (H100, H200, MI300X), 2048 elsewhere (A100: larger budgets lowered its throughput,
+    vLLM PR #17885). SGLang (python/sglang/srt/server_args.py): 2048 below 35 GiB, 8192 below
+    160 GiB, 16384 above. The CPU executor: whole prompts, unbounded."""
+    if dep.prefill_chunk:
+        return float(dep.prefill_chunk)
+    gib = cluster.device.memory_gb
+    if dep.engine == "vllm":
+        return 8192.0 if gib >= 70 and "A100" not in cluster.device.name.upper() else 2048.0
+    if dep.engine == "sglang":
+        return 2048.0 if gib < 35 else 8192.0 if gib < 160 else 16384.0
+    return math.inf
+
+
 def prompt_time_s(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, prompt: int) -> float:
-    """Seconds to prefill a whole prompt alone: one step, or ceil(prompt / chunk) chunked steps."""
-    c = dep.prefill_chunk or prompt
+    """Seconds to prefill a whole prompt alone: one step, or ceil(prompt / budget) chunked steps."""
+    budget = engine_budget(cluster, dep)
+    c = prompt if math.isinf(budget) else int(budget)
     return sum(prefill_time_s(model, cluster, dep, min(c, prompt - s), s) for s in range(0, prompt, c))
 
 
@@ -264,6 +309,15 @@ def step_fns(model: ModelSpec, cluster: ClusterSpec, dep: Deployment) -> tuple[C
     return prefill, decode
 
 
+def mixed_fn(model: ModelSpec, cluster: ClusterSpec, dep: Deployment) -> Callable[[list[tuple[int, int]], int, int], float]:
+    """Seconds of any engine step (several prefill chunks beside decodes): step_terms combined."""
+    f = serve_factors(cluster)
+
+    def mixed(chunks: list[tuple[int, int]], batch: int, context_tokens: int) -> float:
+        return combine(step_terms(model, cluster, dep, chunks, batch, context_tokens), f)
+    return mixed
+
+
 def deployment_problems(model: ModelSpec, cluster: ClusterSpec, dep: Deployment) -> list[str]:
     """Why vLLM could not start this deployment on this cluster (empty: it can)."""
     out = []
@@ -277,6 +331,8 @@ def deployment_problems(model: ModelSpec, cluster: ClusterSpec, dep: Deployment)
         out.append(f"TP {dep.tp} neither divides nor is a multiple of the {model.kv_heads} KV heads")
     if dep.kv_precision == "fp8" and not cluster.device.fp8:
         out.append(f"{cluster.device.name} has no FP8 support for an fp8 KV cache")
+    if dep.weight_precision == "fp8" and not cluster.device.fp8:
+        out.append(f"{cluster.device.name} has no FP8 tensor cores for fp8 weights")
     return out
 
 
@@ -293,9 +349,16 @@ def check_workload(model: ModelSpec, workload: Workload) -> None:
 
 # --- the estimate -------------------------------------------------------------------------
 def estimate_serving(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, workload: Workload, *,
-                     target: Target | None = None, requests: int = 300, seed: int | None = None) -> ServeEstimate:
+                     target: Target | None = None, requests: int = 300, seed: int | None = None,
+                     rate_qps: float | None = None) -> ServeEstimate:
     """Memory, unloaded latencies, saturation throughput, QPS at the target and the latency
-    percentiles (planner/serve/queue.py) of one deployment. Infeasible is a value with reasons."""
+    percentiles (planner/serve/queue.py) of one deployment. Infeasible is a value with reasons.
+
+    The percentiles are simulated at `rate_qps` when given (above saturation too: the estimate
+    is then `overloaded`, its queue growing by rate - max_qps requests/s, and the percentiles
+    are those of `requests` requests into that growing queue), else at the QPS at the target,
+    else at 80% of max_qps. With Workload.concurrency (closed loop) they are the N users' own
+    load, and a target is met or not at it."""
     from planner.serve import queue
     check_workload(model, workload)
     mem = serve_memory(model, cluster, dep, workload)
@@ -304,8 +367,8 @@ def estimate_serving(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, wo
     if not mem["fits"]:
         if mem["short_gb"] > 0:
             reasons.append(f"weights {mem['weights']:.1f} + activations {mem['activations']:.1f} + runtime "
-                           f"{mem['runtime']:.1f} GB exceed the usable {mem['capacity']:.1f} GB by "
-                           f"{mem['short_gb']:.1f} GB")
+                           f"{mem['runtime']:.1f} GiB exceed the usable {mem['capacity']:.1f} GiB by "
+                           f"{mem['short_gb']:.1f} GiB")
         else:
             reasons.append(f"KV cache of {mem['kv_capacity_tokens']} tokens holds no sequence of "
                            f"{workload.max_total()} tokens")
@@ -317,18 +380,32 @@ def estimate_serving(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, wo
     alone_tpot = decode_step_time_s(model, cluster, dep, 1, workload.prompt_len + 1)
     run = queue.replica_runner(model, cluster, dep, workload, mem, requests=requests, seed=seed)
     max_qps = queue.saturation_qps(run)
-    qat = queue.qps_at_target(run, target, max_qps) if target is not None else None
-    if target is None:
-        rate = 0.8 * max_qps
-    elif target.kind == "qps":
-        rate = min(target.value, max_qps)
+    if workload.concurrency:
+        stats = run(1.0)  # the closed loop: its own rate
+        qat = None
+        if target is not None:
+            ok = stats["achieved_qps"] >= target.value if target.kind == "qps" \
+                else queue.metric_value(stats, target) <= target.value
+            qat = stats["achieved_qps"] if ok else None
+        rate = stats["achieved_qps"]
     else:
-        rate = qat if qat else 0.0
-    stats = run(rate) if rate > 0 else run(max_qps * 1e-3)
+        qat = queue.qps_at_target(run, target, max_qps) if target is not None else None
+        if rate_qps is not None:
+            rate = rate_qps
+        elif target is None:
+            rate = 0.8 * max_qps
+        elif target.kind == "qps":
+            rate = min(target.value, max_qps)
+        else:
+            rate = qat if qat else 0.0
+        stats = run(rate) if rate > 0 else run(max_qps * 1e-3)
+        rate = stats["rate_qps"]
     meets = None if target is None else qat is not None
+    over = not workload.concurrency and rate > max_qps
     return ServeEstimate(
         feasible=True, ttft_s=stats["ttft_s"]["mean"], tpot_s=stats["tpot_s"]["mean"],
         e2e_p50_s=stats["e2e_s"]["p50"], e2e_p99_s=stats["e2e_s"]["p99"], ttft_p50_s=stats["ttft_s"]["p50"],
         ttft_p99_s=stats["ttft_s"]["p99"], tpot_p50_s=stats["tpot_s"]["p50"], tpot_p99_s=stats["tpot_s"]["p99"],
-        ttft_alone_s=alone_ttft, tpot_alone_s=alone_tpot, rate_qps=stats["rate_qps"], qps_at_target=qat,
-        meets_target=meets, max_qps=max_qps, **base)
+        ttft_alone_s=alone_ttft, tpot_alone_s=alone_tpot, rate_qps=rate, qps_at_target=qat,
+        meets_target=meets, max_qps=max_qps, overloaded=over, backlog_growth_qps=rate - max_qps if over else 0.0,
+        queue_p99_s=stats["queue_s"]["p99"], preemptions=stats["preemptions"], **base)

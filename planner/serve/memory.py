@@ -14,9 +14,23 @@ from planner.serve.spec import KV_BYTES, WEIGHT_BYTES, Deployment, Workload
 from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
 
-GB = 1e9
+GB = 2.0 ** 30
+"""Serving memory is counted in GiB, as the engines and nvidia-smi count it: an "80 GB" A100 has
+80 GiB (81,920 MiB in nvidia-smi), so the profiles' memory_gb is read as GiB here."""
 GPU_MEMORY_UTILIZATION = 0.9
 """vLLM's --gpu-memory-utilization default: the share of device memory the engine may fill [PA]."""
+SGLANG_MEM_FRACTION = {1: 0.88, 2: 0.87, 4: 0.85, 8: 0.81}
+"""SGLang's --mem-fraction-static default by TP size (python/sglang/srt/server_args.py: 0.88
+at TP 1, 0.87 at 2, 0.85 at 4, 0.81 at 8, 0.79 at 16): the share of memory for the weights and
+the KV pool; activations and CUDA graphs use the rest."""
+
+
+def memory_fraction(dep: Deployment) -> float:
+    """The share of device memory the engine's weights and KV cache may fill."""
+    if dep.engine == "sglang":
+        return next(v for t, v in sorted(SGLANG_MEM_FRACTION.items(), reverse=True) if dep.tp >= t) \
+            if dep.tp < 16 else 0.79
+    return GPU_MEMORY_UTILIZATION
 ACT_BYTES = 2.0
 """Activations in bf16/fp16 (weight-only quantization keeps them so)."""
 LOGIT_BYTES = 4.0
@@ -100,27 +114,34 @@ def cache_read_bytes(model: ModelSpec, dep: Deployment, batch: int, context_toke
 
 # --- memory -------------------------------------------------------------------------------
 def serve_memory(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, workload: Workload) -> dict[str, Any]:
-    """Per-GPU memory of one replica's rank, GB, and the paged KV cache it leaves [PA]:
+    """Per-GPU memory of one replica's rank, GiB, and the paged KV cache it leaves [PA]:
     weights / tp; activations of the profiling forward vLLM runs before sizing the cache
     (max_num_batched_tokens = the prefill chunk, or the longest sequence, tokens x (2 x hidden
     + (k + 1) x ffn_hidden / tp) x 2 bytes: residual, normed input and the FFN's input and
     activation outputs, its largest live set; plus max_batch rows of fp32 logits / tp);
     runtime: the profile's memory_overhead_gb (CUDA context, NCCL, CUDA graphs); KV cache: the
-    rest of gpu_memory_utilization (0.9) x capacity, in whole blocks of block_size tokens.
-    batch_limit: sequences of the workload's longest length (Workload.max_total) the cache
-    holds at once, each needing ceil(length / block_size) blocks, capped at max_batch."""
+    rest of gpu_memory_utilization (0.9) x capacity, in whole blocks of block_size tokens (SGLang:
+    mem_fraction_static x capacity minus the weights; activations and runtime outside it).
+    Blocks are allocated as tokens are computed (planner/serve/scheduler.py), so no sequence
+    reserves the longest length: batch_limit is the sequences of the workload's mean length
+    (prompt + output) the cache holds at once, capped at max_batch (a guide for the search's
+    first screen; the simulation preempts when the cache runs out); fits: the longest request
+    (Workload.max_total) fits the cache alone."""
+    from planner.serve.cost import engine_budget
     t = dep.tp
     longest = workload.max_total()
-    chunk = dep.prefill_chunk or longest
-    capacity = cluster.memory_bytes * GPU_MEMORY_UTILIZATION
+    budget = engine_budget(cluster, dep)
+    chunk = longest if math.isinf(budget) else int(budget)
+    capacity = cluster.device.memory_gb * GB * memory_fraction(dep)
     weights = weight_bytes(model, dep) / t
     e = 4.0 if dep.weight_precision == "fp32" else ACT_BYTES
     act = chunk * (2 * model.hidden + (model.ffn_in_matrices + 1) * model.ffn_size / t) * e
     act += dep.max_batch * model.padded_vocab(t) / t * LOGIT_BYTES
     runtime = (cluster.memory_headroom if cluster.memory_headroom is not None
                else train_factor(cluster.device, "memory_overhead_gb")) * GB
-    free = capacity - weights - act - runtime
+    free = capacity - weights - (0.0 if dep.engine == "sglang" else act + runtime)
     per_seq = math.ceil(longest / dep.block_size)
+    mean_seq = max(1, math.ceil(sum(workload.mean_lengths()) / dep.block_size))
     if model.linear_attention:
         # one fixed state per sequence: the batch limit is the states that fit; the queue's KV
         # blocks are then sized so that `limit` sequences of any admitted length always fit
@@ -130,7 +151,7 @@ def serve_memory(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, worklo
     else:
         block = dep.block_size * kv_bytes_per_token_rank(model, dep)
         blocks = max(0, int(free // block))
-        limit = min(dep.max_batch, blocks // per_seq)
+        limit = min(dep.max_batch, blocks // mean_seq) if blocks >= per_seq else 0
     kv = blocks * block
     return {"weights": weights / GB, "kv_cache": kv / GB, "activations": act / GB, "runtime": runtime / GB,
             "total": (weights + kv + act + runtime) / GB, "capacity": capacity / GB,

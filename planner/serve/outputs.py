@@ -8,61 +8,13 @@ from __future__ import annotations
 import base64
 import io
 import math
-import shlex
 from pathlib import Path
 from typing import Any
 
 from planner.rundir import atomic_write_json, atomic_write_text
-from planner.serve.cost import GPU_MEMORY_UTILIZATION
 from planner.serve.spec import Deployment, ServeEstimate, Target, Workload
 from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
-
-HF_IDS = {"chatglm-6b": "THUDM/chatglm-6b", "chatglm2-6b": "THUDM/chatglm2-6b", "chatglm3-6b": "THUDM/chatglm3-6b",
-          "glm-4-9b": "THUDM/glm-4-9b-chat", "glm-10b": "THUDM/glm-10b", "glm-130b": "THUDM/glm-130b"}
-# weight-only quantization needs a pre-quantized checkpoint: GPTQ (8 or 4 bit) or AWQ (4 bit)
-QUANT_FLAGS = {"bf16": [], "int8": ["--quantization", "gptq"], "int4": ["--quantization", "awq"]}
-KV_FLAGS = {"bf16": [], "fp8": ["--kv-cache-dtype", "fp8"], "int8": []}
-
-
-def vllm_command(model_id: str, dep: Deployment, workload: Workload, port: int = 8000) -> list[str]:
-    """vLLM's OpenAI server for one replica (flag names: docs.vllm.ai Engine Arguments)."""
-    cmd = ["vllm", "serve", model_id, "--trust-remote-code", "--tensor-parallel-size", str(dep.tp),
-           "--max-num-seqs", str(dep.max_batch), "--max-model-len", str(workload.max_total()),
-           "--block-size", str(dep.block_size), "--gpu-memory-utilization", f"{GPU_MEMORY_UTILIZATION:g}",
-           *KV_FLAGS[dep.kv_precision], *QUANT_FLAGS[dep.weight_precision]]
-    if dep.prefill_chunk:
-        cmd += ["--enable-chunked-prefill", "--max-num-batched-tokens", str(max(dep.prefill_chunk, dep.max_batch))]
-    return cmd + ["--port", str(port)]
-
-
-def launch_script(model: ModelSpec, model_arg: str, dep: Deployment, workload: Workload, est: ServeEstimate) -> str:
-    model_id = HF_IDS.get(model_arg.strip().lower(), model_arg)
-    lines = ["#!/usr/bin/env bash",
-             f"# planner serve: {dep.describe()} for {model.name}",
-             f"# predicted: TTFT {est.ttft_s * 1e3:.0f} ms, TPOT {est.tpot_s * 1e3:.1f} ms, e2e p50 "
-             f"{est.e2e_p50_s * 1e3:.0f} ms / p99 {est.e2e_p99_s * 1e3:.0f} ms at {est.rate_qps:.2f} QPS; "
-             f"saturates at {est.max_qps:.2f} QPS",
-             "# MODEL overrides the checkpoint (a Hugging Face id or a local directory)."]
-    if model.variant_label:
-        lines.append(f"# variant {model.describe()}: a what-if. MODEL must be a checkpoint of that architecture "
-                     "(trained or converted); the default id below is the base model's.")
-    if dep.weight_precision != "bf16":
-        kind = "a GPTQ 8-bit" if dep.weight_precision == "int8" else "an AWQ 4-bit"
-        lines.append(f"# weights {dep.weight_precision}: MODEL must be {kind} checkpoint of the model.")
-    if dep.kv_precision == "int8":
-        lines.append("# KV int8: vLLM has no int8 KV cache (--kv-cache-dtype auto|fp8); this runs it in bf16.")
-    if dep.replicas > 1:
-        lines.append(f"# {dep.replicas} replicas on ports 8000-{8000 + dep.replicas - 1}: put a load balancer in front.")
-    lines += ["set -euo pipefail", f"MODEL=${{MODEL:-{model_id}}}"]
-    for r in range(dep.replicas):
-        gpus = ",".join(str(r * dep.tp + i) for i in range(dep.tp))
-        cmd = vllm_command("MODEL_PLACEHOLDER", dep, workload, 8000 + r)
-        text = shlex.join(cmd).replace("MODEL_PLACEHOLDER", '"$MODEL"')
-        lines.append(f"CUDA_VISIBLE_DEVICES={gpus} {text} &")
-    lines.append("wait")
-    return "\n".join(lines) + "\n"
-
 
 def latency_curve(model: ModelSpec, cluster: ClusterSpec, est: ServeEstimate, workload: Workload, *,
                   requests: int, seed: int | None, points: int = 8) -> list[dict[str, float]]:
@@ -111,8 +63,8 @@ padding:3px 8px;text-align:right}th{background:#eee}td.l{text-align:left}</style
 {{ w.prompt_sigma }} / {{ w.output_sigma }}), Poisson arrivals. Target: {{ target }}.
 {{ evaluated }} deployments evaluated, {{ infeasible }} infeasible.</p>
 <table><tr><th>#</th><th>deployment</th><th>TTFT ms</th><th>TPOT ms</th><th>e2e p50 ms</th><th>e2e p99 ms</th>
-<th>at QPS</th><th>QPS at target</th><th>max QPS</th><th>weights GB</th><th>KV GB</th><th>act. GB</th>
-<th>runtime GB</th></tr>
+<th>at QPS</th><th>QPS at target</th><th>max QPS</th><th>weights GiB</th><th>KV GiB</th><th>act. GiB</th>
+<th>runtime GiB</th></tr>
 {% for r in rows %}<tr><td>{{ loop.index }}</td><td class="l">{{ r.desc|e }}</td><td>{{ r.ttft }}</td><td>{{ r.tpot }}</td>
 <td>{{ r.p50 }}</td><td>{{ r.p99 }}</td><td>{{ r.rate }}</td><td>{{ r.qat }}</td><td>{{ r.max }}</td>
 <td>{{ r.w }}</td><td>{{ r.kv }}</td><td>{{ r.act }}</td><td>{{ r.rt }}</td></tr>

@@ -1,17 +1,14 @@
 """A seeded discrete-event simulation of one vLLM-style engine under continuous batching.
 
-Requests arrive as a Poisson process (exponential gaps at rate lambda) with prompt and output
-lengths drawn from the Workload. The engine runs one step at a time [Kwon et al. 2023, sec. 4.5;
-Yu et al. 2022, Orca: iteration-level scheduling]:
-- admission between steps, first come first served, while fewer than max_batch sequences run
-  and the free KV blocks hold the request's whole prompt + output (ceil(len / block_size)
-  blocks, reserved up front, so no preemption happens);
-- a step is either a prefill of one admitted prompt (whole, or its next chunk of
-  prefill_chunk tokens) or a decode of every sequence whose prompt is done (one token each).
-  Without chunking prefills go first (vLLM's default scheduler); with chunking prefill chunks
-  and decode steps alternate, a stand-in for SARATHI's mixed batches (Agrawal et al. 2023);
-- the prefill's last step yields the first token (TTFT); a request leaves after its last
-  decode, freeing its blocks.
+Requests arrive as a Poisson process (exponential gaps at rate lambda), or from N closed-loop
+users (each sends its next request when its previous one finished), with prompt and output
+lengths drawn from the Workload (log-normal, or a trace's pairs). The engine runs one step at a
+time [Kwon et al. 2023, sec. 4.5; Yu et al. 2022, Orca: iteration-level scheduling], scheduled
+by planner/serve/scheduler.py as vLLM's V1 scheduler, SGLang's or the CPU executor's does: a
+token budget per step, several prefills and chunked prefills beside the decodes (vLLM), paged KV
+blocks allocated as the tokens are computed and recompute preemption when they run out, prefix
+caching as an option. A prefill's last chunk yields the first token (TTFT); a request leaves
+after its last decode, freeing its blocks.
 Times per step come from planner/serve/cost.py. Common random numbers: the same seed gives the
 same lengths and the same unit gaps at every rate, so latency is monotone enough in lambda to
 bisect on.
@@ -20,14 +17,15 @@ from __future__ import annotations
 
 import math
 import random
-from collections import deque
 from typing import Any, Callable
 
 import numpy as np
 
+from planner.serve.scheduler import Scheduler, SchedulerConfig
 from planner.serve.spec import Target, Workload
 
 StepFn = Callable[[int, int], float]
+MixedFn = Callable[[list[tuple[int, int]], int, int], float]
 SUSTAINABLE = 0.95
 """Highest share of the saturation throughput a latency target is searched up to."""
 
@@ -59,42 +57,49 @@ def draw_requests(workload: Workload, rate_qps: float, n: int, seed: int,
 
 def simulate(prefill_fn: StepFn, decode_fn: StepFn, workload: Workload, rate_qps: float, *, requests: int = 300,
              seed: int | None = None, max_batch: int = 1, kv_blocks: int | None = None, block_size: int = 16,
-             prefill_chunk: int = 0, max_total: int | None = None, wake_s: float = 0.0) -> dict[str, Any]:
-    """Serve `requests` requests arriving at `rate_qps` (math.inf: all at time 0) on one engine.
+             prefill_chunk: int = 0, max_total: int | None = None, wake_s: float = 0.0, engine: str = "vllm",
+             mixed_fn: MixedFn | None = None, concurrency: int | None = None,
+             prefix_caching: bool = False) -> dict[str, Any]:
+    """Serve `requests` requests arriving at `rate_qps` (math.inf: all at time 0) on one engine
+    scheduled as `engine` (planner/serve/scheduler.py: vllm, sglang, executor) with a token
+    budget of prefill_chunk per step (0: unbounded) and `kv_blocks` paged blocks (None: unbounded).
 
-    prefill_fn(tokens, context) and decode_fn(batch, context_tokens) give step seconds
-    (context_tokens: tokens attended by the whole batch, each sequence's cached tokens plus its
-    new one). wake_s: added to the first step after the engine sat idle waiting for an arrival
-    (cost.SERVE_DEFAULTS serve_wake_s; the first step of all included). Returns mean/p50/p99 of ttft_s, tpot_s (per output token after the first) and
-    e2e_s, the achieved throughput and the steps run."""
+    prefill_fn(tokens, context) and decode_fn(batch, context_tokens) give the seconds of a step
+    that is one prefill chunk or only decodes (context_tokens: tokens attended by the whole
+    batch, each sequence's cached tokens plus its new one); mixed_fn(chunks, batch,
+    context_tokens) the seconds of any other step (chunks: [(tokens, context)]; default: the
+    sum of the chunks' prefill_fn and the decode_fn). concurrency N: closed loop, N users each
+    sending its next request when the previous one finishes (rate_qps unused). wake_s: added to
+    the first step after the engine sat idle waiting for an arrival. Returns mean/p50/p99 of
+    ttft_s, tpot_s (per output token after the first), e2e_s and queue_s (arrival to first
+    scheduled), the achieved throughput, the steps run and the preemptions."""
     if requests < 1 or not rate_qps > 0:
         raise ValueError(f"need requests >= 1 and rate > 0, got {requests}, {rate_qps}")
-    lens, arrival = draw_requests(workload, rate_qps, requests, workload.seed if seed is None else seed, max_total)
-    prompt = [p for p, _ in lens]
+    if concurrency is not None and concurrency < 1:
+        raise ValueError(f"need concurrency >= 1, got {concurrency}")
+    closed = concurrency is not None
+    lens, arrival = draw_requests(workload, math.inf if closed else rate_qps, requests,
+                                  workload.seed if seed is None else seed, max_total)
+    if closed:
+        arrival = [0.0 if i < concurrency else math.inf for i in range(requests)]
+    cfg = SchedulerConfig(engine=engine, max_num_seqs=max_batch, block_size=block_size,
+                          max_num_batched_tokens=prefill_chunk or math.inf,
+                          kv_blocks=math.inf if kv_blocks is None else kv_blocks,
+                          prefix_len=workload.prefix_len, prefix_caching=prefix_caching)
+    sched = Scheduler(cfg, lens)
     out = [o for _, o in lens]
-    need = [math.ceil((p + o) / block_size) for p, o in lens]
-    free = math.inf if kv_blocks is None else kv_blocks
-    done_pre = [0] * requests
-    gen = [0] * requests
     first = [math.nan] * requests
+    start = [math.nan] * requests
     finish = [math.nan] * requests
-    waiting: deque[int] = deque()
-    prefilling: deque[int] = deque()
-    decoding: list[int] = []
-    ctx_sum = 0
-    nxt, finished, now, last_decode, steps, idle = 0, 0, 0.0, True, 0, True
+    nxt, finished, now, steps, idle, released = 0, 0, 0.0, 0, True, min(requests, concurrency or requests)
     while finished < requests:
-        while nxt < requests and arrival[nxt] <= now:
-            waiting.append(nxt)
+        while nxt < released and arrival[nxt] <= now:
+            sched.add(nxt)
             nxt += 1
-        while waiting and len(prefilling) + len(decoding) < max_batch and need[waiting[0]] <= free:
-            i = waiting.popleft()
-            free -= need[i]
-            prefilling.append(i)
-        if not prefilling and not decoding:
-            if waiting:
-                raise ValueError(f"request of {prompt[waiting[0]] + out[waiting[0]]} tokens needs "
-                                 f"{need[waiting[0]]} KV blocks, the cache has {kv_blocks}")
+        step = sched.schedule()
+        if not step:
+            if not sched.idle():
+                raise ValueError(f"the engine cannot schedule request {sched.waiting[0]} with an empty batch")
             now = arrival[nxt]
             idle = True
             continue
@@ -102,59 +107,62 @@ def simulate(prefill_fn: StepFn, decode_fn: StepFn, workload: Workload, rate_qps
         if idle:
             now += wake_s
             idle = False
-        if prefilling and (prefill_chunk == 0 or not decoding or last_decode):
-            i = prefilling[0]
-            n = prompt[i] - done_pre[i]
-            if prefill_chunk:
-                n = min(n, prefill_chunk)
-            now += prefill_fn(n, done_pre[i])
-            done_pre[i] += n
-            last_decode = False
-            if done_pre[i] == prompt[i]:
-                prefilling.popleft()
-                first[i], gen[i] = now, 1
-                if gen[i] >= out[i]:
-                    finish[i], finished, free = now, finished + 1, free + need[i]
-                else:
-                    decoding.append(i)
-                    ctx_sum += prompt[i] + 1
-            continue
-        now += decode_fn(len(decoding), ctx_sum)
-        last_decode = True
-        still = []
-        for i in decoding:
-            gen[i] += 1
-            if gen[i] >= out[i]:
-                finish[i], finished, free = now, finished + 1, free + need[i]
-                ctx_sum -= prompt[i] + gen[i] - 1
-            else:
-                still.append(i)
-                ctx_sum += 1
-        decoding = still
+        began = now
+        ctx = sched.decode_context(step)
+        chunks = [(n, c) for _, n, c in step.chunks]
+        if not step.decodes and len(chunks) == 1:
+            now += prefill_fn(*chunks[0])
+        elif not chunks:
+            now += decode_fn(len(step.decodes), ctx)
+        elif mixed_fn is not None:
+            now += mixed_fn(chunks, len(step.decodes), ctx)
+        else:
+            now += sum(prefill_fn(n, c) for n, c in chunks) + (decode_fn(len(step.decodes), ctx) if step.decodes else 0.0)
+        for i, _, _ in step.chunks:
+            if math.isnan(start[i]):
+                start[i] = began
+        firsts, done = sched.complete(step)
+        for i in firsts:
+            first[i] = now
+        for i in done:
+            finish[i] = now
+            finished += 1
+            if closed and released < requests:  # the user sends its next request
+                arrival[released] = now
+                released += 1
     ttft = [f - a for f, a in zip(first, arrival)]
     e2e = [f - a for f, a in zip(finish, arrival)]
     tpot = [(e - f) / (o - 1) for e, f, o in zip(finish, first, out) if o > 1]
     span = max(finish) - min(arrival)
     return {"requests": requests, "rate_qps": rate_qps, "ttft_s": _stats(ttft), "tpot_s": _stats(tpot),
-            "e2e_s": _stats(e2e), "achieved_qps": requests / span if span > 0 else math.inf,
-            "output_tokens_per_s": sum(out) / span if span > 0 else math.inf, "steps": steps}
+            "e2e_s": _stats(e2e), "queue_s": _stats([s - a for s, a in zip(start, arrival)]),
+            "achieved_qps": requests / span if span > 0 else math.inf,
+            "output_tokens_per_s": sum(out) / span if span > 0 else math.inf, "steps": steps,
+            "preemptions": sched.preemptions}
 
 
 def replica_runner(model: Any, cluster: Any, dep: Any, workload: Workload, mem: dict[str, Any], *,
                    requests: int = 300, seed: int | None = None) -> Callable[[float], dict[str, Any]]:
     """rate (all replicas) -> simulate() of one replica at rate / replicas (a Poisson stream split
-    evenly is Poisson), with its achieved throughput scaled back to all replicas."""
-    from planner.serve.cost import serve_factor, step_fns
+    evenly is Poisson; with Workload.concurrency every finite rate is the closed loop of
+    concurrency / replicas users each, rounded up, math.inf all requests at once), scheduled as
+    dep.engine with its token budget (cost.engine_budget), with its achieved throughput scaled
+    back to all replicas."""
+    from planner.serve.cost import engine_budget, mixed_fn, serve_factor, step_fns
     prefill, decode = step_fns(model, cluster, dep)
+    mixed = mixed_fn(model, cluster, dep)
     wake = serve_factor(cluster, "serve_wake_s")
+    budget = engine_budget(cluster, dep)
+    users = math.ceil(workload.concurrency / dep.replicas) if workload.concurrency else None
     cache: dict[float, dict[str, Any]] = {}
 
     def run(rate: float) -> dict[str, Any]:
         if rate not in cache:
             r = simulate(prefill, decode, workload, rate / dep.replicas, requests=requests, seed=seed,
-                         max_batch=min(dep.max_batch, mem["batch_limit"]), kv_blocks=mem["kv_blocks"],
-                         block_size=dep.block_size, prefill_chunk=dep.prefill_chunk, max_total=workload.max_total(),
-                         wake_s=wake)
+                         max_batch=dep.max_batch, kv_blocks=mem["kv_blocks"], block_size=dep.block_size,
+                         prefill_chunk=0 if math.isinf(budget) else int(budget), max_total=workload.max_total(),
+                         wake_s=wake, engine=dep.engine, mixed_fn=mixed, prefix_caching=dep.prefix_caching,
+                         concurrency=users if users and not math.isinf(rate) else None)
             r["rate_qps"] = rate
             r["achieved_qps"] *= dep.replicas
             r["output_tokens_per_s"] *= dep.replicas

@@ -18,7 +18,8 @@ from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
 
 BATCHES = (1, 4, 8, 16, 32, 64, 128, 256)
-CHUNKS = (0, 512, 2048)
+CHUNKS = (0, 512, 8192)
+"""Tokens per step: the engine's default (cost.engine_budget), small, large."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -32,6 +33,8 @@ class Space:
     kv_precision: tuple[str, ...] = ("bf16", "fp8")
     """fp8 only where the device supports it; int8 only when asked for."""
     prefill_chunk: tuple[int, ...] = CHUNKS
+    engine: str = "vllm"
+    prefix_caching: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,15 +51,17 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, workload: Workload, space
     n = cluster.world_size
     tps = space.tp or tuple(t for t in range(1, n + 1) if n % t == 0 and t <= cluster.gpus_per_node)
     kvs = tuple(k for k in space.kv_precision if k != "fp8" or cluster.device.fp8)
+    wps = tuple(w for w in space.weight_precision if w != "fp8" or cluster.device.fp8)
     for t in tps:
         for b in space.max_batch:
-            for w in space.weight_precision:
+            for w in wps:
                 for kv in kvs:
                     for c in space.prefill_chunk:
                         if c and c >= workload.max_prompt():
                             continue  # a chunk longer than any prompt is the whole prompt
                         yield Deployment(tp=t, replicas=max(1, n // t), max_batch=b, weight_precision=w,
-                                         kv_precision=kv, prefill_chunk=c)
+                                         kv_precision=kv, prefill_chunk=c, engine=space.engine,
+                                         prefix_caching=space.prefix_caching)
 
 
 def analytic(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, workload: Workload,
@@ -65,7 +70,8 @@ def analytic(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, workload: 
     a full batch of B sequences finishes B requests every B prefills plus output_len decode steps
     at the mid-generation context; alone: its prefill plus output_len - 1 decode steps."""
     b = max(1, min(dep.max_batch, mem["batch_limit"]))
-    p, o = workload.prompt_len, workload.output_len
+    mp, mo = workload.mean_lengths()
+    p, o = max(1, round(mp)), max(1, round(mo))
     pre = prompt_time_s(model, cluster, dep, p)
     mid = b * (p + o // 2 + 1)
     cycle = b * pre + o * decode_step_time_s(model, cluster, dep, b, mid)
@@ -85,7 +91,7 @@ def _score(est: ServeEstimate, target: Target | None) -> tuple:
 
 def search_deployments(model: ModelSpec, cluster: ClusterSpec, workload: Workload, *, target: Target | None = None,
                        space: Space = Space(), simulate: int = 24, requests: int = 300,
-                       seed: int | None = None) -> ServeSearch:
+                       seed: int | None = None, rate_qps: float | None = None) -> ServeSearch:
     """Rank the deployments of `space` on `cluster` for `workload` (best first)."""
     check_workload(model, workload)
     pool, reasons, evaluated = [], {}, 0
@@ -116,10 +122,28 @@ def search_deployments(model: ModelSpec, cluster: ClusterSpec, workload: Workloa
         by_qps = sorted(pool, key=lambda x: -x[1])
         picked = by_qps[:simulate]
         picked += [x for x in sorted(pool, key=lambda x: x[2]) if x not in picked][:simulate // 4]
-    ests = [estimate_serving(model, cluster, dep, workload, target=target, requests=requests, seed=seed)
-            for dep, _, _ in picked]
+    ests = [estimate_serving(model, cluster, dep, workload, target=target, requests=requests, seed=seed,
+                             rate_qps=rate_qps) for dep, _, _ in picked]
     ests.sort(key=lambda e: _score(e, target))
     return ServeSearch(ranked=ests, evaluated=evaluated, infeasible=evaluated - len(pool), reasons=reasons)
+
+
+def distinct(ranked: list[ServeEstimate]) -> list[ServeEstimate]:
+    """The ranking with one row per deployment that behaves differently: a larger max batch that
+    the load never fills gives the same estimate as the smaller one (same TP, precisions and
+    budget; TTFT, TPOT, p99 and max QPS within 1%), and only the first of them is kept."""
+    def same(a: ServeEstimate, b: ServeEstimate) -> bool:
+        da, db = a.deployment, b.deployment
+        if (da.tp, da.weight_precision, da.kv_precision, da.prefill_chunk) != \
+                (db.tp, db.weight_precision, db.kv_precision, db.prefill_chunk):
+            return False
+        pairs = [(a.ttft_s, b.ttft_s), (a.tpot_s, b.tpot_s), (a.e2e_p99_s, b.e2e_p99_s), (a.max_qps, b.max_qps)]
+        return all(abs(x - y) <= 0.01 * max(abs(x), abs(y), 1e-12) for x, y in pairs)
+    out: list[ServeEstimate] = []
+    for e in ranked:
+        if not any(same(e, k) for k in out):
+            out.append(e)
+    return out
 
 
 def closest_miss(result: ServeSearch, target: Target) -> str:

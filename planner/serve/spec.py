@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from planner.errors import SpecError
+from planner.serve.scheduler import ENGINES
 
 WEIGHT_BYTES: dict[str, float] = {
     # bytes per linear-layer weight, group-wise scales included: GPTQ (Frantar et al. 2022) and
@@ -16,10 +17,11 @@ WEIGHT_BYTES: dict[str, float] = {
     "bf16": 2.0,
     "int8": 1.0 + 2.0 / 128,
     "int4": 0.5 + 4.0 / 128,
+    "fp8": 1.0,   # W8A8 FP8 (vLLM --quantization fp8: per-tensor scales), GPUs with FP8 only
     "fp32": 4.0,  # the executor's CPU runs (planner/executor/serve_run.py); never searched
 }
 KV_BYTES: dict[str, float] = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0, "fp32": 4.0}
-SEARCH_WEIGHTS = ("bf16", "int8", "int4")
+SEARCH_WEIGHTS = ("bf16", "int8", "int4", "fp8")
 SEARCH_KV = ("bf16", "fp8", "int8")
 TARGET_KINDS = ("p50", "p99", "qps")
 LATENCY_METRICS = ("e2e", "ttft", "tpot")
@@ -49,6 +51,13 @@ class Workload:
     """Log-normal sigma of output lengths around the median (0: every output is output_len)."""
     seed: int = 0
     """Seed of the length and arrival draws."""
+    trace: tuple[tuple[int, int], ...] = ()
+    """(prompt, output) pairs replayed in order, cycling (a trace file); () = the distributions."""
+    concurrency: int = 0
+    """Closed loop: N users, each sending its next request when its last one finished (0: the
+    arrivals are a Poisson stream at the searched rate)."""
+    prefix_len: int = 0
+    """Prompt tokens every request shares (a system prompt), reusable with prefix caching."""
 
     def __post_init__(self) -> None:
         _int(self.prompt_len, "--prompt-len", 1, "give the prompt length in tokens, e.g. 512")
@@ -56,12 +65,26 @@ class Workload:
         _num(self.prompt_sigma, "--prompt-sigma", "give a log-normal sigma, e.g. 0.5 (0: fixed length)")
         _num(self.output_sigma, "--output-sigma", "give a log-normal sigma, e.g. 0.5 (0: fixed length)")
         _int(self.seed, "--seed", 0, "give a seed >= 0")
+        _int(self.concurrency, "--concurrency", 0, "give the number of users, e.g. 32 (0: Poisson arrivals)")
+        _int(self.prefix_len, "--prefix-len", 0, "give the shared prompt prefix in tokens, e.g. 256 (0: none)")
+        if not isinstance(self.trace, tuple) or not all(
+                isinstance(t, tuple) and len(t) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
+                                                           for v in t) for t in self.trace):
+            raise SpecError("--trace", "must hold (prompt, output) pairs of integers >= 1",
+                            "write one 'prompt_tokens,output_tokens' pair per line")
 
     def sample(self, n: int, rng: random.Random, max_total: int | None = None) -> list[tuple[int, int]]:
         """n (prompt, output) lengths: log-normal around the medians (median of exp(mu + sigma Z)
         is exp(mu)), rounded, at least 1, and clipped so prompt + output <= max_total."""
         out = []
-        for _ in range(n):
+        for k in range(n):
+            if self.trace:
+                p, o = self.trace[k % len(self.trace)]
+                if max_total is not None and p + o > max_total:
+                    p = max(1, min(p, max_total - 1))
+                    o = max(1, max_total - p)
+                out.append((p, o))
+                continue
             p = max(1, round(self.prompt_len * math.exp(self.prompt_sigma * rng.gauss(0.0, 1.0)))) \
                 if self.prompt_sigma > 0 else self.prompt_len
             o = max(1, round(self.output_len * math.exp(self.output_sigma * rng.gauss(0.0, 1.0)))) \
@@ -73,18 +96,35 @@ class Workload:
         return out
 
     def max_prompt(self) -> int:
-        """Longest prompt drawn: the median when sigma is 0, else its 99.9th percentile (z = 3.09)."""
+        """Longest prompt drawn: the median when sigma is 0, else its 99.9th percentile (z = 3.09);
+        a trace's longest."""
+        if self.trace:
+            return max(p for p, _ in self.trace)
         return int(math.ceil(self.prompt_len * math.exp(3.09 * self.prompt_sigma)))
 
     def max_total(self) -> int:
         """Longest prompt + output the deployment must hold: the medians when sigma is 0, else
-        the 99.9th percentile of each (z = 3.09)."""
+        the 99.9th percentile of each (z = 3.09); a trace's longest pair. The engine's
+        --max-model-len; the KV cache is not reserved at this length for every sequence (blocks
+        are allocated as tokens are computed: planner/serve/scheduler.py)."""
+        if self.trace:
+            return max(p + o for p, o in self.trace)
         p = self.prompt_len * math.exp(3.09 * self.prompt_sigma)
         o = self.output_len * math.exp(3.09 * self.output_sigma)
         return int(math.ceil(p) + math.ceil(o))
 
+    def mean_lengths(self) -> tuple[float, float]:
+        """Mean (prompt, output) tokens per request: a trace's, or the log-normals' (median x
+        exp(sigma^2 / 2))."""
+        if self.trace:
+            return (sum(p for p, _ in self.trace) / len(self.trace), sum(o for _, o in self.trace) / len(self.trace))
+        return (self.prompt_len * math.exp(self.prompt_sigma ** 2 / 2),
+                self.output_len * math.exp(self.output_sigma ** 2 / 2))
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        out["trace"] = [list(t) for t in self.trace]
+        return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,13 +138,18 @@ class Deployment:
     max_batch: int = 1
     """Most sequences decoded together (vLLM --max-num-seqs)."""
     weight_precision: str = "bf16"
-    """bf16, or weight-only int8 / int4 (activations stay bf16)."""
+    """bf16, weight-only int8 / int4 (activations stay bf16), or fp8 weights and activations."""
     kv_precision: str = "bf16"
     """KV-cache element type: bf16, fp8 (vLLM --kv-cache-dtype fp8) or int8."""
     prefill_chunk: int = 0
-    """Prompt tokens per prefill step (vLLM chunked prefill, --max-num-batched-tokens); 0 = whole prompt."""
+    """Tokens per engine step, prefill chunks and decodes together (vLLM --max-num-batched-tokens,
+    SGLang --chunked-prefill-size); 0 = the engine's default (engine_budget)."""
     block_size: int = 16
     """Tokens per paged KV block (vLLM --block-size, default 16)."""
+    engine: str = "vllm"
+    """vllm, sglang, or executor (the CPU lab's engine, planner/executor/generate.py)."""
+    prefix_caching: bool = False
+    """Reuse the cached KV of a prompt prefix all requests share (Workload.prefix_len)."""
 
     def __post_init__(self) -> None:
         _int(self.tp, "deployment.tp", 1, "use a tensor-parallel degree >= 1")
@@ -115,6 +160,8 @@ class Deployment:
         if self.weight_precision not in WEIGHT_BYTES:
             raise SpecError("--weight-precision", f"unknown {self.weight_precision!r}",
                             f"use one of {', '.join(WEIGHT_BYTES)}")
+        if self.engine not in ENGINES:
+            raise SpecError("--engine", f"unknown {self.engine!r}", f"use one of {', '.join(ENGINES)}")
         if self.kv_precision not in KV_BYTES:
             raise SpecError("--kv-precision", f"unknown {self.kv_precision!r}", f"use one of {', '.join(KV_BYTES)}")
 
@@ -123,8 +170,8 @@ class Deployment:
         return self.tp * self.replicas
 
     def describe(self) -> str:
-        chunk = f"chunk {self.prefill_chunk}" if self.prefill_chunk else "whole prefill"
-        return (f"TP{self.tp} x {self.replicas} replica(s), batch {self.max_batch}, weights {self.weight_precision}, "
+        chunk = f"{self.prefill_chunk} tokens/step" if self.prefill_chunk else "default tokens/step"
+        return (f"{self.engine} TP{self.tp} x {self.replicas} replica(s), batch {self.max_batch}, weights {self.weight_precision}, "
                 f"KV {self.kv_precision}, {chunk}")
 
     def to_dict(self) -> dict[str, Any]:
@@ -187,7 +234,16 @@ class ServeEstimate:
     max_qps: float = 0.0
     """Saturation throughput of all replicas, requests/s."""
     memory_gb: dict[str, float] = field(default_factory=dict)
-    """Per GPU: weights, kv_cache, activations, runtime, total, capacity (usable)."""
+    """Per GPU, GiB (2^30 bytes, as the engines count): weights, kv_cache, activations, runtime,
+    total, capacity (usable)."""
+    overloaded: bool = False
+    """The rate simulated exceeds max_qps: the queue grows without bound."""
+    backlog_growth_qps: float = 0.0
+    """How fast the queue grows when overloaded: rate_qps - max_qps requests/s."""
+    queue_p99_s: float = math.nan
+    """99th percentile of the wait from arrival to the first scheduled step."""
+    preemptions: int = 0
+    """Requests preempted (KV blocks ran out; recomputed later) in the simulation."""
     kv_capacity_tokens: int = 0
     """Tokens the paged KV cache of one replica holds."""
     batch_limit: int = 0

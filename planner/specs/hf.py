@@ -110,10 +110,13 @@ def _kv(cfg: _Config, heads: int, key: str) -> int | None:
 
 
 def _llama_like(cfg: _Config, name: str, family: str) -> ModelSpec:
-    """llama, glm (GlmForCausalLM) and glm4 (Glm4ForCausalLM): SwiGLU, RMSNorm, rotary, GQA."""
+    """llama, mistral, qwen2, qwen3 (transformers' LlamaConfig keys), glm (GlmForCausalLM) and
+    glm4 (Glm4ForCausalLM): SwiGLU, RMSNorm, rotary, GQA."""
     heads = cfg.int("num_attention_heads")
-    bias = cfg.bool("attention_bias", family != "llama")   # GLM-4 has a QKV bias (GlmConfig default True)
-    llama = family == "llama"
+    llama = family in LLAMA_STYLE
+    # a QKV bias: GLM-4 (GlmConfig default True) and Qwen2 (Qwen2Attention's q/k/v have bias=True);
+    # llama, mistral and qwen3 have none (Qwen3Config attention_bias default False)
+    bias = cfg.bool("attention_bias", family in ("glm", "glm4", "qwen2"))
     # rotary: transformers 5 nests rope_theta / partial_rotary_factor in rope_parameters, older
     # configs keep them at the top level; GLM rotates half of each head in interleaved pairs
     # (GlmConfig default partial_rotary_factor 0.5), llama the whole head with rotate_half
@@ -126,7 +129,7 @@ def _llama_like(cfg: _Config, name: str, family: str) -> ModelSpec:
         name=name, model_type=family, hidden=cfg.int("hidden_size"), layers=cfg.int("num_hidden_layers"),
         heads=heads, kv_groups=_kv(cfg, heads, "num_key_value_heads"), ffn_hidden=cfg.int("intermediate_size"),
         activation=_activation(cfg, "hidden_act", "silu", "swiglu"), vocab=cfg.int("vocab_size"),
-        max_seq=cfg.int("max_position_embeddings", default=4096 if family == "llama" else 131072),
+        max_seq=cfg.int("max_position_embeddings", default=4096 if llama else 131072),
         norm="rmsnorm", norm_position="pre", position="rotary", qkv_bias=bias,
         linear_bias=cfg.bool("mlp_bias", False), tied_embeddings=cfg.bool("tie_word_embeddings", False),
         head_dim=cfg.int("head_dim", default=None), **cfg.dropout((), ("attention_dropout",)), **rope)
@@ -208,8 +211,11 @@ def _bloom(cfg: _Config, name: str, family: str) -> ModelSpec:
         **cfg.dropout(("hidden_dropout",), ("attention_dropout",)))
 
 
+LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen3")
+"""Families with llama's layout and rotary convention (whole head, rotate_half)."""
 FAMILIES: dict[str, Callable[[_Config, str, str], ModelSpec]] = {
-    "chatglm": _chatglm, "glm": _glm, "glm4": _llama_like, "llama": _llama_like,
+    "chatglm": _chatglm, "glm": _glm, "glm4": _llama_like, "llama": _llama_like, "mistral": _llama_like,
+    "qwen2": _llama_like, "qwen3": _llama_like,
     "gpt_neox": _gpt_neox, "gpt2": _gpt2, "bloom": _bloom,
 }
 

@@ -132,3 +132,18 @@ def test_norm_eps_and_rotary_convention_per_family():
     assert spec_from_hf(CHATGLM3_6B).rope_theta == 10000.0 and spec_from_hf(CHATGLM3_6B).norm_eps == 1e-5
     with pytest.raises(SpecError, match="rope_theta"):
         spec_from_hf(dict(LLAMA2_7B, rope_theta=-1))
+
+
+def test_qwen3_and_mistral_configs_are_llama_style():
+    # Qwen3-8B's config.json (published parameter count 8.2B) and Mistral-7B-v0.3's (7.25B)
+    q3 = {"model_type": "qwen3", "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,
+          "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936,
+          "max_position_embeddings": 40960, "rope_theta": 1000000, "tie_word_embeddings": False,
+          "hidden_act": "silu", "rms_norm_eps": 1e-6}
+    m = spec_from_hf(q3, "qwen3-8b")
+    assert m.params == 8_190_726_144 and not m.qkv_bias and m.kv_heads == 8 and m.max_seq == 40960
+    mi = {"model_type": "mistral", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+          "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32768,
+          "max_position_embeddings": 32768, "hidden_act": "silu"}
+    assert spec_from_hf(mi, "mistral-7b").params == 7_248_023_552
+    assert spec_from_hf({**q3, "model_type": "qwen2"}, "q2").qkv_bias  # Qwen2's q/k/v carry a bias

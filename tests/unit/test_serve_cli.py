@@ -51,6 +51,13 @@ def test_fp8_on_hopper(capsys, tmp_path):
     (["--target-p50-ms", "100", "--target-qps", "3"], "one target"),
     (["--prompt-len", "0"], "--prompt-len"),
     (["--tp", "3"], "--tp"),
+    (["--rate-qps", "-1"], "--rate-qps"),
+    (["--rate-qps", "nan"], "--rate-qps"),
+    (["--rate-qps", "5", "--concurrency", "4"], "give one of them"),
+    (["--concurrency", "-2"], "--concurrency"),
+    (["--trace", "/nonexistent/trace.csv"], "cannot read"),
+    (["--weight-precision", "fp8"], "FP8"),                  # A100: no FP8 tensor cores
+    (["--prefix-len", "600"], "--prefix-len"),
 ])
 def test_bad_input_one_line(capsys, tmp_path, extra, needle):
     rc, out, err = run(capsys, *BASE, "--max-batch", "16", *extra, "--out-dir", str(tmp_path), "--name", "bad")
@@ -77,3 +84,25 @@ def test_variant_side_by_side_in_report(capsys, tmp_path):
     rc, _, err = run(capsys, *BASE, "--max-batch", "64", "--out-dir", str(tmp_path), "--name", "b")
     assert rc == 0 and "variant_comparison" not in (tmp_path / "b" / "serve_plan.json").read_text()
     assert 'id="variant"' not in (tmp_path / "b" / "serve_report.html").read_text()
+
+
+def test_engines_and_workloads(capsys, tmp_path):
+    """SGLang's script; N closed-loop users; a trace file; a rate above saturation answered with
+    the queue's growth instead of refused."""
+    rc, out, err = run(capsys, *BASE, "--max-batch", "16", "--engine", "sglang", "--concurrency", "8",
+                       "--out-dir", str(tmp_path), "--name", "sg")
+    assert rc == 0, err
+    assert "sglang.launch_server" in (tmp_path / "sg" / "sglang_serve.sh").read_text()
+    assert "closed loop, 8 users" in out
+    plan = json.loads((tmp_path / "sg" / "serve_plan.json").read_text())
+    assert plan["inputs"]["workload"]["concurrency"] == 8 and plan["deployment"]["engine"] == "sglang"
+    trace = tmp_path / "trace.csv"
+    trace.write_text("prompt,output\n200,50\n900,120\n")
+    rc, out, err = run(capsys, *BASE, "--max-batch", "16", "--trace", str(trace), "--rate-qps", "1000",
+                       "--out-dir", str(tmp_path), "--name", "tr")
+    assert rc == 0, err
+    est = json.loads((tmp_path / "tr" / "serve_plan.json").read_text())["estimate"]
+    assert est["overloaded"] and est["backlog_growth_qps"] == pytest.approx(1000 - est["max_qps"])
+    assert "overloaded: 1000 requests/s offered" in out
+    assert json.loads((tmp_path / "tr" / "serve_plan.json").read_text())["inputs"]["workload"]["trace"] == \
+        [[200, 50], [900, 120]]

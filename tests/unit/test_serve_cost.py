@@ -74,7 +74,7 @@ def test_cpu_adds_memory_and_compute():
     assert cost.decode_step_time_s(MODEL, cluster(device=cpu), Deployment(), 1, 100) == pytest.approx(
         153_728e-12 + 178_688 / 5e13)
     # prefill of 100 tokens: its compute (as below) + the 128,128 B weight read
-    flops = 2 * (2 * 100 * 28_672 + 4 * 100 * 100 * 64) + 2 * 64 * 100
+    flops = 2 * (2 * 100 * 28_672 + 4 * 5050 * 64) + 2 * 64 * 100  # causal: 5,050 pairs
     assert cost.prefill_time_s(MODEL, cluster(device=cpu), Deployment(), 100) == pytest.approx(
         flops / 5e13 + 128_128 / 1e12)
     # step_fns (the simulation's memoised path) agrees with the direct one
@@ -93,13 +93,16 @@ def test_decode_compute_floor_at_large_batch():
 
 def test_prefill_compute_bound_and_chunks():
     t = cost.prefill_terms(MODEL, cluster(), Deployment(), 100)
-    flops = 2 * (2 * 100 * 28_672 + 4 * 100 * 100 * 64) + 2 * 64 * 100   # logits of the last token only
+    # causal attention: 100 x 101 / 2 = 5,050 (query, key) pairs kept of the 100 x 100 square
+    flops = 2 * (2 * 100 * 28_672 + 4 * 5050 * 64) + 2 * 64 * 100   # logits of the last token only
     assert t["compute_s"] == pytest.approx(flops / 5e13)
     assert t["memory_s"] == pytest.approx(128_128 / 1e12)                  # the weight-read floor
     assert cost.prefill_time_s(MODEL, cluster(), Deployment(), 100) == pytest.approx(flops / 5e13)
-    # a chunk of 50 after 50 cached tokens attends to 100 keys [SARATHI]
+    # a chunk of 50 after 50 cached tokens attends to the 50 cached keys and, causally, its own
+    # 50 x 51 / 2 pairs [SARATHI]: 2,500 + 1,275 = 3,775 pairs; it reads the 50 cached tokens' KV
     t2 = cost.prefill_terms(MODEL, cluster(), Deployment(), 50, 50)
-    assert t2["compute_s"] == pytest.approx((2 * (2 * 50 * 28_672 + 4 * 50 * 100 * 64) + 12_800) / 5e13)
+    assert t2["compute_s"] == pytest.approx((2 * (2 * 50 * 28_672 + 4 * 3775 * 64) + 12_800) / 5e13)
+    assert t2["memory_s"] == pytest.approx((128_128 + 50 * 256) / 1e12)
     whole = cost.prompt_time_s(MODEL, cluster(), Deployment(prefill_chunk=50), 100)
     first = cost.prefill_time_s(MODEL, cluster(), Deployment(), 50, 0)
     assert whole == pytest.approx(first + cost.prefill_time_s(MODEL, cluster(), Deployment(), 50, 50))
@@ -118,17 +121,29 @@ def test_tp_all_reduces():
 
 
 def test_memory_and_kv_capacity():
-    # 1 MB device: 0.9 MB usable - weights 140,928 - activations (150 tokens x (2 x 64 + 2 x 128) x 2 B
-    # + 64 x 100 fp32 logits) = 900,000 - 140,928 - 115,200 - 25,600 = 618,272 B -> 150 blocks of 16 x 256 B
+    # 0.001 GiB device (1,073,741.824 B): 0.9 of it usable - weights 140,928 - activations of the
+    # profiling step of max_num_batched_tokens = 150 tokens (150 x (2 x 64 + 2 x 128) x 2 B + 64 x 100
+    # fp32 logits) = 966,367.64 - 140,928 - 115,200 - 25,600 = 684,639.64 B -> 167 blocks of 16 x 256 B
     tiny = dataclasses.replace(DEVICE, memory_gb=0.001)
-    mem = cost.serve_memory(MODEL, cluster(device=tiny), Deployment(max_batch=64), Workload(prompt_len=100, output_len=50))
-    assert mem["weights"] == pytest.approx(140_928 / 1e9)
-    assert mem["activations"] == pytest.approx((115_200 + 25_600) / 1e9)
-    assert mem["kv_blocks"] == 150
-    assert mem["kv_capacity_tokens"] == 150 * 16
+    dep = Deployment(max_batch=64, prefill_chunk=150)
+    mem = cost.serve_memory(MODEL, cluster(device=tiny), dep, Workload(prompt_len=100, output_len=50))
+    assert mem["capacity"] == pytest.approx(0.9 * 0.001)                   # GiB
+    assert mem["weights"] == pytest.approx(140_928 / 2**30)
+    assert mem["activations"] == pytest.approx((115_200 + 25_600) / 2**30)
+    assert mem["kv_blocks"] == 167
+    assert mem["kv_capacity_tokens"] == 167 * 16
     assert mem["blocks_per_sequence"] == 10                                # ceil(150 / 16)
-    assert mem["batch_limit"] == 15                                        # 150 // 10 < max_batch 64
+    assert mem["batch_limit"] == 16                                        # 167 // 10 < max_batch 64
     assert mem["fits"]
+    # a log-normal spread does not reserve the tail for every sequence: the batch limit counts mean
+    # lengths (100 e^0.125 + 50 e^0.125 = 170 tokens, 11 blocks), the longest request only has to fit
+    spread = cost.serve_memory(MODEL, cluster(device=tiny), dep,
+                               Workload(prompt_len=100, output_len=50, prompt_sigma=0.5, output_sigma=0.5))
+    assert spread["batch_limit"] == 167 // 11 and spread["blocks_per_sequence"] == 44  # ceil(704 / 16): the 99.9th percentiles
+    # SGLang: mem_fraction_static 0.88 x capacity holds the weights and the KV pool
+    sg = cost.serve_memory(MODEL, cluster(device=tiny), Deployment(max_batch=64, engine="sglang"),
+                           Workload(prompt_len=100, output_len=50))
+    assert sg["kv_blocks"] == int((0.88 * 0.001 * 2**30 - 140_928) // 4096)
     small = dataclasses.replace(DEVICE, memory_gb=0.0003)
     assert not cost.serve_memory(MODEL, cluster(device=small), Deployment(), Workload(prompt_len=100, output_len=50))["fits"]
 

@@ -1,0 +1,43 @@
+"""Measured speed of the quantized weight kernels (profiles/serving/kernels.json).
+
+A weight-only int4/int8 GEMM of `rows` tokens runs at its roofline (the quantized weight bytes
+at the bandwidth, the FLOPs at the fp16 tensor rate: planner/serve/cost.py step_terms) divided
+by the kernel's measured efficiency at that row count: Marlin's speedup over FP16 divided by
+the ideal speedup, both read off its README's figure (source in the file). 1 up to 32 rows,
+0.945 at 64-128, held beyond 128 (an extrapolation: the file says so). int8 uses the int4
+curve (no 8-bit curve published); fp8 and bf16: 1.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+
+from planner.specs.hardware import PROFILES_DIR
+
+KERNELS_FILE = PROFILES_DIR / "serving" / "kernels.json"
+
+
+@functools.lru_cache(maxsize=1)
+def _curve() -> tuple[tuple[float, ...], tuple[float, ...]]:
+    data = json.loads(KERNELS_FILE.read_text())["int4"]
+    rows = tuple(float(r) for r in data["rows"])
+    eff = tuple(min(1.0, s / i) for s, i in zip(data["speedup_over_fp16"], data["ideal_speedup"]))
+    return rows, eff
+
+
+def kernel_efficiency(weight_precision: str, rows: int) -> float:
+    """Share of its roofline speed a linear layer of `rows` tokens reaches at this weight
+    precision: the Marlin curve for int4 and int8 (log-linear between the measured row
+    counts, the end values outside them), 1 otherwise."""
+    if weight_precision not in ("int4", "int8"):
+        return 1.0
+    xs, ys = _curve()
+    r = max(1.0, float(rows))
+    if r <= xs[0]:
+        return ys[0]
+    if r >= xs[-1]:
+        return ys[-1]
+    k = next(i for i in range(1, len(xs)) if r <= xs[i])
+    w = (math.log(r) - math.log(xs[k - 1])) / (math.log(xs[k]) - math.log(xs[k - 1]))
+    return ys[k - 1] + w * (ys[k] - ys[k - 1])
