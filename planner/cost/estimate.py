@@ -146,6 +146,10 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
     else:
         dp_sync, zero_gather = dp_comm(cluster, plan, engine, psi, f, tuple(times), backward), 0.0
     opt = optimizer_time(cluster, plan, engine, psi, f)
+    if model.moe is not None:  # the experts' own gradient sync and optimizer step (planner.cost.moe)
+        e_sync, e_opt = moe.expert_sync_and_step(model, cluster, plan, layers, f, backward, _act_bytes(plan.precision),
+                                                 engines.engine_for(moe.expert_plan(plan)).optimizer_sharded)
+        dp_sync, opt = dp_sync + e_sync, opt + e_opt
 
     time = _breakdown(lc, bt, plan, layers[slow], ckpt[slow], slow == 0, slow == p - 1, m)
     time = TimeBreakdown(**{**time, "pp_comm": pp_comm, "bubble": bubble, "dp_sync": dp_sync,

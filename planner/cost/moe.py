@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 from planner.cost import compute
+from planner.cost.comm import allreduce_time as comm_allreduce
 from planner.cost.longctx import alltoall_time, axis_link
 from planner.specs.hardware import ClusterSpec, DeviceProfile
 from planner.specs.model import ModelSpec
@@ -148,3 +149,31 @@ def model_flops_per_sequence(model: ModelSpec, s: int) -> float:
     if not model.moe:
         return compute.model_flops_per_sequence(model, s)
     return 3.0 * (model.layers * block_forward_flops(model, s) + compute.logits_forward_flops(model, s, 1))
+
+
+ADAM_BYTES = 30.0
+"""Memory traffic of one mixed-precision Adam update per parameter (planner.cost.estimate.ADAM_BYTES;
+28 in fp32)."""
+
+
+def expert_sync_and_step(model: ModelSpec, cluster: ClusterSpec, plan: Plan, layers: tuple[int, ...],
+                         f: dict[str, float], backward: tuple[float, ...], e: float,
+                         sharded: bool) -> tuple[float, float]:
+    """(exposed gradient sync, optimizer step) seconds per step of the routed experts, on the
+    slowest stage: their gradients are all-reduced (ZeRO 1-2: reduce-scattered and gathered,
+    the same volume) over the dp / ep expert-data-parallel ranks (ranks at stride tp x ep:
+    longctx.axis_link), hiding up to dp_overlap of it behind the stage's backward like the
+    dense gradients (planner.cost.estimate.dp_comm); Adam updates their 1/(dp/ep) share when the
+    optimizer is sharded (ZeRO 1-2), all of them otherwise."""
+    dp_e = plan.dp // plan.ep
+    per_block = share(model) * expert_params(model, plan.ep)
+    bw, lat, _ = axis_link(cluster, plan.tp * plan.ep, dp_e)
+    sync = step = 0.0
+    for n, back in zip(layers, backward):
+        psi = n * per_block
+        t = comm_allreduce(psi * e, dp_e, bw, lat * f["latency_scale"], f["comm_efficiency"])
+        sync = max(sync, max(t - f["dp_overlap"] * min(t, back), 0.0) * (plan.grad_accum if plan.zero == 2 else 1))
+        per = ADAM_BYTES if plan.precision != "fp32" else 28.0
+        step = max(step, psi / (dp_e if sharded else 1) * per / (cluster.device.hbm_bandwidth_gbps * 1e9)
+                   * f["optimizer_scale"])
+    return sync, step

@@ -119,3 +119,20 @@ def test_ep_and_cp_rules():
     assert not plan_problems(dense, c, tr, ring) and runtime_problems(ring)
     short = TrainSpec(global_batch=8, seq_len=4100)
     assert any("2 x cp = 8" in x for x in plan_problems(dense, c, short, ring))
+
+
+def test_expert_gradient_sync_and_step_by_hand():
+    c = parse_cluster("2x8xH100")
+    f = {"latency_scale": 1.0, "comm_efficiency": 1.0, "dp_overlap": 0.0, "optimizer_scale": 1.0}
+    p = Plan(dp=16, ep=4, zero=1, micro_batch=1, grad_accum=1)
+    sync, step = moe.expert_sync_and_step(AIR, c, p, (46,), f, (0.0,), 2.0, True)
+    psi = 46 * (45 / 46) * (128 // 4) * AIR.expert_params      # the mean block's experts on one rank
+    # dp/ep = 4 expert-data-parallel ranks at stride tp x ep = 4: they span both nodes
+    bw = min(c.intra_node.busbw_gbps, c.inter_node.busbw_gbps / 4) * 1e9
+    want = psi * 2.0 * 2 * 3 / 4 / bw + 2 * 2 * c.inter_node.latency_us * 1e-6
+    assert sync == pytest.approx(want)
+    assert step == pytest.approx(psi / 4 * 30.0 / (c.device.hbm_bandwidth_gbps * 1e9))
+    # half of it hidden behind a long backward
+    half = moe.expert_sync_and_step(AIR, c, p, (46,), {**f, "dp_overlap": 0.5}, (1e9,), 2.0, True)[0]
+    assert half == pytest.approx(want / 2)
+    assert moe.expert_sync_and_step(AIR, c, dataclasses.replace(p, ep=16), (46,), f, (0.0,), 2.0, True)[0] == 0.0
