@@ -52,13 +52,19 @@ SCENARIOS = (
 )
 
 
-def scenario(title: str, model, gpus: str, batch: int, seq: int) -> dict:
+def search(model, gpus: str, batch: int, seq: int):
+    """(cluster, every trial, the feasible ones fastest first) of the exhaustive search for one
+    scenario (also benchmarks/cost_questions.py's)."""
     cluster = parse_cluster(gpus)
     prec = "bf16" if cluster.device.supports("bf16") else "fp16"
     train = TrainSpec(global_batch=batch, seq_len=seq, precision=prec)
-    t0 = time.perf_counter()
     trials = exhaustive(Space(model=model, cluster=cluster, train=train), Evaluator(model, cluster, train))
-    ranked = rank(trials)
+    return cluster, trials, rank(trials)
+
+
+def scenario(title: str, model, gpus: str, batch: int, seq: int) -> dict:
+    t0 = time.perf_counter()
+    cluster, trials, ranked = search(model, gpus, batch, seq)
     out = {"scenario": title, "gpus": gpus, "model": model.name, "params_b": model.params / 1e9,
            "global_batch": batch, "seq_len": seq, "plans": len(trials), "seconds": time.perf_counter() - t0,
            "host": dataclasses.asdict(cluster.host)}
@@ -75,18 +81,34 @@ def scenario(title: str, model, gpus: str, batch: int, seq: int) -> dict:
         if plain and plain[0] is not best:
             out["best_without_offload"] = {"plan": plain[0].plan.describe(), "tokens_per_s": plain[0].tokens_per_s}
         return out
-    # nothing fits: what would the least demanding offload plan need from the host?
-    host_short = [t for t in trials if t.estimate and t.reason and all("host memory" in r for r in t.reason.split("; "))]
+    out["missing"] = missing(cluster, trials)
+    return out
+
+
+def missing(cluster, trials) -> str:
+    """One line when nothing fits: the host memory (or NVMe) the least demanding offload plan
+    would need, else the least memory any plan needs per GPU."""
+    def short_only(t, what: str) -> bool:
+        return bool(t.estimate and t.reason) and all(what in r for r in t.reason.split("; "))
+    parts = []
+    host_short = [t for t in trials if short_only(t, "host memory")]
     if host_short:
         need = min(t.estimate.host_memory_bytes * cluster.gpus_per_node for t in host_short)
-        out["missing"] = (f"does not fit: the least host memory an offload plan needs is {need / GB:,.0f} GB per "
-                          f"node (this node has {cluster.host.cpu_memory_gb:,.0f} GB): pass --cpu-mem-gb, or "
-                          "--nvme-gbps for a node with NVMe")
-    else:
-        least = min(trials, key=lambda t: t.needs_bytes)
-        out["missing"] = (f"does not fit: the least memory any plan needs is {least.needs_bytes / GB:.1f} GB per GPU "
-                          f"> {least.capacity_bytes / GB:.0f} GB ({least.plan.describe()})")
-    return out
+        parts.append(f"the least host memory an offload plan needs is {need / GB:,.0f} GB per node (this node has "
+                     f"{cluster.host.cpu_memory_gb:,.0f} GB): pass --cpu-mem-gb")
+    nvme_short = [t for t in trials if short_only(t, "of NVMe per node")]
+    if nvme_short:
+        need = min(t.estimate.nvme_bytes * cluster.gpus_per_node for t in nvme_short)
+        parts.append(f"the least NVMe an NVMe-offload plan needs is {need / GB:,.0f} GB per node (this node has "
+                     f"{cluster.host.nvme_gb:,.0f} GB, host.nvme_gb of profiles/{cluster.device.name}.json): pass "
+                     "--nvme-gb")
+    elif host_short and not cluster.host.nvme_gbps:
+        parts[-1] += ", or --nvme-gbps for a node with NVMe"
+    if parts:
+        return "does not fit: " + "; ".join(parts)
+    least = min(trials, key=lambda t: t.needs_bytes)
+    return (f"does not fit: the least memory any plan needs is {least.needs_bytes / GB:.1f} GB per GPU "
+            f"> {least.capacity_bytes / GB:.0f} GB ({least.plan.describe()})")
 
 
 def main(argv=None) -> list[dict]:

@@ -83,6 +83,12 @@ def cluster_options(f: Callable) -> Callable:
                      help="GB per GPU left free for CUDA context, NCCL communicator buffers and the allocator's "
                           "reserve, counted in every plan's peak (default: the profile's memory_overhead_gb); "
                           "plans within 2% of the GPU's memory are flagged.")(f)
+    f = click.option("--checkpoint-gbps", type=float, default=None, metavar="GB/S",
+                     help="Checkpoint write bandwidth per node, for the checkpoint interval on --spot "
+                          "(default: the profile's host block).")(f)
+    f = click.option("--nvme-gb", type=float, default=None, metavar="GB",
+                     help="NVMe capacity per node for ZeRO-Infinity's swap files; a plan that offloads more is "
+                          "infeasible (default: the profile's host block).")(f)
     f = click.option("--nvme-gbps", type=float, default=None, metavar="GB/S",
                      help="NVMe read/write bandwidth per node for ZeRO-Infinity offload to NVMe "
                           "(default: the profile's host block; 0 = no NVMe).")(f)
@@ -120,7 +126,8 @@ def load_model(model_arg: str, size: str | None) -> ModelSpec:
 
 def load_cluster(gpus: str, profile_path: str | None, inter_gbps: float | None,
                  inter_latency_us: float | None, intra_gbps: float | None, *, cpu_mem_gb: float | None = None,
-                 nvme_gbps: float | None = None, memory_headroom: float | None = None) -> ClusterSpec:
+                 nvme_gbps: float | None = None, memory_headroom: float | None = None,
+                 nvme_gb: float | None = None, checkpoint_gbps: float | None = None) -> ClusterSpec:
     for name, v in (("--inter-gbps", inter_gbps), ("--intra-gbps", intra_gbps)):
         if v is not None and not v > 0:
             raise SpecError(name, f"must be positive, got {v}", "give a bandwidth in GB/s")
@@ -133,12 +140,19 @@ def load_cluster(gpus: str, profile_path: str | None, inter_gbps: float | None,
     if nvme_gbps is not None and not (0 <= nvme_gbps < float("inf")):
         raise SpecError("--nvme-gbps", f"must be a bandwidth >= 0, got {nvme_gbps}",
                         "give the NVMe bandwidth per node in GB/s, e.g. 25 (0: no NVMe)")
+    if nvme_gb is not None and not (0 < nvme_gb < 1e7):
+        raise SpecError("--nvme-gb", f"must be GB in (0, 1e7), got {nvme_gb}",
+                        "give the NVMe capacity per node in GB, e.g. 15360 (no NVMe: --nvme-gbps 0)")
+    if checkpoint_gbps is not None and not (0 < checkpoint_gbps < 1e5):
+        raise SpecError("--checkpoint-gbps", f"must be GB/s in (0, 1e5), got {checkpoint_gbps}",
+                        "give the checkpoint write bandwidth per node in GB/s, e.g. 5")
     if memory_headroom is not None and not (0 <= memory_headroom < float("inf")):
         raise SpecError("--memory-headroom", f"must be GB >= 0, got {memory_headroom}",
                         "give the GB each GPU keeps free, e.g. 2")
     prof = load_profile(profile_path) if profile_path else None
     return parse_cluster(gpus, prof, inter_gbps=inter_gbps, inter_latency_us=inter_latency_us, intra_gbps=intra_gbps,
-                         cpu_mem_gb=cpu_mem_gb, nvme_gbps=nvme_gbps, memory_headroom=memory_headroom)
+                         cpu_mem_gb=cpu_mem_gb, nvme_gbps=nvme_gbps, memory_headroom=memory_headroom,
+                         nvme_gb=nvme_gb, checkpoint_gbps=checkpoint_gbps)
 
 
 def load_train(model: ModelSpec, cluster: ClusterSpec, global_batch: int | None, seq_len: int | None,
@@ -161,7 +175,8 @@ def load_inputs(kw: dict[str, Any]) -> tuple[ModelSpec, ClusterSpec, TrainSpec]:
     model = apply_variants(load_model(kw.pop("model_arg"), kw.pop("scale")), kw.pop("variants", ()))
     cluster = load_cluster(kw.pop("gpus"), kw.pop("profile_path"), kw.pop("inter_gbps"),
                            kw.pop("inter_latency_us"), kw.pop("intra_gbps"), cpu_mem_gb=kw.pop("cpu_mem_gb"),
-                           nvme_gbps=kw.pop("nvme_gbps"), memory_headroom=kw.pop("memory_headroom"))
+                           nvme_gbps=kw.pop("nvme_gbps"), memory_headroom=kw.pop("memory_headroom"),
+                           nvme_gb=kw.pop("nvme_gb"), checkpoint_gbps=kw.pop("checkpoint_gbps"))
     train = load_train(model, cluster, kw.pop("global_batch"), kw.pop("seq_len"), kw.pop("precision"),
                        kw.pop("attention"))
     return model, cluster, train
@@ -240,3 +255,59 @@ def comparison_table(title: str, rows: list[tuple[str, str, str, str]], base_nam
     for r in rows:
         t.add_row(*r)
     return t
+
+
+# --- the bill: --tokens, prices, --spot ----------------------------------------------------------
+def bill_options(f: Callable) -> Callable:
+    """--tokens, --gpu-hour-price, --spot-price, --spot, --preemption-rate, --restart-min (docs/cost.md)."""
+    f = click.option("--restart-min", type=float, default=10.0, show_default=True, metavar="MIN",
+                     help="With --spot: minutes from a preemption to training again (new node, launcher, NCCL), "
+                          "before the checkpoint is read back (an assumption: measure yours).")(f)
+    f = click.option("--preemption-rate", type=float, default=None, metavar="PER_NODE_HOUR",
+                     help="With --spot: preemptions per node-hour of your spot pool (required: no published rate "
+                          "is on file).")(f)
+    f = click.option("--spot", is_flag=True,
+                     help="Also cost the run on spot capacity: Young/Daly checkpoint interval from the checkpoint "
+                          "write time, lost work and restarts per preemption.")(f)
+    f = click.option("--spot-price", type=float, default=None, metavar="USD",
+                     help="Spot USD per GPU-hour (default: profiles/prices.json, with its source).")(f)
+    f = click.option("--gpu-hour-price", type=float, default=None, metavar="USD",
+                     help="On-demand USD per GPU-hour (default: profiles/prices.json, with its source).")(f)
+    f = click.option("--tokens", type=float, default=None, metavar="N",
+                     help="Tokens to train, e.g. 4e11 (default: the model's published training run, else 100B); "
+                          "every plan prints the days and cost to train them.")(f)
+    return f
+
+
+def load_bill(kw: dict[str, Any], model: ModelSpec, cluster: ClusterSpec) -> Any:
+    """Pop the bill options and check them (one line, exit 2 on bad input): a BillSpec."""
+    from planner.cost import bill
+    tokens, od, sp = kw.pop("tokens"), kw.pop("gpu_hour_price"), kw.pop("spot_price")
+    spot, rate, restart = kw.pop("spot"), kw.pop("preemption_rate"), kw.pop("restart_min")
+    if tokens is None:
+        tokens, note = bill.default_tokens(model.name)
+    else:
+        tokens, note = bill.check_tokens(tokens), "--tokens"
+    device = cluster.device.name
+    price = bill.Price(usd_per_gpu_hour=bill.check_price(od), kind="given") if od is not None \
+        else bill.price_for(device, "on_demand")
+    spot_price = None
+    if spot:
+        if rate is None:
+            raise SpecError("--preemption-rate", "--spot needs the preemption rate of your spot pool",
+                            "add e.g. --preemption-rate 0.05 (preemptions per node-hour)")
+        rate = bill.check_rate(rate)
+        restart = bill.check_restart(restart)
+        if not cluster.host.checkpoint_gbps:
+            raise SpecError("--checkpoint-gbps", f"the {device} profile has no checkpoint write bandwidth",
+                            "pass --checkpoint-gbps (GB/s per node to the checkpoint store), e.g. 5")
+        spot_price = bill.Price(usd_per_gpu_hour=bill.check_price(sp, "--spot-price"), kind="given") \
+            if sp is not None else bill.price_for(device, "spot")
+        if spot_price is not None and spot_price.kind == "given":
+            spot_price = dataclasses.replace(spot_price, source="--spot-price")
+    else:
+        for flag, v in (("--preemption-rate", rate), ("--spot-price", sp)):
+            if v is not None:
+                raise SpecError(flag, "applies to spot capacity only", "add --spot")
+    return bill.BillSpec(tokens=tokens, tokens_note=note, price=price, spot=spot, spot_price=spot_price,
+                         preemption_rate=rate or 0.0, restart_min=restart)

@@ -18,8 +18,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from planner.cli.common import (common_inputs, comparison_doc, comparison_table, load_inputs, training_comparison,
-                                 variant_option)
+from planner.search.bill import OBJECTIVES, estimate_bill, search_bill
+from planner.cost.bill import tokens_text
+from planner.cli.common import (bill_options, common_inputs, comparison_doc, comparison_table, load_bill, load_inputs,
+                                 training_comparison, variant_option)
 from planner.errors import SpecError
 from planner.report.plan_text import (headroom_gb, headroom_text, host_bytes_per_rank, host_memory_text,
                                       plan_memory_flag, short_variants)
@@ -117,13 +119,18 @@ def baseline_words(plan: Plan, est: Estimate, train) -> str:
     return words + (f"; {note}" if note else "")
 
 
-def _print_search(console: Console, result, cluster, run_dir: Path, written: list[str], top: int, train) -> None:
+def _print_search(console: Console, result, cluster, run_dir: Path, written: list[str], top: int, train,
+                  tokens: float | None = None) -> None:
     base = result.baseline
     vs_base = base.feasible                   # a speed-up needs a baseline that runs
     table = Table(title=f"Top plans ({result.method}: {result.distinct} distinct plans evaluated, "
                         f"{result.space_size} points in the search space, {result.wall_s:.2f} s)")
+
+    def days(e: Estimate) -> list[str]:       # to train --tokens (docs/cost.md)
+        return [] if tokens is None else [f"{tokens / e.tokens_per_s / 86400:,.1f}"]
     cols = ["#", "TPxPPxDP", "ZeRO", "ZeRO options", "micro x acc", "recompute", "SP", "schedule", "tokens/s",
-            "step s", "MFU", "GB/GPU"] + (["vs base"] if vs_base else [])
+            "step s", "MFU"] + ([f"days {tokens_text(tokens)}"] if tokens else []) + ["GB/GPU"] + \
+        (["vs base"] if vs_base else [])
     for col in cols:
         table.add_column(col, justify="left" if col in ("ZeRO options", "recompute", "schedule") else "right")
     flagged = False
@@ -133,15 +140,15 @@ def _print_search(console: Console, result, cluster, run_dir: Path, written: lis
         mem = _mem_cell(e, cluster)
         flagged |= mem.endswith("!")
         table.add_row(str(i), *_plan_cells(t.plan), f"{e.tokens_per_s:,.0f}", f"{e.step_time_s:.2f}", f"{e.mfu:.1%}",
-                      mem, *speed)
+                      *days(e), mem, *speed)
     cells = _plan_cells(result.baseline_plan)
     if base.feasible:
         mem = _mem_cell(base, cluster)
         flagged |= mem.endswith("!")
         table.add_row("base", *cells, f"{base.tokens_per_s:,.0f}", f"{base.step_time_s:.2f}", f"{base.mfu:.1%}",
-                      mem, "1.00x")
+                      *days(base), mem, "1.00x")
     else:
-        table.add_row("base", *cells, "does not fit", "-", "-",
+        table.add_row("base", *cells, "does not fit", "-", "-", *(["-"] if tokens else []),
                       f"needs {_gb(base.peak_memory_bytes)}/{_gb(base.capacity_bytes)}")
     console.print(table)
     if flagged:
@@ -174,6 +181,9 @@ def _print_search(console: Console, result, cluster, run_dir: Path, written: lis
 @click.command()
 @common_inputs
 @variant_option
+@bill_options
+@click.option("--objective", type=click.Choice(OBJECTIVES), default="throughput", show_default=True,
+              help="Rank plans by tokens/s, or by the cost to train --tokens (spot cost with --spot).")
 @click.option("--name", default=None, help="Run directory name (default: <model>_<gpus>).")
 @click.option("--out-dir", default="reports", show_default=True, type=click.Path(file_okay=False),
               help="Parent of the run directory.")
@@ -200,6 +210,7 @@ def search(ctx: click.Context, **kw: Any) -> None:
     command = _command_line(ctx)
     scale, model_arg, gpus = kw["scale"], kw["model_arg"], kw["gpus"]
     model, cluster, train = load_inputs(kw)
+    spec = load_bill(kw, model, cluster)
     name = kw["name"] or _default_name(model.name, gpus)
     if not _NAME_RE.match(name) or name in (".", ".."):
         raise SpecError("--name", f"{name!r} is not a plain directory name",
@@ -236,10 +247,11 @@ def search(ctx: click.Context, **kw: Any) -> None:
     finally:
         if bar:
             bar.stop()
+    result, bill, bill_text = search_bill(spec, result, model, cluster, kw["objective"])
     moved = set_aside_line(*set_aside(run_dir))
     try:
         written = write_outputs(run_dir, result, model, cluster, train, scale=scale, model_arg=model_arg,
-                                 command=command, top=kw["top"])
+                                 command=command, top=kw["top"], bill=bill)
         if tmp_db is not None:
             _close(rdb)
             os.replace(tmp_db, run_dir / "study.db")
@@ -250,7 +262,9 @@ def search(ctx: click.Context, **kw: Any) -> None:
     report = _write_report(run_dir, err)
     if report:
         written.append(report)
-    _print_search(_console(), result, cluster, run_dir, written, kw["top"], train)
+    _print_search(_console(), result, cluster, run_dir, written, kw["top"], train, spec.tokens)
+    for line in bill_text:
+        click.echo(line)
     if moved:
         click.echo(moved)
     if kw["refine_k"]:
@@ -365,6 +379,7 @@ def _int_list(text: str | None, flag: str) -> tuple[int, ...]:
 @click.command()
 @common_inputs
 @variant_option
+@bill_options
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree.")
 @click.option("--pp", type=int, default=1, show_default=True, help="Pipeline-parallel degree.")
 @click.option("--zero", type=int, default=0, show_default=True, help="ZeRO stage 0-3 (0-1 with --pp > 1).")
@@ -415,6 +430,7 @@ def estimate(ctx: click.Context, **kw: Any) -> None:
     if write_dir is not None and write_dir.exists() and not write_dir.is_dir():
         raise SpecError("--write", f"{write_dir} is not a directory", "give a directory path (it is created)")
     model, cluster, train = load_inputs(kw)
+    spec = load_bill(kw, model, cluster)
     tp, pp, mb, cp = kw["tp"], kw["pp"], kw["micro_batch"], kw["cp"]
     for flag, v in (("--tp", tp), ("--pp", pp), ("--micro-batch", mb), ("--interleave", kw["interleave"]),
                     ("--ep", kw["ep"]), ("--cp", cp)):
@@ -449,6 +465,7 @@ def estimate(ctx: click.Context, **kw: Any) -> None:
     compare = training_comparison(model.base(), cost_estimate(model.base(), cluster, train, plan), model, est) \
         if model.variant_label else None
     runtime = runtime_problems(plan)
+    bill, bill_text = estimate_bill(spec, est, plan, model, cluster)
     written: list[str] = []
     moved = None
     if write_dir is not None:
@@ -460,7 +477,7 @@ def estimate(ctx: click.Context, **kw: Any) -> None:
                             "write a plan that fits (less micro-batch, more recompute, ZeRO or TP/PP)")
         moved = set_aside_line(*set_aside(write_dir, MEASUREMENTS + SEARCH_FILES))
         written = write_estimate(write_dir, plan, est, model, cluster, train, scale=scale, model_arg=model_arg,
-                                 command=command)
+                                 command=command, extra={"bill": bill})
     if kw["as_json"]:
         doc = est.to_json()
         flag = plan_memory_flag(est, cluster)
@@ -470,7 +487,7 @@ def estimate(ctx: click.Context, **kw: Any) -> None:
                    usable_memory_gb=cluster.usable_bytes / GB, memory_warning=flag.text() if flag else None,
                    host_memory_per_node_gb=host * cluster.gpus_per_node / GB,
                    host_memory_capacity_gb=cluster.host.cpu_memory_gb, runtime_warnings=runtime,
-                   written=[str(write_dir / n) for n in written])
+                   written=[str(write_dir / n) for n in written], bill=bill)
         if compare:
             doc["variant_comparison"] = comparison_doc(model, compare)
         click.echo(json.dumps(doc))
@@ -481,6 +498,8 @@ def estimate(ctx: click.Context, **kw: Any) -> None:
         out.print(comparison_table(f"--variant: {model.describe()}", compare, model.base().name, model.name))
     for problem in runtime:
         out.print(f"warning: {problem}; this estimate is for comparison with Megatron-LM only")
+    for line in bill_text:
+        click.echo(line)
     if write_dir is not None:
         out.print(f"wrote {write_dir}/: {', '.join(written)}")
         if moved:

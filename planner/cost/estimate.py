@@ -177,6 +177,9 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
         reasons.append(f"offloaded states need {host * ranks / GB:.0f} GB of host memory per node > "
                        f"{cluster.host.cpu_memory_gb * HOST_USABLE:.0f} GB usable of {cluster.host.cpu_memory_gb:.0f} GB "
                        "(--cpu-mem-gb): offload less, use NVMe, or more nodes")
+    if nvme and cluster.host.nvme_gb and nvme * ranks > cluster.host.nvme_gb * 1e9:
+        reasons.append(f"offloaded states need {nvme * ranks / GB:,.0f} GB of NVMe per node > "
+                       f"{cluster.host.nvme_gb:,.0f} GB (--nvme-gb): offload less, or more nodes")
 
     # forward share of each stage's micro-batch time (the rest is backward + recompute)
     fwd_share = []

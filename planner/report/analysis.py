@@ -238,9 +238,17 @@ def train_cost(tokens_per_s: float | None, world: int, tokens: float, price: flo
 def headline(run: RunData, price_per_gpu_hour: float | None, train_tokens: float | None) -> dict[str, Any]:
     est = run.estimate
     world = run.plan.world_size
-    tokens = float(train_tokens) if train_tokens else float(TOKENS_PER_PARAM * run.model.params)
-    tokens_note = ("--train-tokens" if train_tokens else
-                   f"default: {TOKENS_PER_PARAM} tokens per parameter (Hoffmann et al. 2022)")
+    bill = run.bill or {}
+    bill_price = (bill.get("price") or {}).get("usd_per_gpu_hour") if isinstance(bill.get("price"), dict) else None
+    if price_per_gpu_hour is None and isinstance(bill_price, (int, float)):
+        price_per_gpu_hour = float(bill_price)          # the search's price (estimate.json "bill")
+    if train_tokens:
+        tokens, tokens_note = float(train_tokens), "--train-tokens"
+    elif isinstance(bill.get("tokens"), (int, float)) and bill["tokens"] > 0:
+        tokens, tokens_note = float(bill["tokens"]), str(bill.get("tokens_note") or "--tokens")
+    else:
+        tokens = float(TOKENS_PER_PARAM * run.model.params)
+        tokens_note = f"default: {TOKENS_PER_PARAM} tokens per parameter (Hoffmann et al. 2022)"
     out: dict[str, Any] = {
         "description": run.doc.get("description") or run.plan.describe(), "world": world,
         "tokens_per_s": est.get("tokens_per_s"), "step_time_s": est.get("step_time_s"), "mfu": est.get("mfu"),

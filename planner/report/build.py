@@ -22,6 +22,7 @@ from markupsafe import Markup
 
 from planner.errors import PlannerError, SpecError
 from planner.report import analysis, cluster, fmt, plots, timeline
+from planner.report import bill as bill_section
 from planner.report import ladder as ladder_section
 from planner.report.data import PLAN_FIELDS, RunData, load
 from planner.rundir import atomic_write_text
@@ -107,6 +108,9 @@ def _figures(run: RunData, top: list[dict[str, Any]], head: dict[str, Any]) -> t
         attempt("measured", lambda: plots.measured_vs_predicted(run.metrics, cap))
         if run.metrics.get("loss") or run.metrics.get("step_times_s"):
             attempt("loss", lambda: plots.loss_curve(run.metrics))
+    extra["bill"] = bill_section.section(run.bill)
+    if extra["bill"] and extra["bill"]["points"]:
+        attempt("bill", lambda: bill_section.pareto_figure(extra["bill"]["points"]))
     extra["ladder"] = ladder_section.load(run.run_dir)
     if extra["ladder"] and "rows" in extra["ladder"]:
         lad = extra["ladder"]
@@ -169,7 +173,7 @@ def render(run: RunData, price_per_gpu_hour: float | None = None, train_tokens: 
         "reason_counts": extra.get("reason_counts") or {}, "gantt": extra.get("gantt"),
         "cluster_info": extra.get("cluster_info"), "study": study, "search": run.search,
         "metrics": run.metrics, "verify": run.verify, "f": fmt, "ladder": extra.get("ladder"),
-        "variant": run.variant,
+        "variant": run.variant, "bill": extra.get("bill"),
         "search_command": str(inputs.get("command") or ""), "model_arg": str(inputs.get("model_arg") or ""),
         "profile_path": str(inputs.get("profile") or run.cluster.device.path or "built-in"),
         "launch": run.launch, "launch_path": str(run_dir / "launch.sh"), "has_hostfile": run.files.get("hostfile"),

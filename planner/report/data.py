@@ -70,6 +70,8 @@ class RunData:
     variant: dict[str, Any] | None = None
     """estimate.json "variant_comparison" (planner.search.outputs.variant_section): the plan for
     the base model beside the model variant, when the run is of a variant."""
+    bill: dict[str, Any] | None = None
+    """estimate.json "bill" (planner/search/bill.py): days and cost to train --tokens, on-demand and spot."""
 
 
 def _optional_json(path: Path, notes: list[str]) -> dict[str, Any] | None:
@@ -230,7 +232,8 @@ def load(run_dir: str | Path) -> RunData:
                    estimate=est_doc["estimate"], baseline=baseline, search=search, top=top, trials=trials, study=study,
                    metrics=metrics, verify=verify,
                    ds_config=_optional_json(run / "ds_config.json", notes), launch=launch, notes=tuple(notes),
-                   files=files, variant=variant)
+                   files=files, variant=variant,
+                   bill=est_doc["bill"] if isinstance(est_doc.get("bill"), dict) else None)
 
 
 __all__ = ["RunData", "StudyData", "load", "read_study", "read_trials"]

@@ -66,11 +66,19 @@ def fits_nowhere(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, trial
     if cluster.device.kind == "cpu" and not model.name.endswith("-tiny"):
         fix = (f"on a CPU machine use --scale tiny{'' if model.name.endswith('-small') else ' (or --scale small)'}: "
                "the same model family shrunk to run on CPUs; or a shorter --seq-len")
+    why = f"needs {least.needs_bytes / GB:.1f} GB per device > {least.capacity_bytes / GB:.1f} GB"
+    if least.needs_bytes <= least.capacity_bytes and least.reason:
+        # it fits the device: what stops it is off the device (host memory, NVMe capacity)
+        why = f"fits the device but {least.reason}"
+        to_nvme = [t for t in runnable if t.needs_bytes <= t.capacity_bytes and "of NVMe per node" in (t.reason or "")]
+        if to_nvme and least not in to_nvme:
+            part = next(r for r in min(to_nvme, key=lambda t: t.needs_bytes).reason.split("; ") if "NVMe" in r)
+            why += f"; with the states on NVMe instead, {part}"
+        fix = "use more nodes, or a node with more host memory (--cpu-mem-gb) or NVMe (--nvme-gb)"
     return SpecError(
         "--model", f"{model.name} does not fit on {cluster.spec or cluster.world_size} with global batch "
         f"{train.global_batch} x {train.seq_len} tokens: the leanest plan DeepSpeed can run "
-        f"({least.plan.describe()}) needs {least.needs_bytes / GB:.1f} GB per device > "
-        f"{least.capacity_bytes / GB:.1f} GB", fix)
+        f"({least.plan.describe()}) {why}", fix)
 
 
 def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *, exhaustive: bool = False,

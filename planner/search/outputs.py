@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.rundir import atomic_write_json, atomic_write_text, plan_document
+from planner.search.bill import default_spec, search_bill
 from planner.specs.estimate import Estimate
 from planner.specs.plan import Plan
 
@@ -136,10 +137,11 @@ def write_plan_files(run_dir: Path, plan: Plan, est: Estimate, model, cluster, t
 
 
 def write_outputs(run_dir: Path, result, model, cluster, train, *, scale: str | None, model_arg: str,
-                  command: str, top: int) -> list[str]:
+                  command: str, top: int, bill: dict[str, Any] | None = None) -> list[str]:
     """A search's run directory: write_plan_files for the pick (estimate.json also holds the
     search's counts, the top plans and the Pareto front) and trials.csv (every evaluated
-    point, then the baseline). Returns the names written. Used by `planner search`,
+    point, then the baseline). `bill` is estimate.json's "bill" (planner/search/bill.py; None:
+    the bill with no cost flags). Returns the names written. Used by `planner search`,
     report/sample.py and benchmarks/plans_start.py."""
     from planner.search.evaluate import Trial
     from planner.search.trials import write_trials
@@ -151,6 +153,9 @@ def write_outputs(run_dir: Path, result, model, cluster, train, *, scale: str | 
                 for t in result.ranked[:top]],
         "pareto_front": [{"plan": t.plan.to_dict(), "tokens_per_s": t.tokens_per_s, "peak_memory_gb": t.needs_gb}
                          for t in result.front]}
+    if bill is None:
+        bill = search_bill(default_spec(model, cluster), result, model, cluster, "throughput")[1]
+    extra["bill"] = bill
     written = write_plan_files(run_dir, best.plan, best.estimate, model, cluster, train,
                                baseline_plan=result.baseline_plan, baseline=result.baseline, scale=scale,
                                model_arg=model_arg, command=command, extra=extra)
@@ -165,7 +170,7 @@ def write_outputs(run_dir: Path, result, model, cluster, train, *, scale: str | 
 
 
 def write_estimate(run_dir: Path, plan: Plan, est: Estimate, model, cluster, train, *, scale: str | None,
-                   model_arg: str, command: str) -> list[str]:
+                   model_arg: str, command: str, extra: dict[str, Any] | None = None) -> list[str]:
     """`planner estimate --write`: the run directory of a plan the user gave, with the same
     files a search writes for its pick (write_plan_files) and a two-row trials.csv (the plan
     and the baseline, so the report's table compares them). A previous search's trials.csv,
@@ -176,7 +181,7 @@ def write_estimate(run_dir: Path, plan: Plan, est: Estimate, model, cluster, tra
     set_aside(run_dir, MEASUREMENTS + SEARCH_FILES)
     bplan, base = conventional_baseline(model, cluster, train)
     written = write_plan_files(run_dir, plan, est, model, cluster, train, baseline_plan=bplan, baseline=base,
-                               scale=scale, model_arg=model_arg, command=command)
+                               scale=scale, model_arg=model_arg, command=command, extra=extra)
     rows = [(0, Trial(outer=None, plan=plan, estimate=est, feasible=est.feasible,  # type: ignore[arg-type]
                       reason="; ".join(est.reasons), needs_bytes=est.peak_memory_bytes,
                       capacity_bytes=est.capacity_bytes, source="estimate")),

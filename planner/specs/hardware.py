@@ -40,6 +40,9 @@ class Link:
                                "give the latency in microseconds")
 
 
+HOST_FIELDS = ("cpu_memory_gb", "pcie_gbps", "cpu_adam_gparams", "nvme_gbps", "nvme_gb", "checkpoint_gbps")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Host:
     """The host side of a node, for ZeRO-Offload and ZeRO-Infinity (planner/cost/offload.py)."""
@@ -53,9 +56,13 @@ class Host:
     (0 = unknown: no offload)."""
     nvme_gbps: float = 0.0
     """NVMe read/write bandwidth per node, GB/s (0 = no NVMe: no NVMe offload)."""
+    nvme_gb: float = 0.0
+    """NVMe capacity per node, GB, for ZeRO-Infinity's swap files (0 = unknown: not checked)."""
+    checkpoint_gbps: float = 0.0
+    """Checkpoint write bandwidth per node, GB/s (0 = unknown: no checkpoint time, planner/cost/bill.py)."""
 
     def __post_init__(self) -> None:
-        for f in ("cpu_memory_gb", "pcie_gbps", "cpu_adam_gparams", "nvme_gbps"):
+        for f in HOST_FIELDS:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ProfileError(f"host.{f}", f"must be a number >= 0, got {v!r}", "fix the profile or the flag")
@@ -195,10 +202,8 @@ def profile_from_dict(data: Any, path: str = "") -> DeviceProfile:
             isinstance(v, bool) or not isinstance(v, (int, float)) for v in factors.values()):
         raise ProfileError("factors", "must map names to numbers", "see planner/cost/factors.py")
     raw_host = data.get("host", {})
-    if not isinstance(raw_host, dict) or set(raw_host) - {"cpu_memory_gb", "pcie_gbps", "cpu_adam_gparams",
-                                                          "nvme_gbps"}:
-        raise ProfileError("host", "must map cpu_memory_gb, pcie_gbps, cpu_adam_gparams, nvme_gbps to numbers",
-                           "see profiles/A100-80GB.json")
+    if not isinstance(raw_host, dict) or set(raw_host) - set(HOST_FIELDS):
+        raise ProfileError("host", f"must map {', '.join(HOST_FIELDS)} to numbers", "see profiles/A100-80GB.json")
     host = Host(**raw_host)
     fp8 = data.get("fp8", False)
     if not isinstance(fp8, bool):
@@ -330,7 +335,8 @@ _GPUS_RE = re.compile(r"^\s*(?:(\d+)\s*[xX]\s*)?(?:(\d+)\s*[xX]\s*)?([A-Za-z][A-
 def parse_cluster(text: str, profile: DeviceProfile | None = None, *, inter_gbps: float | None = None,
                   inter_latency_us: float | None = None, intra_gbps: float | None = None,
                   cpu_mem_gb: float | None = None, nvme_gbps: float | None = None,
-                  memory_headroom: float | None = None) -> ClusterSpec:
+                  memory_headroom: float | None = None, nvme_gb: float | None = None,
+                  checkpoint_gbps: float | None = None) -> ClusterSpec:
     """Parse `8xA100`, `4x8xH100`, `96x8xA100-40GB`, `2xcpu`.
 
     One number is GPUs on one node; two are nodes x GPUs per node. `profile` (from
@@ -368,8 +374,10 @@ def parse_cluster(text: str, profile: DeviceProfile | None = None, *, inter_gbps
         # with a different count is taken as that server scaled (memory, CPU, NVMe per device)
         k = per_node / profile.gpus_per_node
         host = dataclasses.replace(host, cpu_memory_gb=host.cpu_memory_gb * k,
-                                   cpu_adam_gparams=host.cpu_adam_gparams * k, nvme_gbps=host.nvme_gbps * k)
-    for flag, key, v in (("--cpu-mem-gb", "cpu_memory_gb", cpu_mem_gb), ("--nvme-gbps", "nvme_gbps", nvme_gbps)):
+                                   cpu_adam_gparams=host.cpu_adam_gparams * k, nvme_gbps=host.nvme_gbps * k,
+                                   nvme_gb=host.nvme_gb * k, checkpoint_gbps=host.checkpoint_gbps * k)
+    for flag, key, v in (("--cpu-mem-gb", "cpu_memory_gb", cpu_mem_gb), ("--nvme-gbps", "nvme_gbps", nvme_gbps),
+                         ("--nvme-gb", "nvme_gb", nvme_gb), ("--checkpoint-gbps", "checkpoint_gbps", checkpoint_gbps)):
         if v is None:
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:

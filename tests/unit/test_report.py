@@ -17,7 +17,7 @@ from planner.report.data import MIN_TRIALS_FOR_IMPORTANCE, load
 from planner.report.sample import write_sample_run
 from planner.specs import Plan
 
-FIGURES = ("frontier", "memory", "time", "gantt", "history", "importances", "cluster", "measured", "loss")
+FIGURES = ("frontier", "memory", "time", "gantt", "history", "importances", "cluster", "measured", "loss", "bill")
 
 
 # --- pieces, with numbers worked out by hand ---------------------------------------------
@@ -181,7 +181,7 @@ def test_optional_files_missing_or_broken(sample: Path, tmp_path: Path) -> None:
     for name in ("plan.json", "estimate.json"):
         (run / name).write_text((sample / name).read_text())
     html = write_report(run).read_text()
-    assert set(_images(html)) == {"memory", "time", "gantt", "cluster"}
+    assert set(_images(html)) == {"memory", "time", "gantt", "cluster", "bill"}     # the bill is in estimate.json
     assert "No trials.csv" in html and "No Optuna study" in html and 'id="measured"' not in html
     (run / "trials.csv").write_text("not,a,trials\nfile\n")
     (run / "study.db").write_bytes(b"this is not sqlite" * 100)
