@@ -16,7 +16,7 @@ from planner.cli.search import _command_line, _console
 from planner.errors import SpecError
 from planner.serve.cost import engine_budget
 from planner.serve.launch import launch_script
-from planner.serve.outputs import latency_curve, render_report, write_serve_run
+from planner.serve.outputs import calibration_badge, latency_curve, render_report, write_serve_run
 from planner.serve.search import Space, distinct, require_target, search_deployments
 from planner.serve.spec import LATENCY_METRICS, SEARCH_KV, SEARCH_WEIGHTS, ServeEstimate, Target, Workload
 
@@ -142,6 +142,9 @@ def serve(ctx: click.Context, **kw: Any) -> None:
         if kw["kv_precision"] == "fp8" and not cluster.device.fp8:
             raise SpecError("--kv-precision", f"{cluster.device.name} cannot run an fp8 KV cache (no FP8 support; "
                             "profile field fp8)", "use --kv-precision bf16, or an Ada/Hopper GPU")
+        if kw["kv_precision"] == "int8":
+            raise SpecError("--kv-precision", f"{kw['engine']} has no int8 KV cache (vLLM --kv-cache-dtype auto|fp8; "
+                            "SGLang auto|fp8_e5m2|fp8_e4m3)", "use --kv-precision bf16, or fp8 on a Hopper/Ada GPU")
         kv = (kw["kv_precision"],)
     wp = (kw["weight_precision"],) if kw["weight_precision"] else space.weight_precision
     if kw["weight_precision"] == "fp8" and not cluster.device.fp8:
@@ -168,10 +171,11 @@ def serve(ctx: click.Context, **kw: Any) -> None:
               for i, e in enumerate(ranked[:3], 1)]
     inputs = {"model": model.to_dict(), "cluster": cluster.to_dict(), "workload": workload.to_dict(),
               "target": target.to_dict() if target else None, "scale": kw["scale"], "model_arg": kw["model_arg"],
-              "profile": cluster.device.path, "command": command, "requests": kw["requests"]}
+              "profile": cluster.device.path, "command": command, "requests": kw["requests"],
+              "calibration": calibration_badge(cluster)}
     compare = None
     if model.variant_label:  # the same deployment for the base model, side by side (terminal, json, report)
-        from planner.serve.cost import estimate_serving
+        from planner.serve.estimate import estimate_serving
         base = estimate_serving(model.base(), cluster, best.deployment, workload, target=target,
                                 requests=kw["requests"], seed=kw["seed"])
         compare = serving_comparison(model.base(), base, model, best, best.deployment)
@@ -186,7 +190,8 @@ def serve(ctx: click.Context, **kw: Any) -> None:
         f"{kw['engine']}_serve.sh": script,
         "serve_report.html": render_report(f"{model.name} on {cluster.spec}", workload, target, ranked, curves,
                                            script, result.evaluated, result.infeasible,
-                                           variant=variant_doc.get("variant_comparison")),
+                                           variant=variant_doc.get("variant_comparison"),
+                                           badge=calibration_badge(cluster)),
     }
     run_dir = out_dir / name
     written = write_serve_run(run_dir, files)
@@ -195,7 +200,7 @@ def serve(ctx: click.Context, **kw: Any) -> None:
                   f"target {target.describe() if target else 'none (ranked by max QPS at 80% load)'}; "
                   f"{result.evaluated} deployments, {result.infeasible} infeasible")
     console.print(_table(ranked, kw["top"]))
-    console.print(f"best: {best.deployment.describe()}")
+    console.print(f"best: {best.deployment.describe()} ({calibration_badge(cluster)})")
     if workload.concurrency:
         console.print(f"closed loop, {workload.concurrency} users: {best.rate_qps:.2f} requests/s, TTFT p99 "
                       f"{_ms(best.ttft_p99_s)} ms, e2e p99 {_ms(best.e2e_p99_s)} ms")

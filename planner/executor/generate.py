@@ -14,11 +14,12 @@ stays bit-identical and the TP collectives are the layers' own (Megatron-style, 
   position, learned positions, ALiBi), causal over the cache, masked beyond each slot's
   length. Logits are vocab-parallel: the last position's slices are all-gathered over the
   TP group and the padded rows dropped, so the greedy argmax is the single-process one.
-- Engine: continuous batching (Yu et al. 2022, "Orca", iteration-level scheduling) with the
-  policy of planner/serve/queue.py simulate (vLLM's default scheduler: waiting prefills first,
-  bounded by max_batch sequences): every step, arrived requests are queued; if one waits and a
-  slot is free, the step is its prefill (one prompt per step); else it is a decode of every
-  running sequence, after which finished ones (output_len tokens or eos) leave. Each step
+- Engine: continuous batching (Yu et al. 2022, "Orca", iteration-level scheduling); every
+  step is decided by planner/serve/scheduler.py's "executor" engine, the scheduler that
+  planner/serve/queue.py simulate runs (waiting prefills first, bounded by max_batch
+  sequences): arrived requests are queued; if one waits and a slot is free, the step is its
+  prefill (one prompt per step); else it is a decode of every running sequence, after which
+  finished ones (output_len tokens or eos) leave. Each step
   records its forward seconds (time_s), the engine's own seconds before it since the
   previous step ended (host_s: scheduling, the step broadcast; 0 after an idle wait) and
   whether it is the first step after an idle wait (after_idle: the engine slept for an arrival). Under
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from planner.errors import ExecutionError
 from planner.executor.model import GLMModel, alibi_slopes, linear_attention, rotary, rotary_dims, tied_logits
 from planner.executor.parallel.groups import SINGLE, TPGroup
+from planner.serve.scheduler import Scheduler, SchedulerConfig
 from planner.specs.model import ModelSpec
 
 
@@ -325,47 +327,57 @@ class Engine:
 
     def run(self, requests: list[Request], *, deadline_s: float = float("inf"),
             clock: Callable[[], float] | None = None) -> list[Request]:
-        """Serve `requests` (sorted by arrival_s, seconds after the start) in real time; returns
-        the finished ones. Stops admitting at deadline_s and drops what is still running then."""
+        """Serve `requests` (arrival_s: seconds after the start) in real time; returns the finished
+        ones. Stops admitting at deadline_s and drops what is still running then. Each step is
+        what planner/serve/scheduler.py's "executor" engine schedules (the policy
+        planner/serve/queue.py simulates): one waiting prompt's prefill while a slot is free,
+        else a decode of the running batch."""
         start = time.perf_counter()
         now = clock or (lambda: time.perf_counter() - start)
-        waiting = sorted(requests, key=lambda r: r.arrival_s)
-        queue: list[Request] = []
-        running: list[Request] = []
+        reqs = sorted(requests, key=lambda r: r.arrival_s)
+        sched = Scheduler(SchedulerConfig(engine="executor", max_num_seqs=self.max_batch),
+                          [(len(r.prompt), r.output_len) for r in reqs])
         finished: list[Request] = []
         free = list(range(self.max_batch))
+        nxt = 0
         self._idle = True
         try:
-            while (waiting or queue or running) and now() < deadline_s:
-                while waiting and waiting[0].arrival_s <= now():
-                    queue.append(waiting.pop(0))
-                if not queue and not running:
-                    time.sleep(max(0.0, min(waiting[0].arrival_s - now(), deadline_s - now())))
+            while (nxt < len(reqs) or not sched.idle()) and now() < deadline_s:
+                while nxt < len(reqs) and reqs[nxt].arrival_s <= now():
+                    sched.add(nxt)
+                    nxt += 1
+                step = sched.schedule()
+                if not step:
+                    if nxt >= len(reqs):
+                        raise ExecutionError("engine", "requests wait that the scheduler cannot start",
+                                             "report this: the scheduler and the engine disagree")
+                    time.sleep(max(0.0, min(reqs[nxt].arrival_s - now(), deadline_s - now())))
                     self._idle = True
                     continue
-                if queue and free:  # prefill first: one waiting prompt is this step
-                    req = queue.pop(0)
+                if step.chunks:  # the executor engine: one whole prompt
+                    req = reqs[step.chunks[0][0]]
                     req.slot = free.pop(0)
                     req.tokens.append(self._prefill(req, req.slot))
                     req.first_token_s = now()
-                    running.append(req)
-                    if self._done(req):
-                        self._leave(req, running, free, finished, now())
-                    continue
-                for req, tok in zip(list(running), self._decode(running)):
-                    req.tokens.append(tok)
+                else:
+                    batch = [reqs[i] for i in step.decodes]
+                    for req, tok in zip(batch, self._decode(batch)):
+                        req.tokens.append(tok)
                 t = now()
-                for req in list(running):  # leave
-                    if self._done(req):
-                        self._leave(req, running, free, finished, t)
+                _, done = sched.complete(step)
+                for i in list(sched.running):  # an end-of-sequence token: it leaves early
+                    if self._done(reqs[i]):
+                        sched.finish(i)
+                        done.append(i)
+                for i in done:
+                    self._leave(reqs[i], free, finished, t)
         finally:
             self.channel.send(OP_STOP, [], [])
         return finished
 
     @staticmethod
-    def _leave(req: Request, running: list, free: list, finished: list, t: float) -> None:
+    def _leave(req: Request, free: list, finished: list, t: float) -> None:
         req.finish_s = t
-        running.remove(req)
         free.append(req.slot)
         free.sort()
         finished.append(req)

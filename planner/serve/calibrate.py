@@ -67,14 +67,14 @@ def _observations(run: dict[str, Any], device: DeviceProfile, keys: list | None 
     try:
         for s in steps:
             if s["time_s"] > 0:
-                obs.append(({**decode_terms(model, cluster, dep, int(s["batch"]), int(s["context_tokens"])),
+                obs.append(({**decode_terms(model, cluster, dep, int(s["batch"]), int(s["context_tokens"]), curves=False),
                              "wake": float(bool(s.get("after_idle", False)))},
                             float(s["time_s"]) + float(s.get("host_s", 0.0)), True))
                 if keys is not None:
                     keys.append(("decode", int(s["batch"]), bool(s.get("after_idle", False))))
         for s in prefills:
             if s["time_s"] > 0:
-                obs.append(({**prefill_terms(model, cluster, dep, int(s["tokens"]), int(s.get("context", 0))),
+                obs.append(({**prefill_terms(model, cluster, dep, int(s["tokens"]), int(s.get("context", 0)), curves=False),
                              "wake": float(bool(s.get("after_idle", False)))},
                             float(s["time_s"]) + float(s.get("host_s", 0.0)), False))
                 if keys is not None:

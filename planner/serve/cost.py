@@ -36,17 +36,18 @@ from planner.errors import SpecError
 from planner.serve.memory import (GB, GPU_MEMORY_UTILIZATION, cache_read_bytes, kv_bytes_per_token,
                                   kv_bytes_per_token_rank,
                                   kv_heads_per_rank, linear_weights, serve_memory, weight_bytes, weight_read_bytes)
+from planner.serve import measured
 from planner.serve.kernels import kernel_efficiency
-from planner.serve.spec import WEIGHT_BYTES, Deployment, ServeEstimate, Target, Workload
+from planner.serve.spec import WEIGHT_BYTES, Deployment
 from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
 
 ACT_BYTES = 2.0
 """Activations and all-reduced tensors in bf16/fp16 (weight-only quantization keeps them so)."""
-__all__ = ["GB", "GPU_MEMORY_UTILIZATION", "SERVE_DEFAULTS", "check_workload", "combine", "decode_step_time_s",
-           "decode_terms", "deployment_problems", "engine_budget", "mixed_fn", "step_terms", "causal_core_flops", "estimate_serving", "kv_bytes_per_token", "kv_bytes_per_token_rank",
+__all__ = ["GB", "GPU_MEMORY_UTILIZATION", "SERVE_DEFAULTS", "causal_core_flops", "combine", "decode_step_time_s",
+           "decode_terms", "engine_budget", "kv_bytes_per_token", "kv_bytes_per_token_rank", "mixed_fn",
            "kv_heads_per_rank", "linear_weights", "prefill_terms", "prefill_time_s", "prompt_time_s", "serve_factor",
-           "serve_factors", "serve_memory", "step_fns", "weight_bytes", "weight_read_bytes"]
+           "serve_factors", "serve_memory", "step_fns", "step_terms", "weight_bytes", "weight_read_bytes"]
 
 SERVE_DEFAULTS: dict[str, float] = {
     "prefill_compute_scale": 1.0,
@@ -79,8 +80,16 @@ SERVE_DEFAULTS: dict[str, float] = {
 
 
 def serve_factor(cluster: ClusterSpec, name: str) -> float:
-    """The profile's fitted value of a serving factor, or its default."""
-    return float(cluster.device.factors.get(name, SERVE_DEFAULTS[name]))
+    """The profile's fitted value of a serving factor, or its default: decode_bw_efficiency
+    defaults to the share of the bandwidth measured memory-bound kernels reach on this GPU
+    (planner/serve/measured.py bandwidth_share) where it was measured, else 0.8 (assumed)."""
+    if name in cluster.device.factors:
+        return float(cluster.device.factors[name])
+    if name == "decode_bw_efficiency":
+        share = measured.bandwidth_share(cluster.device)
+        if share is not None:
+            return share
+    return float(SERVE_DEFAULTS[name])
 
 
 def serve_factors(cluster: ClusterSpec) -> dict[str, float]:
@@ -108,7 +117,7 @@ def _gemm_s(cluster: ClusterSpec, dep: Deployment, flops: float, one_gemm: float
     """Seconds of `flops` at peak x the efficiency of a GEMM of `one_gemm` FLOPs."""
     dev = cluster.device
     prec = _precision(cluster, dep)
-    if prec == "fp8" and not dev.peak_flops("fp8"):
+    if prec == "fp8" and not dev.supports("fp8"):
         # FP8 tensor cores run at twice the BF16 rate on Hopper and Ada (H100 SXM datasheet: 1,979
         # vs 989 dense TFLOP/s; L40S 733 vs 362), at the BF16 efficiency curve (assumed)
         return flops / (2.0 * dev.peak_flops("bf16") * dev.gemm_eff(one_gemm, "bf16"))
@@ -155,7 +164,7 @@ def causal_core_flops(model: ModelSpec, tokens: int, context: int, t: int) -> fl
 
 
 def step_terms(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, chunks: list[tuple[int, int]],
-               batch: int = 0, context_tokens: int = 0) -> dict[str, float]:
+               batch: int = 0, context_tokens: int = 0, *, curves: bool = True) -> dict[str, float]:
     """Factor-free seconds of one engine step on one TP rank: prefill chunks [(tokens, cached
     context)] of several sequences [SA] beside a decode of `batch` sequences attending to
     `context_tokens` tokens in all (each one's cached tokens plus its new one) [P22].
@@ -166,7 +175,13 @@ def step_terms(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, chunks: 
     logits of the sampled rows only); memory: every weight read once (weights / tp at
     hbm_bandwidth, the floor [P22]), the decodes' KV cache and each chunk's cached context;
     comm: _tp_comm_s of the step's rows. attn_*: the decodes' attention parts
-    (decode_attention_scale)."""
+    (decode_attention_scale).
+
+    On a GPU with measured block curves (planner/serve/measured.py: vidur's A100-80GB and
+    H100-SXM timings) and `curves`, the linear layers and the elementwise ops are their measured
+    seconds at the step's rows instead (fixed_s, run one after another with the rest: added
+    outside the max); quantized weights divide the measured bf16 time by the roofline speedup
+    of their fewer bytes (the ideal of the Marlin figure) and by the kernel's efficiency."""
     rows = sum(n for n, _ in chunks) + batch
     if rows < 1 or any(n < 1 or c < 0 for n, c in chunks) or batch < 0 or (batch and context_tokens < batch):
         raise SpecError("step", f"needs tokens >= 1, context >= 0 and context_tokens >= batch, got chunks {chunks}, "
@@ -174,7 +189,24 @@ def step_terms(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, chunks: 
     t, k = dep.tp, _slowdown(cluster, dep)
     gemms, _ = block_gemms(model, rows, 1, t)
     keff = kernel_efficiency(dep.weight_precision, rows)  # quantized kernels: measured share of their roofline
-    per_layer = sum(_gemm_s(cluster, dep, g, g) / e for g, e in zip(gemms, ffn_time_divisors(model))) / keff
+    lin = sum(_gemm_s(cluster, dep, g, g) / e for g, e in zip(gemms, ffn_time_divisors(model))) / keff
+    meas = measured.curve(cluster.device, t) if curves and cluster.device.kind != "cpu" \
+        and dep.weight_precision != "fp32" and all(e == 1 for e in ffn_time_divisors(model)) else None
+    fixed = 0.0
+    if meas is not None:
+        bf16_bytes = 2.0 * linear_weights(model) / t
+        lin_bf16 = measured.linear_s(meas, rows, bf16_bytes)
+        if dep.weight_precision not in ("bf16", "fp16"):
+            # the roofline speedup of the quantized layer at these rows (its bytes at the bandwidth,
+            # its FLOPs at its rate) against bf16's, as the Marlin figure's "ideal"
+            bf = Deployment(tp=t, weight_precision="bf16")
+            roof_bf = max(sum(_gemm_s(cluster, bf, g, g) for g in gemms), bf16_bytes / _hbm(cluster))
+            q_bytes = linear_weights(model) * WEIGHT_BYTES[dep.weight_precision] / t
+            roof_q = max(sum(_gemm_s(cluster, dep, g, g) for g in gemms), q_bytes / _hbm(cluster))
+            lin_bf16 *= roof_q / roof_bf / keff
+        fixed = model.layers * (lin_bf16 + measured.other_ops_s(meas, rows, model.hidden))
+        lin = 0.0
+    per_layer = lin
     for n, c in chunks:
         if model.linear_attention:  # chunked, the earlier chunks' state carried: no context term
             w = min(LINEAR_CHUNK, n)
@@ -193,31 +225,35 @@ def step_terms(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, chunks: 
     compute = (model.layers * (per_layer + core) + _gemm_s(cluster, dep, logits, logits)) * k
     cache = cache_read_bytes(model, dep, batch, context_tokens) / _hbm(cluster) * k if batch else 0.0
     ctx_read = sum(c for _, c in chunks) * kv_bytes_per_token_rank(model, dep) / _hbm(cluster) * k
-    quant = model.layers * linear_weights(model) * WEIGHT_BYTES[dep.weight_precision] if keff < 1.0 else 0.0
-    memory = (weight_read_bytes(model, dep) + quant * (1.0 / keff - 1.0)) / t / _hbm(cluster) * k + cache + ctx_read
+    quant = model.layers * linear_weights(model) * WEIGHT_BYTES[dep.weight_precision]
+    if meas is not None:  # the linear weights' read is inside their measured time
+        weights = weight_read_bytes(model, dep) - quant
+    else:
+        weights = weight_read_bytes(model, dep) + (quant * (1.0 / keff - 1.0) if keff < 1.0 else 0.0)
+    memory = weights / t / _hbm(cluster) * k + cache + ctx_read
     return {"compute_s": compute, "memory_s": memory, "comm_s": _tp_comm_s(model, cluster, dep, rows, seqs),
             "tp_steps": 1.0 if t > 1 else 0.0, "serial": _serial(cluster),
             "attn_compute_s": model.layers * core * k, "attn_memory_s": cache,
-            "mixed": 1.0 if chunks and batch else 0.0}
+            "mixed": 1.0 if chunks and batch else 0.0, "fixed_s": fixed}
 
 
 def prefill_terms(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, tokens: int,
-                  context: int = 0) -> dict[str, float]:
+                  context: int = 0, *, curves: bool = True) -> dict[str, float]:
     """Factor-free seconds of one prefill step of `tokens` prompt tokens of one sequence whose
     first `context` tokens are already cached (a later chunk [SA]): step_terms of that chunk."""
     if tokens < 1 or context < 0:
         raise SpecError("prefill", f"needs tokens >= 1 and context >= 0, got {tokens}, {context}", "")
-    terms = step_terms(model, cluster, dep, [(tokens, context)])
+    terms = step_terms(model, cluster, dep, [(tokens, context)], curves=curves)
     return {k: v for k, v in terms.items() if k not in ("attn_compute_s", "attn_memory_s")}
 
 
 def decode_terms(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, batch: int,
-                 context_tokens: int) -> dict[str, float]:
+                 context_tokens: int, *, curves: bool = True) -> dict[str, float]:
     """Factor-free seconds of one decode step of `batch` sequences attending to
     `context_tokens` tokens in all [P22]: step_terms of the decodes alone."""
     if batch < 1 or context_tokens < batch:
         raise SpecError("decode", f"needs batch >= 1 and context_tokens >= batch, got {batch}, {context_tokens}", "")
-    return step_terms(model, cluster, dep, [], batch, context_tokens)
+    return step_terms(model, cluster, dep, [], batch, context_tokens, curves=curves)
 
 
 def combine(terms: dict[str, float], f: dict[str, float], decode: bool = False) -> float:
@@ -229,7 +265,7 @@ def combine(terms: dict[str, float], f: dict[str, float], decode: bool = False) 
     extra = f.get("decode_attention_scale", 1.0) - 1.0 if decode or terms.get("mixed") else 0.0
     comp = (terms["compute_s"] + extra * terms.get("attn_compute_s", 0.0)) * scale
     mem = (terms["memory_s"] + extra * terms.get("attn_memory_s", 0.0)) / f["decode_bw_efficiency"]
-    return ((comp + mem if terms.get("serial", 0.0) else max(comp, mem))
+    return ((comp + mem if terms.get("serial", 0.0) else max(comp, mem)) + terms.get("fixed_s", 0.0)
             + terms["comm_s"] * f["serve_comm_scale"] + f["serve_step_overhead_s"]
             + terms.get("tp_steps", 0.0) * f.get("serve_tp_step_s", 0.0)
             + terms.get("wake", 0.0) * f.get("serve_wake_s", 0.0))
@@ -277,7 +313,7 @@ def step_fns(model: ModelSpec, cluster: ClusterSpec, dep: Deployment) -> tuple[C
     are cached; where the compute floor may bind it is computed exactly."""
     f = serve_factors(cluster)
     pre: dict[tuple[int, int], float] = {}
-    parts: dict[int, tuple[float, float, float, float, float]] = {}
+    parts: dict[int, tuple[float, float, float, float, float, float]] = {}
     exact: dict[tuple[int, int], float] = {}
     one = decode_terms(model, cluster, dep, 1, 1)
     two = decode_terms(model, cluster, dep, 1, 2)
@@ -293,8 +329,8 @@ def step_fns(model: ModelSpec, cluster: ClusterSpec, dep: Deployment) -> tuple[C
         if batch not in parts:
             d = decode_terms(model, cluster, dep, batch, batch)
             parts[batch] = (d["memory_s"] - batch * mem_per_ctx, d["compute_s"], d["comm_s"], d["tp_steps"],
-                            d["serial"])
-        mem0, comp, comm, tp_steps, serial = parts[batch]
+                            d["serial"], d["fixed_s"])
+        mem0, comp, comm, tp_steps, serial, fixed = parts[batch]
         if serial or comp * f["decode_compute_scale"] > 0.5 * (mem0 / f["decode_bw_efficiency"]):
             # the compute floor may bind (always counts where serial), and its attention term is
             # not linear in the context (its GEMM efficiency depends on it): the exact path
@@ -304,7 +340,7 @@ def step_fns(model: ModelSpec, cluster: ClusterSpec, dep: Deployment) -> tuple[C
             return exact[key]
         memory = mem0 + context_tokens * mem_per_ctx
         terms = {"compute_s": comp, "memory_s": memory, "comm_s": comm, "tp_steps": tp_steps,
-                 "attn_memory_s": context_tokens * mem_per_ctx}
+                 "attn_memory_s": context_tokens * mem_per_ctx, "fixed_s": fixed}
         return combine(terms, f, decode=True)
     return prefill, decode
 
@@ -316,96 +352,3 @@ def mixed_fn(model: ModelSpec, cluster: ClusterSpec, dep: Deployment) -> Callabl
     def mixed(chunks: list[tuple[int, int]], batch: int, context_tokens: int) -> float:
         return combine(step_terms(model, cluster, dep, chunks, batch, context_tokens), f)
     return mixed
-
-
-def deployment_problems(model: ModelSpec, cluster: ClusterSpec, dep: Deployment) -> list[str]:
-    """Why vLLM could not start this deployment on this cluster (empty: it can)."""
-    out = []
-    if dep.gpus > cluster.world_size:
-        out.append(f"needs {dep.gpus} GPUs, the cluster has {cluster.world_size}")
-    if dep.tp > cluster.gpus_per_node:
-        out.append(f"TP {dep.tp} spans nodes ({cluster.gpus_per_node} GPUs per node)")
-    if model.heads % dep.tp:
-        out.append(f"TP {dep.tp} does not divide the {model.heads} attention heads")
-    if model.kv_heads % dep.tp and dep.tp % model.kv_heads:
-        out.append(f"TP {dep.tp} neither divides nor is a multiple of the {model.kv_heads} KV heads")
-    if dep.kv_precision == "fp8" and not cluster.device.fp8:
-        out.append(f"{cluster.device.name} has no FP8 support for an fp8 KV cache")
-    if dep.weight_precision == "fp8" and not cluster.device.fp8:
-        out.append(f"{cluster.device.name} has no FP8 tensor cores for fp8 weights")
-    return out
-
-
-def check_workload(model: ModelSpec, workload: Workload) -> None:
-    """Bad input, not an infeasible deployment: the longest request exceeds the model's context."""
-    if workload.max_total() > model.max_seq:
-        extra = "" if workload.prompt_sigma == 0 and workload.output_sigma == 0 else \
-            " (the 99.9th percentile of the length distributions)"
-        raise SpecError("--prompt-len/--output-len",
-                        f"prompt + output = {workload.max_total()} tokens{extra} exceeds {model.name}'s "
-                        f"context of {model.max_seq}",
-                        f"keep prompt + output <= {model.max_seq}")
-
-
-# --- the estimate -------------------------------------------------------------------------
-def estimate_serving(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, workload: Workload, *,
-                     target: Target | None = None, requests: int = 300, seed: int | None = None,
-                     rate_qps: float | None = None) -> ServeEstimate:
-    """Memory, unloaded latencies, saturation throughput, QPS at the target and the latency
-    percentiles (planner/serve/queue.py) of one deployment. Infeasible is a value with reasons.
-
-    The percentiles are simulated at `rate_qps` when given (above saturation too: the estimate
-    is then `overloaded`, its queue growing by rate - max_qps requests/s, and the percentiles
-    are those of `requests` requests into that growing queue), else at the QPS at the target,
-    else at 80% of max_qps. With Workload.concurrency (closed loop) they are the N users' own
-    load, and a target is met or not at it."""
-    from planner.serve import queue
-    check_workload(model, workload)
-    mem = serve_memory(model, cluster, dep, workload)
-    memory_gb = {k: mem[k] for k in ("weights", "kv_cache", "activations", "runtime", "total", "capacity")}
-    reasons = deployment_problems(model, cluster, dep)
-    if not mem["fits"]:
-        if mem["short_gb"] > 0:
-            reasons.append(f"weights {mem['weights']:.1f} + activations {mem['activations']:.1f} + runtime "
-                           f"{mem['runtime']:.1f} GiB exceed the usable {mem['capacity']:.1f} GiB by "
-                           f"{mem['short_gb']:.1f} GiB")
-        else:
-            reasons.append(f"KV cache of {mem['kv_capacity_tokens']} tokens holds no sequence of "
-                           f"{workload.max_total()} tokens")
-    base = dict(deployment=dep, memory_gb=memory_gb, kv_capacity_tokens=mem["kv_capacity_tokens"],
-                batch_limit=mem["batch_limit"])
-    if reasons:
-        return ServeEstimate(feasible=False, reasons=tuple(reasons), **base)
-    alone_ttft = prompt_time_s(model, cluster, dep, workload.prompt_len)
-    alone_tpot = decode_step_time_s(model, cluster, dep, 1, workload.prompt_len + 1)
-    run = queue.replica_runner(model, cluster, dep, workload, mem, requests=requests, seed=seed)
-    max_qps = queue.saturation_qps(run)
-    if workload.concurrency:
-        stats = run(1.0)  # the closed loop: its own rate
-        qat = None
-        if target is not None:
-            ok = stats["achieved_qps"] >= target.value if target.kind == "qps" \
-                else queue.metric_value(stats, target) <= target.value
-            qat = stats["achieved_qps"] if ok else None
-        rate = stats["achieved_qps"]
-    else:
-        qat = queue.qps_at_target(run, target, max_qps) if target is not None else None
-        if rate_qps is not None:
-            rate = rate_qps
-        elif target is None:
-            rate = 0.8 * max_qps
-        elif target.kind == "qps":
-            rate = min(target.value, max_qps)
-        else:
-            rate = qat if qat else 0.0
-        stats = run(rate) if rate > 0 else run(max_qps * 1e-3)
-        rate = stats["rate_qps"]
-    meets = None if target is None else qat is not None
-    over = not workload.concurrency and rate > max_qps
-    return ServeEstimate(
-        feasible=True, ttft_s=stats["ttft_s"]["mean"], tpot_s=stats["tpot_s"]["mean"],
-        e2e_p50_s=stats["e2e_s"]["p50"], e2e_p99_s=stats["e2e_s"]["p99"], ttft_p50_s=stats["ttft_s"]["p50"],
-        ttft_p99_s=stats["ttft_s"]["p99"], tpot_p50_s=stats["tpot_s"]["p50"], tpot_p99_s=stats["tpot_s"]["p99"],
-        ttft_alone_s=alone_ttft, tpot_alone_s=alone_tpot, rate_qps=rate, qps_at_target=qat,
-        meets_target=meets, max_qps=max_qps, overloaded=over, backlog_growth_qps=rate - max_qps if over else 0.0,
-        queue_p99_s=stats["queue_s"]["p99"], preemptions=stats["preemptions"], **base)

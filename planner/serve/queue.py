@@ -72,7 +72,8 @@ def simulate(prefill_fn: StepFn, decode_fn: StepFn, workload: Workload, rate_qps
     sending its next request when the previous one finishes (rate_qps unused). wake_s: added to
     the first step after the engine sat idle waiting for an arrival. Returns mean/p50/p99 of
     ttft_s, tpot_s (per output token after the first), e2e_s and queue_s (arrival to first
-    scheduled), the achieved throughput, the steps run and the preemptions."""
+    scheduled), the achieved throughput, the steps run, the preemptions and the most KV blocks
+    held at once (peak_kv_blocks; 0 with an unbounded cache)."""
     if requests < 1 or not rate_qps > 0:
         raise ValueError(f"need requests >= 1 and rate > 0, got {requests}, {rate_qps}")
     if concurrency is not None and concurrency < 1:
@@ -92,11 +93,14 @@ def simulate(prefill_fn: StepFn, decode_fn: StepFn, workload: Workload, rate_qps
     start = [math.nan] * requests
     finish = [math.nan] * requests
     nxt, finished, now, steps, idle, released = 0, 0, 0.0, 0, True, min(requests, concurrency or requests)
+    peak = 0
     while finished < requests:
         while nxt < released and arrival[nxt] <= now:
             sched.add(nxt)
             nxt += 1
         step = sched.schedule()
+        if kv_blocks is not None:
+            peak = max(peak, kv_blocks - sched.free)
         if not step:
             if not sched.idle():
                 raise ValueError(f"the engine cannot schedule request {sched.waiting[0]} with an empty batch")
@@ -138,7 +142,7 @@ def simulate(prefill_fn: StepFn, decode_fn: StepFn, workload: Workload, rate_qps
             "e2e_s": _stats(e2e), "queue_s": _stats([s - a for s, a in zip(start, arrival)]),
             "achieved_qps": requests / span if span > 0 else math.inf,
             "output_tokens_per_s": sum(out) / span if span > 0 else math.inf, "steps": steps,
-            "preemptions": sched.preemptions}
+            "preemptions": sched.preemptions, "peak_kv_blocks": peak}
 
 
 def replica_runner(model: Any, cluster: Any, dep: Any, workload: Workload, mem: dict[str, Any], *,

@@ -222,6 +222,12 @@ class Scheduler:
             step.decodes.append(i)
             k += 1
 
+    def finish(self, i: int) -> None:
+        """Request i stops early (the engine saw its end-of-sequence token): it leaves, freeing its blocks."""
+        self.running.remove(i)
+        self.free += self.held[i]
+        self.held[i] = 0
+
     def decode_context(self, step: Step) -> int:
         """Tokens the step's decodes attend to: each one's cached tokens plus its new one."""
         return sum(self.computed[i] + 1 for i in step.decodes)

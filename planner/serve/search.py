@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from planner.errors import SpecError
-from planner.serve.cost import (check_workload, decode_step_time_s, deployment_problems, estimate_serving,
-                                prompt_time_s, serve_memory)
+from planner.serve.cost import decode_step_time_s, prompt_time_s, serve_memory
+from planner.serve.estimate import check_workload, deployment_problems, estimate_serving
 from planner.serve.spec import SEARCH_WEIGHTS, Deployment, ServeEstimate, Target, Workload
 from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec

@@ -67,6 +67,8 @@ class Workload:
         _int(self.seed, "--seed", 0, "give a seed >= 0")
         _int(self.concurrency, "--concurrency", 0, "give the number of users, e.g. 32 (0: Poisson arrivals)")
         _int(self.prefix_len, "--prefix-len", 0, "give the shared prompt prefix in tokens, e.g. 256 (0: none)")
+        if isinstance(self.trace, list):  # from JSON (to_dict writes lists)
+            object.__setattr__(self, "trace", tuple(tuple(t) if isinstance(t, list) else t for t in self.trace))
         if not isinstance(self.trace, tuple) or not all(
                 isinstance(t, tuple) and len(t) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
                                                            for v in t) for t in self.trace):
@@ -220,6 +222,7 @@ class ServeEstimate:
     tpot_s: float = math.nan
     e2e_p50_s: float = math.nan
     e2e_p99_s: float = math.nan
+    e2e_mean_s: float = math.nan
     ttft_p50_s: float = math.nan
     ttft_p99_s: float = math.nan
     tpot_p50_s: float = math.nan
@@ -244,6 +247,9 @@ class ServeEstimate:
     """99th percentile of the wait from arrival to the first scheduled step."""
     preemptions: int = 0
     """Requests preempted (KV blocks ran out; recomputed later) in the simulation."""
+    memory_in_use_gb: float = math.nan
+    """Per GPU, GiB: weights, activations and runtime plus the most KV blocks the simulated load
+    held at once (the engine preallocates memory_gb['kv_cache']; this is what the requests use)."""
     kv_capacity_tokens: int = 0
     """Tokens the paged KV cache of one replica holds."""
     batch_limit: int = 0

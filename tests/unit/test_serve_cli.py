@@ -31,7 +31,12 @@ def test_writes_run_directory(capsys, tmp_path):
     sh = (d / "vllm_serve.sh").read_text()
     assert "vllm serve" in sh and "--tensor-parallel-size 1" in sh and "--max-num-seqs 64" in sh
     assert "--gpu-memory-utilization 0.9" in sh and "--kv-cache-dtype" not in sh   # A100: no fp8
-    assert "data:image/png;base64," in (d / "serve_report.html").read_text()
+    html = (d / "serve_report.html").read_text()
+    assert "data:image/png;base64," in html and "TTFT p99 ms" in html and "TPOT p99 ms" in html
+    # the built-in A100 profile has no fitted serving factors: the report and the plan say so
+    assert "uncalibrated: serving factors at their defaults; kernel times measured (vidur, A100-80GB)" in html
+    assert plan["inputs"]["calibration"].startswith("uncalibrated") and "(uncalibrated" in out
+    assert "white-space:pre-wrap" in html and "--port 8000 &" in html      # the whole command, wrapped
     assert "QPS@target" in out
 
 
@@ -57,6 +62,7 @@ def test_fp8_on_hopper(capsys, tmp_path):
     (["--concurrency", "-2"], "--concurrency"),
     (["--trace", "/nonexistent/trace.csv"], "cannot read"),
     (["--weight-precision", "fp8"], "FP8"),                  # A100: no FP8 tensor cores
+    (["--kv-precision", "int8"], "no int8 KV cache"),        # neither engine has one
     (["--prefix-len", "600"], "--prefix-len"),
 ])
 def test_bad_input_one_line(capsys, tmp_path, extra, needle):

@@ -15,6 +15,7 @@ import pytest
 
 from planner.errors import SpecError
 from planner.serve import cost
+from planner.serve.estimate import estimate_serving
 from planner.serve.spec import Deployment, Workload
 from planner.specs.hardware import ClusterSpec, DeviceProfile, Link
 from planner.specs.model import ModelSpec
@@ -150,17 +151,17 @@ def test_memory_and_kv_capacity():
 
 def test_infeasible_is_a_value_and_bad_input_raises():
     w = Workload(prompt_len=100, output_len=50)
-    est = cost.estimate_serving(MODEL, cluster(), Deployment(kv_precision="fp8"), w)
+    est = estimate_serving(MODEL, cluster(), Deployment(kv_precision="fp8"), w)
     assert not est.feasible and "FP8" in est.reasons[0]
-    est = cost.estimate_serving(MODEL, cluster(4), Deployment(tp=3), w)
+    est = estimate_serving(MODEL, cluster(4), Deployment(tp=3), w)
     assert not est.feasible and any("heads" in r for r in est.reasons)
     with pytest.raises(SpecError, match="context of 512"):
-        cost.estimate_serving(MODEL, cluster(), Deployment(), Workload(prompt_len=500, output_len=50))
+        estimate_serving(MODEL, cluster(), Deployment(), Workload(prompt_len=500, output_len=50))
 
 
 def test_estimate_alone_latencies():
     w = Workload(prompt_len=100, output_len=50)
-    est = cost.estimate_serving(MODEL, cluster(), Deployment(max_batch=8), w, requests=40)
+    est = estimate_serving(MODEL, cluster(), Deployment(max_batch=8), w, requests=40)
     assert est.feasible
     assert est.ttft_alone_s == pytest.approx(cost.prefill_time_s(MODEL, cluster(), Deployment(), 100))
     assert est.tpot_alone_s == pytest.approx((128_128 + 101 * 256) / 1e12)

@@ -86,3 +86,17 @@ def test_marlin_efficiency_curve():
     assert 3.09 / 3.27 < kernel_efficiency("int8", 48) < 3.82 / 3.85                  # log-linear between
     assert kernel_efficiency("bf16", 64) == 1.0 and kernel_efficiency("fp8", 64) == 1.0
     assert math.isclose(kernel_efficiency("int4", 32), 3.82 / 3.85)
+
+
+def test_closed_loop_curve_is_over_the_users():
+    # a closed-loop workload: the report's curve steps the users (2, 4, 6, 8), each point's rate is
+    # what those users reach, and more users reach more requests/s here (the batch is not full)
+    from planner.serve.estimate import estimate_serving
+    from planner.serve.outputs import latency_curve
+    from planner.specs import parse_cluster, scale
+    model, cluster = scale(preset("chatglm3-6b"), "tiny"), parse_cluster("1xcpu")
+    w = Workload(prompt_len=16, output_len=8, concurrency=8)
+    est = estimate_serving(model, cluster, Deployment(max_batch=16), w, requests=40)
+    pts = latency_curve(model, cluster, est, w, requests=40, seed=0, points=4)
+    assert len(pts) == 4 and set(pts[0]) >= {"qps", "e2e_p50_s", "ttft_p99_s", "tpot_p50_s"}
+    assert pts[0]["qps"] < pts[-1]["qps"] and pts[-1]["qps"] == pytest.approx(est.rate_qps)

@@ -28,12 +28,13 @@ def _bench():
 
 sp = _bench()
 RAW = json.loads(DATA.read_text())
-KNOWN_METRICS = {"ttft_s", "e2e_s", "tpot_s", "output_tok_s", "decode_tok_s", "max_qps", "memory_gb"}
+KNOWN_METRICS = {"ttft_s", "e2e_s", "tpot_s", "output_tok_s", "decode_tok_s", "max_qps", "memory_gb", "req_s",
+                 "ttft_p50_s"}
 
 
 def test_every_row_has_a_source_a_known_gpu_a_known_metric_and_positive_values():
     rows = RAW["rows"]
-    assert 8 <= len(rows) <= 20
+    assert 30 <= len(rows) <= 60
     assert len({r["id"] for r in rows}) == len(rows)
     for r in rows:
         assert r["source"] in RAW["sources"] and RAW["sources"][r["source"]].strip(), r["id"]
@@ -48,6 +49,11 @@ def test_every_row_has_a_source_a_known_gpu_a_known_metric_and_positive_values()
     # both GPU generations the issue names, and rows that enter the error summary
     assert {find_device(r["gpu"])[0].name for r in rows} >= {"A100-80GB", "H100-SXM"}
     assert sum(r["in_mape"] for r in rows) >= 8
+    # nothing is fitted to these rows: all are validation rows
+    assert RAW["calibration_rows"] == []
+    # closed-loop rows name their concurrency and request count
+    closed = [r for r in rows if "concurrency" in r]
+    assert closed and all(r["concurrency"] >= 1 and r["requests"] >= r["concurrency"] for r in closed)
 
 
 def test_rows_load_with_their_models_and_clusters():
@@ -72,7 +78,8 @@ def test_model_shapes_reproduce_the_published_parameter_counts():
 
 
 @pytest.mark.parametrize("field,value", [("metric", "qps"), ("gpu", "A200"), ("value", 0), ("batch", 0),
-                                         ("source", "blog"), ("weight_precision", "fp8")])
+                                         ("source", "blog"), ("weight_precision", "fp4"),
+                                         ("concurrency", 0)])
 def test_a_malformed_row_is_refused_with_a_spec_error(tmp_path, field, value):
     data = copy.deepcopy(RAW)
     data["rows"][0][field] = value
@@ -81,3 +88,11 @@ def test_a_malformed_row_is_refused_with_a_spec_error(tmp_path, field, value):
     with pytest.raises(SpecError):
         sp.load_rows(path)
     assert sp.main(["--data", str(path)]) == 2
+
+
+def test_mistral_shape_and_grouped_mape():
+    rows = {r.id: r for r in sp.load_rows()}
+    assert rows["M4q"].model.params == 7_248_023_552 and rows["M4q"].concurrency == 4
+    out = sp.compare([rows["V2"], rows["M4q"]])
+    assert set(out["groups"]) == {"TPOT", "throughput"}
+    assert out["groups"]["TPOT"]["rows"] == 1 and out["groups"]["throughput"]["rows"] == 1

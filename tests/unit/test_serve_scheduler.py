@@ -128,3 +128,23 @@ def test_trace_lengths_and_mixed_step_cost():
         return 0.2
     queue.simulate(lambda n, c: 0.1, lambda b, c: 0.01, w, math.inf, requests=2, max_batch=4, mixed_fn=mixed)
     assert calls == [(((10, 0), (20, 0)), 0, 0)]                # both prompts in one mixed step
+
+
+def test_finish_early_frees_the_request():
+    # the executor's engine stops a request at its end-of-sequence token: it leaves the batch
+    s = Scheduler(SchedulerConfig(engine="executor", max_num_seqs=1, block_size=4, kv_blocks=8), [(4, 9), (4, 2)])
+    s.add(0)
+    s.add(1)
+    s.complete(s.schedule())
+    assert s.running == [0] and s.free == 7 and s.schedule().decodes == [0]   # batch full: 1 waits
+    s.finish(0)
+    assert s.running == [] and s.free == 8
+    assert s.schedule().chunks == [(1, 4, 0)]
+
+
+def test_workload_round_trips_through_json():
+    # serve_metrics.json and serve_plan.json store Workload.to_dict(); benchmarks rebuild it
+    import json
+    w = Workload(prompt_len=10, output_len=4, trace=((10, 2), (20, 3)), concurrency=3, prefix_len=4)
+    assert Workload(**json.loads(json.dumps(w.to_dict()))) == w
+    assert Workload(**Workload(prompt_len=5, output_len=2).to_dict()).trace == ()

@@ -1,0 +1,70 @@
+"""The measured kernel curves (planner/serve/measured.py, profiles/serving/vidur.json) in the
+serving cost model, pinned to the file's numbers by hand."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from planner.serve import cost, measured
+from planner.serve.spec import Deployment
+from planner.specs import parse_cluster, preset
+
+A100 = parse_cluster("1xA100")
+REF = 2 * 4096 * (3 * 4096 + 4096 + 3 * 11008)   # Llama-2-7B's linear weights of one layer, bf16 bytes: 404,750,336
+
+
+def test_file_holds_vidur_medians_with_their_source():
+    data = measured._data()
+    assert "microsoft/vidur at commit" in data["source"] and data["model"]["linear_weights_per_layer"] * 2 == REF
+    c = measured.curve(A100.device, 1)
+    assert c["tokens"][:5] == [1, 2, 4, 8, 16] and c["linear_ms"][:5] == [0.266, 0.258, 0.259, 0.26, 0.263]
+    assert measured.curve(parse_cluster("1xA100-40GB").device, 1) is None      # not measured: the analytic model
+    assert measured.curve(A100.device, 3) is None
+
+
+def test_bandwidth_share_is_the_measured_memory_bound_read():
+    # median of 0.266, 0.258, 0.259, 0.260, 0.263 ms = 0.260 ms for 404,750,336 B at 2,039 GB/s
+    assert measured.bandwidth_share(A100.device) == pytest.approx(REF / 0.26e-3 / 2039e9)
+    assert cost.serve_factor(A100, "decode_bw_efficiency") == pytest.approx(0.7635, abs=1e-4)
+    assert cost.serve_factor(parse_cluster("1xL40S"), "decode_bw_efficiency") == 0.8     # assumed where unmeasured
+
+
+def test_linear_time_interpolates_and_scales_with_bytes():
+    c = measured.curve(A100.device, 1)
+    assert measured.linear_s(c, 16, REF) == pytest.approx(0.263e-3)
+    assert measured.linear_s(c, 16, REF / 2) == pytest.approx(0.263e-3 / 2)           # half the weights
+    # 3 tokens: log-log between 2 (0.258) and 4 (0.259), log2(3/2) = 0.585 of the way
+    w = math.log(1.5) / math.log(2)
+    assert measured.linear_s(c, 3, REF) == pytest.approx(math.exp(math.log(0.258) + w * math.log(0.259 / 0.258)) * 1e-3)
+    assert measured.linear_s(c, 8192, REF) == pytest.approx(2 * 7.3985e-3)            # above 4096: in proportion
+    assert measured.other_ops_s(c, 4096, 2048) == pytest.approx(0.676e-3 / 2)          # x hidden / 4096
+
+
+def test_step_uses_the_measured_layers_on_a_measured_gpu():
+    m = preset("chatglm3-6b")
+    c = measured.curve(A100.device, 1)
+    lin = 2.0 * cost.linear_weights(m)
+    t = cost.decode_terms(m, A100, Deployment(), 1, 600)
+    assert t["fixed_s"] == pytest.approx(m.layers * (measured.linear_s(c, 1, lin) + measured.other_ops_s(c, 1, 4096)))
+    # the linear weights' read is inside their measured time: memory holds the rest and the cache
+    rest = cost.weight_read_bytes(m, Deployment()) - m.layers * cost.linear_weights(m) * 2.0
+    assert t["memory_s"] == pytest.approx((rest + 600 * cost.kv_bytes_per_token(m, Deployment())) / 2039e9)
+    analytic = cost.decode_terms(m, A100, Deployment(), 1, 600, curves=False)
+    assert analytic["fixed_s"] == 0.0 and analytic["memory_s"] > t["memory_s"]
+    step = cost.decode_step_time_s(m, A100, Deployment(), 1, 600)
+    f = cost.serve_factors(A100)
+    assert step == pytest.approx(t["fixed_s"] + max(t["compute_s"], t["memory_s"] / f["decode_bw_efficiency"]))
+
+
+def test_quantized_weights_scale_the_measured_time_by_their_roofline():
+    m = preset("chatglm3-6b")
+    bf = cost.decode_terms(m, A100, Deployment(), 1, 600)["fixed_s"]
+    q = cost.decode_terms(m, A100, Deployment(weight_precision="int4"), 1, 600)["fixed_s"]
+    ops = m.layers * measured.other_ops_s(measured.curve(A100.device, 1), 1, 4096)
+    # batch 1 is memory-bound: the int4 layers take their bytes' share of the bf16 time
+    assert (q - ops) / (bf - ops) == pytest.approx((0.5 + 4 / 128) / 2.0, rel=1e-3)
+    # a 4096-token prefill is compute-bound: int4 is no faster, and Marlin's 0.945 makes it slower
+    big_bf = cost.prefill_terms(m, A100, Deployment(), 4096)["fixed_s"]
+    big_q = cost.prefill_terms(m, A100, Deployment(weight_precision="int4"), 4096)["fixed_s"]
+    assert big_q > big_bf
