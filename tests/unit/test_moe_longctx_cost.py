@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from planner.cost import engines, estimate, layer_costs, longctx, moe
+from planner.cost import compute, engines, estimate, layer_costs, longctx, moe
 from planner.cost.model import moe_state_bytes
 from planner.specs.hardware import parse_cluster
 from planner.specs.model import preset, scale
@@ -136,3 +136,42 @@ def test_expert_gradient_sync_and_step_by_hand():
     half = moe.expert_sync_and_step(AIR, c, p, (46,), {**f, "dp_overlap": 0.5}, (1e9,), 2.0, True)[0]
     assert half == pytest.approx(want / 2)
     assert moe.expert_sync_and_step(AIR, c, dataclasses.replace(p, ep=16), (46,), f, (0.0,), 2.0, True)[0] == 0.0
+
+
+def test_moe_activation_and_traffic_by_hand():
+    s, b, t, e = 1024, 1, 1, 2.0
+    moe_a, dense_a = moe.ffn_activation_bytes(AIR, s, b, t, e)
+    pairs = s * b * 8  # k = 8, dropless, balanced
+    assert dense_a == e * b * s * 10944 * 4
+    assert moe_a == 2 * 4 * s * b * 128 + pairs * e * (2 * 4096 + 1408 * 4) + e * b * s * 1408 * 4
+    moe_e, dense_e = moe.ffn_elementwise_bytes(AIR, s, b, t, e)
+    assert dense_e == s * b * e * (2 * 10944 + 10944) * 2
+    assert moe_e == (pairs * e * (2 * 1408 + 1408) * 2 + pairs * 4096 * e * 4 + s * b * e * 3 * 1408 * 2
+                     + s * b * 128 * 4 * 2)
+
+
+def test_grouped_expert_gemms_run_at_one_experts_efficiency():
+    c = parse_cluster("8xH100")
+    dev = c.device
+    s, b = 4096, 1
+    router, shared, routed = moe.ffn_flops(AIR, s, b, 1)
+    one = routed / (128 // 8) / 3
+    want = (compute.gemm_time(dev, router, "bf16", 1.0) + compute.gemm_time(dev, shared, "bf16", 1.0)
+            + routed / (dev.peak_flops("bf16") * dev.gemm_eff(one, "bf16")))
+    assert moe.ffn_time(AIR, dev, s, b, 1, 8, "bf16", 1.0) == pytest.approx(want)
+
+
+def test_cp_block_core_is_cp_times_the_local_one():
+    from planner.cost.factors import cluster_factors
+    from planner.cost.model import _block_times
+    m, c = preset("glm-4-9b"), parse_cluster("8xA100-80GB")
+    f = cluster_factors(c)
+    p, tr = Plan(dp=4, cp=2, micro_batch=1, grad_accum=1), TrainSpec(global_batch=4, seq_len=65536)
+    lp, ltr = longctx.local(p, tr)
+    plain = _block_times(m, c, ltr, lp, f)
+    cp2 = _block_times(m, c, ltr, lp, f, (2, "ulysses"))
+    core = compute.core_time(m, c.device, compute.block_gemms(m, 32768, 1, 1)[1], 32768, "bf16",
+                             f["attention_scale"])
+    assert cp2.forward - plain.forward == pytest.approx(core)          # (2 - 1) x the local core
+    assert cp2.selective - plain.selective == pytest.approx(core)
+    assert cp2.a2a_fwd > 0 and plain.a2a_fwd == 0
