@@ -562,9 +562,10 @@ def _base_engine(zero: int, precision: str, pipeline: bool, overlap_comm: bool) 
 
 def engine_for(plan: Plan) -> Engine:
     """The optimizer engine DeepSpeed 0.19.8 builds for this plan's ds_config."""
-    return _engine(plan.zero, plan.precision, plan.pp > 1, plan.overlap_comm, plan.offload_optimizer,
-                   plan.offload_params, plan.hpz > 1, plan.quantized_weights,
-                   plan.zero == 2 and plan.offload_optimizer != "none" and plan.grad_accum > 1)
+    # fp8 (Transformer Engine) keeps bf16 weights and gradients: the bf16 engine
+    precision = "bf16" if plan.precision == "fp8" else plan.precision
+    return _engine(plan.zero, precision, plan.pp > 1, plan.overlap_comm, plan.offload_optimizer, plan.offload_params,
+                   plan.hpz > 1, plan.quantized_weights, plan.zero == 2 and plan.offload_optimizer != "none" and plan.grad_accum > 1)
 
 
 def sizes(plan: Plan, psi: float, small: float, owned: float | None = None, resident: bool = False,

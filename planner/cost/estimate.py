@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import math
 
-from planner.cost import comm, compute, engines, longctx, moe, params, pipeline, zero
+from planner.cost import comm, compute, engines, longctx, moe, params, pipeline, runtime, zero
 from planner.cost.attention import recomputes_scores
 from planner.cost.engines import Engine
 from planner.cost.factors import cluster_factors
 from planner.cost.layers import LayerCosts
-from planner.cost.model import (_act_bytes, _block_times, _kernel, _layer_costs, resident_memory, stage_memory,
-                                 stage_times)
+from planner.cost.model import (_act_bytes, _block_times, _kernel, _layer_costs, resident_memory, runtime_train,
+                                 stage_memory, stage_times)
+from planner.cost.runtime import get_runtime
 from planner.specs.estimate import GB, Estimate, TimeBreakdown
 from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
@@ -96,6 +97,8 @@ def zero3_comm(model: ModelSpec, cluster: ClusterSpec, plan: Plan, f: dict[str, 
     thr = plan.persistence_elements or params.persistence_threshold(model)
     us = zero.units(model, plan, bt.forward + bt.tp_fwd, bt.backward + bt.tp_bwd, (first / 3.0, 2.0 * first / 3.0),
                     (last / 3.0, 2.0 * last / 3.0), recomputed, thr)
+    if get_runtime(plan.runtime).flat_parameters:
+        us = zero.flat_units(us)
     return zero.zero3_time(cluster, plan, us, f, _act_bytes(plan.precision))
 
 
@@ -115,8 +118,10 @@ def p2p_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pl
 def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan) -> Estimate:
     """Predict step time and per-device memory of `plan`. Never raises for an illegal or
     oversized plan: those come back with feasible=False and the reasons."""
-    reasons = plan_problems(model, cluster, train, plan)
-    f = cluster_factors(cluster)
+    train = runtime_train(train, plan)
+    rt = get_runtime(plan.runtime)
+    reasons = plan_problems(model, cluster, train, plan) + runtime.problems(rt, plan)
+    f = cluster_factors(cluster, plan.runtime)
     # context parallelism: every term below for the cp-free equivalent (planner.cost.longctx),
     # the FLOPs and tokens for the plan as given
     full_plan, full_train = plan, train
@@ -136,6 +141,10 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
     # interleaved); filling and draining the pipe crosses every boundary once each way
     p2p = p2p_times(model, cluster, train, plan, f)
     pp_comm = m * v * max(p2p, default=0.0)
+    if rt.p2p_overlap and p > 1:
+        # Megatron-Core overlaps steady-state sends with the next micro-batch's compute (one
+        # chunk's share of the stage's time); fill and drain (the bubble's sends) stay exposed
+        pp_comm = m * v * max(max(p2p) - min(times) / v, 0.0)
     bubble += sum(p2p)
 
     psi = tuple(lc.stage_psi(i, p, n)[0] for i, n in enumerate(layers))

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from planner.cost.attention import selective_saves_memory
+from planner.cost.runtime import get_runtime
 from planner.errors import SpecError
 from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
@@ -100,9 +101,9 @@ class Outer:
     cp_kind: str = "ulysses"
 
     def plan(self, precision: str, stage_layers: tuple[int, ...] = (),
-             recompute_layers: tuple[int, ...] = ()) -> Plan:
+             recompute_layers: tuple[int, ...] = (), runtime: str = "deepspeed") -> Plan:
         v = self.variant or PLAIN
-        return Plan(dp=self.dp, tp=self.tp, pp=self.pp, zero=self.zero, micro_batch=self.micro_batch,
+        return Plan(runtime=runtime, dp=self.dp, tp=self.tp, pp=self.pp, zero=self.zero, micro_batch=self.micro_batch,
                     grad_accum=self.grad_accum, recompute=self.recompute, sequence_parallel=self.sequence_parallel,
                     schedule="interleaved" if self.interleave > 1 else "1f1b", interleave=self.interleave,
                     precision=precision, stage_layers=stage_layers, recompute_layers=recompute_layers,
@@ -145,6 +146,9 @@ class Space:
     marked infeasible for DeepSpeed (planner.specs.validate.runtime_problems)."""
     context_parallel: str = "auto"
     """Offer cp > 1 (Ulysses and ring): on, off, or auto = on from LONG_SEQUENCE tokens."""
+    runtime: str = "deepspeed"
+    """The runtime the plans run on (planner.cost.runtime): its ZeRO stages, whether it has TP,
+    PP and DeepSpeed's ZeRO variants bound the space."""
 
     def layouts(self) -> list[tuple[int, int, int]]:
         """Legal (tp, pp, dp) triples, checked with planner.specs.validate.plan_problems."""
@@ -153,8 +157,13 @@ class Space:
     def _layouts(self, train: TrainSpec) -> list[tuple[int, int, int]]:
         world, batch = self.cluster.world_size, train.global_batch
         out = []
+        rt = get_runtime(self.runtime)
         for tp in divisors(self.cluster.gpus_per_node):  # tp divides the node, so the world too
+            if tp > 1 and not rt.tensor_parallel:
+                continue
             for pp in divisors(world // tp):
+                if pp > 1 and not rt.pipeline:
+                    continue
                 dp = world // (tp * pp)
                 if pp > self.model.layers or batch % dp:
                     continue
@@ -168,14 +177,19 @@ class Space:
         attention kernel stores its scores, i.e. where it saves memory
         (planner.cost.attention.selective_saves_memory): with flash it would cost time for
         nothing."""
-        if selective_saves_memory(self.model, self.train, self.cluster.device.kind):
+        train = self.train
+        if get_runtime(self.runtime).attention != "plan":
+            train = dataclasses.replace(train, attention=get_runtime(self.runtime).attention)
+        if selective_saves_memory(self.model, train, self.cluster.device.kind):
             return RECOMPUTE
         return tuple(r for r in RECOMPUTE if r != "selective")
 
     def zero_stages(self, pp: int) -> tuple[int, ...]:
-        """0-3 without a pipeline, 0-1 with one; ZeRO-3 is not modelled for MoE (validate.moe_problems)."""
-        top = 1 if pp > 1 else 2 if self.model.moe is not None else 3
-        return tuple(range(top + 1))
+        """0-3 without a pipeline, 0-1 with one, those the runtime has; ZeRO-3 is not modelled for
+        MoE (validate.moe_problems)."""
+        stages = (0, 1, 2, 3) if pp == 1 else (0, 1)
+        return tuple(z for z in stages if z in get_runtime(self.runtime).zero_stages
+                     and not (z == 3 and self.model.moe is not None))
 
     def zero_options(self, pp: int, dp: int, tp: int = 1) -> list[tuple[int, ZeroVariant]]:
         """(ZeRO stage, variant) pairs to scan for a layout (README "ZeRO variants"):
@@ -198,7 +212,7 @@ class Space:
         across = dp > g > 1 and self.cluster.nodes > 1
         for z in self.zero_stages(pp):
             out.append((z, PLAIN))
-            if z == 0:
+            if z == 0 or self.runtime != "deepspeed":  # the variants are DeepSpeed's
                 continue
             if dp > 1:
                 out.append((z, ZeroVariant(bucket_elements=BUCKETS[1])))
