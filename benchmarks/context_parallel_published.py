@@ -2,12 +2,13 @@
 /work/shared/reference/modern-runs.md: LLAMA2-7B on H100, Megatron-Core with ring context
 parallelism, 4,096 to 1,048,576 tokens at about 4M tokens per step).
 
-For each row the planner estimates the published layout (TP, PP, CP as ring, DP, micro-batch 1,
-the published global batch; full recompute where nothing else fits) and prints its TFLOP/s per
-GPU next to the published one. The published runs are FP8 (Transformer Engine); the planner has
-no fp8 precision, so it predicts bf16, and the absolute values are not comparable: what is
-compared is the trend over sequence length, each row over the 4k row (published: 768 -> 536
-TFLOP/s, 0.70x at 1M tokens). Nothing is fitted on these rows.
+For each row the planner estimates the published layout on the megatron-core runtime in fp8
+(TP with sequence parallelism, PP, CP as ring, DP, distributed optimizer, micro-batch 1, the
+published global batch; full recompute where nothing else fits) and prints its TFLOP/s per GPU
+next to the published one, and the trend over sequence length (each row over the 4k row;
+published 768 -> 536 TFLOP/s, 0.70x at 1M tokens). The runtime's compute_scale was fitted on
+the S7 rows without context parallelism (S7-1..S7-3, profiles/runtimes/megatron-core.json);
+nothing is fitted on the context-parallel rows (S7-4..S7-9).
 
     .venv/bin/python benchmarks/context_parallel_published.py
 """
@@ -32,11 +33,11 @@ ROWS = (("S7-1", 4096, 1024, 1, 1, 1, 4, 768), ("S7-2", 8192, 512, 1, 2, 1, 4, 7
 def predict(seq: int, batch: int, tp: int, pp: int, cp: int, dp: int):
     """The published layout's estimate: no recompute if it fits, else full recompute."""
     cluster = parse_cluster(f"{max(1, tp * pp * cp * dp // 8)}x{min(8, tp * pp * cp * dp)}xH100")
-    train = TrainSpec(global_batch=batch, seq_len=seq)
+    train = TrainSpec(global_batch=batch, seq_len=seq, precision="fp8")
     est = None
     for rc in ("none", "full"):
         plan = Plan(dp=dp, tp=tp, pp=pp, cp=cp, cp_kind="ring", zero=1, micro_batch=1, grad_accum=batch // dp,
-                    recompute=rc, sequence_parallel=tp > 1)
+                    recompute=rc, sequence_parallel=tp > 1, precision="fp8", runtime="megatron-core")
         est = estimate(LLAMA2_7B, cluster, train, plan)
         if est.feasible:
             return rc, est
@@ -44,14 +45,15 @@ def predict(seq: int, batch: int, tp: int, pp: int, cp: int, dp: int):
 
 
 def main() -> None:
-    print(f"{'row':6s} {'seq':>8s} {'layout':22s} {'pub TFLOP/s':>11s} {'pred':>6s} {'pub/4k':>7s} {'pred/4k':>7s}  "
-          "recompute  fits")
+    print(f"{'row':6s} {'seq':>8s} {'layout':22s} {'pub TFLOP/s':>11s} {'pred':>6s} {'pred/pub':>8s} {'pub/4k':>7s} "
+          f"{'pred/4k':>7s}  recompute  fits")
     base = None
     for rid, seq, batch, tp, pp, cp, dp, pub in ROWS:
         rc, est = predict(seq, batch, tp, pp, cp, dp)
         pred = est.tflops_per_gpu
         base = base or (pub, pred)
-        print(f"{rid:6s} {seq:8d} {f'TP{tp} PP{pp} CP{cp} DP{dp}':22s} {pub:11.0f} {pred:6.0f} {pub / base[0]:7.2f} "
+        print(f"{rid:6s} {seq:8d} {f'TP{tp} PP{pp} CP{cp} DP{dp}':22s} {pub:11.0f} {pred:6.0f} {pred / pub:8.2f} "
+              f"{pub / base[0]:7.2f} "
               f"{pred / base[1]:7.2f}  {rc:9s}  {'yes' if est.feasible else '; '.join(est.reasons)[:60]}")
 
 
