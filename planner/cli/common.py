@@ -108,8 +108,10 @@ def train_options(f: Callable) -> Callable:
     f = click.option("--attention", type=click.Choice(list(ATTENTION)), default="flash", show_default=True,
                      help="Attention kernel the run uses: flash (torch SDPA, no s x s scores kept, backward "
                           "recomputes them) or eager (softmax stored; selective recompute pays off).")(f)
-    f = click.option("--precision", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
-                     help="Training precision (default bf16, fp16 where bf16 is unsupported).")(f)
+    f = click.option("--precision", type=click.Choice(["bf16", "fp16", "fp32", "fp8"]), default=None,
+                     help="Training precision (default bf16, fp16 where bf16 is unsupported; fp8: Transformer "
+                          "Engine, --runtime megatron-core or fsdp on an FP8 GPU, where it is also searched beside "
+                          "bf16).")(f)
     f = click.option("--seq-len", type=int, default=None, help="Tokens per sequence (default min(2048, model max); 128 on cpu).")(f)
     f = click.option("--global-batch", type=int, default=None, help="Sequences per step (default 512; 8 on cpu).")(f)
     return f
@@ -164,6 +166,9 @@ def load_train(model: ModelSpec, cluster: ClusterSpec, global_batch: int | None,
         seq_len = min(128 if cpu else 2048, model.max_seq)
     if precision is None:
         precision = "bf16" if cluster.device.supports("bf16") else "fp16"
+    if precision == "fp8" and not cluster.device.supports("fp8"):
+        raise SpecError("--precision", f"{cluster.device.name} has no FP8 tensor cores",
+                        "use bf16, or an FP8 GPU (H100, H200, L40S, B200)")
     if seq_len > model.max_seq:
         raise SpecError("--seq-len", f"{seq_len} exceeds {model.name}'s maximum sequence {model.max_seq}",
                         f"use --seq-len {model.max_seq} or less")

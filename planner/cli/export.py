@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-TARGET_NAMES = ["hf-trainer", "accelerate", "megatron-deepspeed", "torchrun"]
+TARGET_NAMES = ["hf-trainer", "accelerate", "megatron-deepspeed", "torchrun", "megatron-lm"]
 
 
 @click.command()
@@ -13,7 +13,7 @@ TARGET_NAMES = ["hf-trainer", "accelerate", "megatron-deepspeed", "torchrun"]
 @click.option("--to", "target", required=True, type=click.Choice(TARGET_NAMES),
               help="hf-trainer (TrainingArguments + ds_config.json, ZeRO-only plans), accelerate (config YAML, "
                    "ZeRO-only plans), megatron-deepspeed (pretrain_gpt.py arguments, any plan), torchrun "
-                   "(the planner's own worker).")
+                   "(the planner's own worker), megatron-lm (Megatron-LM arguments: --runtime megatron-core plans).")
 @click.option("--out", "out", default=None, type=click.Path(path_type=Path),
               help="Directory to write (default: RUN_DIR/export/<target>/).")
 def export(run_dir: Path, target: str, out: Path | None) -> None:

@@ -201,15 +201,20 @@ def _print_search(console: Console, result, cluster, run_dir: Path, written: lis
 @click.option("--refine-steps", type=click.IntRange(2, 1000), default=5, show_default=True,
               help="Optimizer steps per plan for --refine (the first is warm-up).")
 @click.option("--megatron-features", is_flag=True,
-              help="Also choose the interleaved 1F1B schedule, which DeepSpeed's PipelineEngine cannot run "
-                   "(for Megatron-LM runtimes; without it such plans are evaluated and marked infeasible).")
+              help="The same as --runtime megatron-core (kept for old command lines).")
+@click.option("--runtime", default="deepspeed", show_default=True, metavar="NAME",
+              help="The runtime the plan runs on: deepspeed (what `planner run` executes), megatron-core "
+                   "(Megatron-LM / NeMo), fsdp (PyTorch FSDP), or all (search each and say which wins and by "
+                   "how much; writes the deepspeed run). docs/runtimes.md")
 @click.pass_context
 def search(ctx: click.Context, **kw: Any) -> None:
     """Find the fastest plan that fits and write reports/<name>/."""
     from planner.search.driver import search as run_search
     command = _command_line(ctx)
     scale, model_arg, gpus = kw["scale"], kw["model_arg"], kw["gpus"]
+    runtimes = _runtimes(kw["runtime"], kw["megatron_features"])
     model, cluster, train = load_inputs(kw)
+    _fp8_offered(train, runtimes)
     spec = load_bill(kw, model, cluster)
     name = kw["name"] or _default_name(model.name, gpus)
     if not _NAME_RE.match(name) or name in (".", ".."):
@@ -236,9 +241,21 @@ def search(ctx: click.Context, **kw: Any) -> None:
     try:
         if bar:
             bar.start()
-        result = run_search(model, cluster, train, exhaustive=kw["exhaustive"], n_trials=kw["n_trials"],
-                            seed=kw["seed"], storage=storage, progress=progress,
-                            megatron_features=kw["megatron_features"])
+        results = {}
+        for rt in runtimes:
+            try:
+                results[rt] = run_search(model, cluster, train, exhaustive=kw["exhaustive"],
+                                         n_trials=kw["n_trials"], seed=kw["seed"],
+                                         storage=storage if rt == runtimes[0] else None,
+                                         progress=progress if rt == runtimes[0] else None, runtime=rt)
+            except SpecError:
+                if len(runtimes) == 1:
+                    raise
+                results[rt] = None  # fits nowhere on this runtime: said in the comparison
+        result = results[runtimes[0]]
+        if result is None:
+            raise SpecError("--runtime", f"nothing fits on {runtimes[0]} (needed for the run directory)",
+                            "use more or larger devices, or search one runtime that fits")
     except BaseException:
         if tmp_db is not None:
             _close(rdb)
@@ -265,10 +282,53 @@ def search(ctx: click.Context, **kw: Any) -> None:
     _print_search(_console(), result, cluster, run_dir, written, kw["top"], train, spec.tokens)
     for line in bill_text:
         click.echo(line)
+    if len(runtimes) > 1:
+        for line in runtime_comparison(results):
+            _console().print(line)
+    elif result.best.plan.runtime != "deepspeed":
+        _console().print(f"note: {result.best.plan.runtime} plans are estimated, not executed here: `planner run` "
+                         "runs DeepSpeed only (planner export --to megatron-lm writes Megatron-LM arguments)")
     if moved:
         click.echo(moved)
     if kw["refine_k"]:
         _refine(run_dir, kw["refine_k"], kw["refine_steps"], err)
+
+
+def _runtimes(name: str, megatron_features: bool) -> list[str]:
+    """The runtimes to search, the one whose run directory is written first; one line naming
+    --runtime for an unknown name (planner.cost.runtime.get_runtime)."""
+    from planner.cost.runtime import NAMES, get_runtime
+    if megatron_features:
+        if name not in ("deepspeed", "megatron-core"):
+            raise SpecError("--megatron-features", f"is --runtime megatron-core, not {name}", "give one of the two")
+        return ["megatron-core"]
+    if name == "all":
+        return list(NAMES)
+    get_runtime(name)
+    return [name]
+
+
+def _fp8_offered(train, runtimes: list[str]) -> None:
+    """--precision fp8 needs a runtime with Transformer Engine: one line naming --runtime."""
+    from planner.cost.runtime import get_runtime
+    lacking = [rt for rt in runtimes if train.precision not in get_runtime(rt).precisions]
+    if lacking and len(lacking) == len(runtimes):
+        raise SpecError("--precision", f"{train.precision} is not offered on runtime {lacking[0]} (no Transformer "
+                        "Engine)", "use --runtime megatron-core or fsdp, or --precision bf16")
+
+
+def runtime_comparison(results: dict) -> list[str]:
+    """Which runtime's best plan is fastest for this job and by how much (--runtime all)."""
+    ok = {rt: r.best.estimate.tokens_per_s for rt, r in results.items() if r is not None}
+    lines = [f"runtime {rt}: " + (f"{results[rt].best.estimate.tokens_per_s:,.0f} tokens/s with "
+                                  f"{results[rt].best.plan.describe()}" if rt in ok else "no plan fits")
+             for rt in results]
+    if ok:
+        win = max(ok, key=ok.get)
+        others = ", ".join(f"{ok[win] / v:.2f}x {rt}" for rt, v in ok.items() if rt != win)
+        lines.append(f"fastest runtime: {win}" + (f" ({others} tokens/s)" if others else "")
+                     + ("" if win == "deepspeed" else "; `planner run` executes deepspeed only"))
+    return lines
 
 
 def _refine(run_dir: Path, k: int, steps: int, err: Console) -> None:
@@ -409,6 +469,9 @@ def _int_list(text: str | None, flag: str) -> tuple[int, ...]:
               help="ZeRO-3 stage3_max_live_parameters (and max_reuse_distance) in elements; 0 = --bucket-elements.")
 @click.option("--persistence-elements", type=int, default=0, show_default=True,
               help="ZeRO-3 stage3_param_persistence_threshold in elements; 0 = 10 x hidden.")
+@click.option("--runtime", default="deepspeed", show_default=True, metavar="NAME",
+              help="deepspeed, megatron-core or fsdp (docs/runtimes.md); only deepspeed plans can be --write'n "
+                   "and run here.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--write", "write_dir", default=None, metavar="DIR", type=click.Path(path_type=Path),
               help="Also write DIR as a run directory for this plan (plan.json, estimate.json with the baseline, "
@@ -444,7 +507,12 @@ def estimate(ctx: click.Context, **kw: Any) -> None:
                        hpz=kw["hpz"], quantized_weights=kw["qwz"], quantized_gradients=kw["qgz"],
                        mics_shard=kw["mics_shard"], bucket_elements=kw["bucket_elements"],
                        prefetch_elements=kw["prefetch_elements"], live_elements=kw["live_elements"],
-                       persistence_elements=kw["persistence_elements"])
+                       persistence_elements=kw["persistence_elements"], runtime=_runtimes(kw["runtime"], False)[0])
+    _fp8_offered(train, [plan.runtime])
+    from planner.cost import runtime as runtimes
+    lacking = runtimes.problems(runtimes.get_runtime(plan.runtime), plan)
+    if lacking:
+        raise SpecError("--runtime", lacking[0].split(": ")[0], lacking[0].split(": ", 1)[-1])
     batch_ok = train.global_batch % (mb * dp) == 0
     problems = [p for p in plan_problems(model, cluster, train, plan) if batch_ok or "global batch" not in p]
     if problems:
@@ -461,6 +529,9 @@ def estimate(ctx: click.Context, **kw: Any) -> None:
     written: list[str] = []
     moved = None
     if write_dir is not None:
+        if plan.runtime != "deepspeed":
+            raise SpecError("--write", f"a {plan.runtime} plan is estimated, not run here (`planner run` executes "
+                            "DeepSpeed only)", "estimate it without --write, or use --runtime deepspeed")
         if runtime:
             raise SpecError("--write", f"DeepSpeed cannot run this plan ({runtime[0]})",
                             "drop --interleave / --mics-shard to write a run directory; estimate it without --write")

@@ -97,7 +97,16 @@ def block_compute_times(model: ModelSpec, device: DeviceProfile, s: int, b: int,
     """
     gemms, core = block_gemms(model, s, b, t)
     fwd = sum(gemm_time(device, g, precision, compute_scale) / e for g, e in zip(gemms, ffn_time_divisors(model)))
-    return fwd, core_time(model, device, core, s, precision, attention_scale)
+    return fwd, core_time(model, device, core, s, bf16_part(precision), attention_scale)
+
+
+def bf16_part(precision: str) -> str:
+    """The precision of the GEMMs fp8 training does not cover: Transformer Engine runs the
+    linear layers' GEMMs (QKV, attention output, FFN: block_gemms' weight GEMMs) in FP8, while
+    the attention core (its fused attention in bf16) and the output layer (Megatron-Core's
+    ColumnParallelLinear, not a TE module) stay bf16 (NVIDIA Transformer Engine docs, "Using FP8
+    with Transformer Engine"; Megatron-Core --fp8-format). Any other precision: itself."""
+    return "bf16" if precision == "fp8" else precision
 
 
 def core_time(model: ModelSpec, device: DeviceProfile, flops: float, s: int, precision: str,

@@ -1,15 +1,17 @@
 """Assemble the step time, throughput, FLOPs utilisation and per-stage memory of a plan."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
-from planner.cost import comm, compute, engines, params, pipeline, zero
+from planner.cost import comm, compute, engines, params, pipeline, runtime, zero
 from planner.cost.attention import recomputes_scores
 from planner.cost.engines import Engine
 from planner.cost.factors import cluster_factors
 from planner.cost.layers import LayerCosts
-from planner.cost.model import (_act_bytes, _block_times, _kernel, _layer_costs, resident_memory, stage_memory,
-                                 stage_times)
+from planner.cost.model import (_act_bytes, _block_times, _kernel, _layer_costs, resident_memory, runtime_train,
+                                 stage_memory, stage_times)
+from planner.cost.runtime import get_runtime
 from planner.specs.estimate import GB, Estimate, TimeBreakdown
 from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
@@ -96,6 +98,8 @@ def zero3_comm(model: ModelSpec, cluster: ClusterSpec, plan: Plan, f: dict[str, 
     thr = plan.persistence_elements or params.persistence_threshold(model)
     us = zero.units(model, plan, bt.forward + bt.tp_fwd, bt.backward + bt.tp_bwd, (first / 3.0, 2.0 * first / 3.0),
                     (last / 3.0, 2.0 * last / 3.0), recomputed, thr)
+    if get_runtime(plan.runtime).flat_parameters:
+        us = zero.flat_units(us)
     return zero.zero3_time(cluster, plan, us, f, _act_bytes(plan.precision))
 
 
@@ -115,8 +119,10 @@ def p2p_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pl
 def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan) -> Estimate:
     """Predict step time and per-device memory of `plan`. Never raises for an illegal or
     oversized plan: those come back with feasible=False and the reasons."""
-    reasons = plan_problems(model, cluster, train, plan)
-    f = cluster_factors(cluster)
+    train = runtime_train(train, plan)
+    rt = get_runtime(plan.runtime)
+    reasons = plan_problems(model, cluster, train, plan) + runtime.problems(rt, plan)
+    f = cluster_factors(cluster, plan.runtime)
     bt = _block_times(model, cluster, train, plan, f)
     lc = _layer_costs(model, cluster, train, plan, f, bt)
     engine = engines.engine_for(plan)
@@ -132,6 +138,10 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
     # interleaved); filling and draining the pipe crosses every boundary once each way
     p2p = p2p_times(model, cluster, train, plan, f)
     pp_comm = m * v * max(p2p, default=0.0)
+    if rt.p2p_overlap and p > 1:
+        # Megatron-Core overlaps steady-state sends with the next micro-batch's compute (one
+        # chunk's share of the stage's time); fill and drain (the bubble's sends) stay exposed
+        pp_comm = m * v * max(max(p2p) - min(times) / v, 0.0)
     bubble += sum(p2p)
 
     psi = tuple(lc.stage_psi(i, p, n)[0] for i, n in enumerate(layers))
@@ -150,6 +160,9 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
     step = time.total
 
     mem = stage_memory(plan, lc, layers, ckpt, f["memory_fragmentation"], resident_memory(cluster.device.kind))
+    # live tensor bytes as an allocator counts them: whole buffers, no allowance (Estimate.allocated_memory)
+    allocated = tuple(dataclasses.replace(mb, overhead=0.0)
+                      for mb in stage_memory(plan, lc, layers, ckpt, 0.0, resident=False))
     cap = cluster.memory_bytes
     for i, mb in enumerate(mem):
         if mb.total > cap:
@@ -192,7 +205,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
         hfu=hw_flops / (denom * peak), stage_memory=tuple(mem), capacity_bytes=cap,
         bubble_fraction=pipeline.bubble_fraction(p, m, v), model_flops_per_step=model_flops,
         hardware_flops_per_step=hw_flops, stage_times=tuple(fwd_share), host_memory_bytes=host,
-        nvme_bytes=nvme, headroom_bytes=f["memory_overhead_gb"] * GB)
+        nvme_bytes=nvme, headroom_bytes=f["memory_overhead_gb"] * GB, allocated_memory=allocated)
 
 
 def _breakdown(lc: LayerCosts, bt, plan: Plan, n: int, r: int, first: bool, last: bool, m: int) -> dict[str, float]:

@@ -6,6 +6,7 @@ has one meaning, and a built-in profile states where its value came from in "sou
 """
 from __future__ import annotations
 
+from planner.cost.runtime import DEFAULT as DEFAULT_RUNTIME, get_runtime, runtime_factors
 from planner.specs.hardware import ClusterSpec, DeviceProfile
 
 DEFAULTS: dict[str, float] = {
@@ -63,10 +64,12 @@ def oversubscription(cluster: ClusterSpec) -> float:
     return max(1.0, cluster.gpus_per_node / dev.gpus_per_node)
 
 
-def cluster_factors(cluster: ClusterSpec) -> dict[str, float]:
-    """The device's factors with CPU oversubscription applied to compute and memory-bound work,
-    and the cluster's --memory-headroom as the fixed allowance."""
-    f = all_factors(cluster.device)
+def cluster_factors(cluster: ClusterSpec, runtime: str = DEFAULT_RUNTIME) -> dict[str, float]:
+    """The factors a plan on `runtime` is costed with (planner.cost.runtime.runtime_factors:
+    DeepSpeed takes the device's, the others their own file's), with CPU oversubscription applied
+    to compute and memory-bound work, and the cluster's --memory-headroom as the fixed allowance."""
+    dev = cluster.device
+    f = runtime_factors(get_runtime(runtime), dev.name, dev.factors, DEFAULTS)
     if cluster.memory_headroom is not None:
         f["memory_overhead_gb"] = float(cluster.memory_headroom)  # --memory-headroom
     k = oversubscription(cluster)

@@ -222,3 +222,23 @@ def pipeline_bytes(model: ModelSpec, s: int, b: int, t: int, *, sequence_paralle
     if stage == p - 1:
         fixed += nbuf * INT64 * b * s + (logits_bytes(model, s, b, t, e) if m >= 2 else 0.0)
     return per_mb, fixed
+
+
+FP8_WEIGHT_BYTES = 2.0
+"""fp8 training keeps, per weight element of a Transformer Engine linear, its FP8 copy and the
+copy's transpose (1 byte each: the forward GEMM reads one, the backward's input-gradient GEMM
+the other), cached across the micro-batches of a step (TE Linear's weight caching,
+is_first_microbatch; Megatron-Core --fp8-format)."""
+TE_LINEARS = 4
+"""Transformer Engine linears per block: QKV, attention output, FFN in, FFN out."""
+AMAX_HISTORY = 1024
+"""DelayedScaling's amax_history_len default (transformer_engine.common.recipe): per linear, an
+fp32 history of this length for each of its three FP8 tensors (input, weight, output gradient)."""
+
+
+def fp8_bytes(blocks: int, block_psi: float, zero3: bool) -> float:
+    """Extra device bytes of fp8 training for a stage of `blocks` blocks: the FP8 weight copies
+    (FP8_WEIGHT_BYTES per element of each block's weights; under ZeRO-3 / FULL_SHARD only the
+    gathered unit and the prefetched one hold them) and the amax histories (kept for every block)."""
+    live = min(blocks, 2) if zero3 else blocks
+    return live * block_psi * FP8_WEIGHT_BYTES + blocks * TE_LINEARS * 3 * AMAX_HISTORY * 4.0

@@ -6,12 +6,14 @@ thousands of calls in a search.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from planner.cost import comm, compute, engines, memory, params, pipeline
 from planner.cost.attention import attention_kernel, recomputes_scores
 from planner.cost.factors import cluster_factors
 from planner.cost.layers import LayerCosts
+from planner.cost.runtime import get_runtime
 from planner.specs.estimate import GB, MemoryBreakdown
 from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
@@ -59,13 +61,24 @@ def _block_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
     elem_f = elem / hbm * f["elementwise_scale"]
     scores_f = (elem - no_scores) / hbm * f["elementwise_scale"]
     # flash's backward recomputes QK^T (one of the core's two GEMMs)
-    rec_f = compute.core_time(model, dev, compute.flash_recompute_flops(model, s, b, t), s, prec,
+    rec_f = compute.core_time(model, dev, compute.flash_recompute_flops(model, s, b, t), s, compute.bf16_part(prec),
                               f["attention_scale"]) if recomputes_scores(kernel) else 0.0
     tp_fwd, tp_bwd = tp_block_comm(model, s, b, t, e, plan.sequence_parallel, _tp_link(cluster, plan),
                                    f["comm_efficiency"])
+    if plan.sequence_parallel and get_runtime(plan.runtime).tp_comm_overlap:
+        tp_fwd, tp_bwd = overlapped_tp(tp_fwd, tp_bwd, gemm_f)
     fwd = gemm_f + core_f + elem_f
     return _BlockTimes(forward=fwd, backward=2.0 * (gemm_f + core_f) + rec_f + 2.0 * elem_f, tp_fwd=tp_fwd,
                        tp_bwd=tp_bwd, selective=core_f + scores_f)
+
+
+def overlapped_tp(tp_fwd: float, tp_bwd: float, gemm_fwd: float) -> tuple[float, float]:
+    """Megatron-Core's TP communication overlap (--tp-comm-overlap, Transformer Engine
+    userbuffers; profiles/runtimes/megatron-core.json): each sequence-parallel all-gather /
+    reduce-scatter is split into chunks pipelined with the GEMM that consumes or produces it,
+    so a block exposes only the communication its GEMMs cannot cover: forward against the
+    forward GEMMs, backward against the backward GEMMs (2x forward: input and weight gradients)."""
+    return max(tp_fwd - gemm_fwd, 0.0), max(tp_bwd - 2.0 * gemm_fwd, 0.0)
 
 
 def replicated_grad_allreduces(model: ModelSpec) -> int:
@@ -122,8 +135,19 @@ def tp_stage_comm(model: ModelSpec, s: int, b: int, t: int, e: float, sp: bool, 
     return first, 2 * ag + rs + norm + ce
 
 
+def runtime_train(train: TrainSpec, plan: Plan) -> TrainSpec:
+    """The training spec as the plan's runtime runs it: Megatron-Core (Transformer Engine) and
+    FSDP (llm-foundry, attn_impl=flash) always run flash attention (profiles/runtimes/*.json
+    "attention"); DeepSpeed runs the kernel TrainSpec.attention names."""
+    kernel = get_runtime(plan.runtime).attention
+    if kernel == "plan" or kernel == train.attention:
+        return train
+    return dataclasses.replace(train, attention=kernel)
+
+
 def layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan) -> LayerCosts:
-    f = cluster_factors(cluster)
+    train = runtime_train(train, plan)
+    f = cluster_factors(cluster, plan.runtime)
     return _layer_costs(model, cluster, train, plan, f, _block_times(model, cluster, train, plan, f))
 
 
@@ -145,7 +169,7 @@ def _layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
     first = 3.0 * 2.0 * sbh * e / hbm * f["elementwise_scale"]
     # last stage: final norm, output GEMM (2 b s h V_pad / t, backward 2x), cross-entropy in fp32
     logits_f = compute.logits_forward_flops(model, s, b, t)
-    last = 3.0 * compute.gemm_time(dev, logits_f, prec, f["compute_scale"])
+    last = 3.0 * compute.gemm_time(dev, logits_f, compute.bf16_part(prec), f["compute_scale"])
     last += (3.0 * s * b * v_local * (e + 8.0) + 6.0 * sbh * e) / hbm * f["elementwise_scale"]
     act_mode = "selective" if plan.recompute == "selective" else "none"
     kw = dict(sequence_parallel=plan.sequence_parallel, act_bytes=e, kernel=kernel)
@@ -256,6 +280,8 @@ def stage_bytes(fp: engines.Footprint, plan: Plan, lc: LayerCosts, stage: int, b
         acts += lc.block_work_bytes
     logits = lc.last_stage_act_bytes if stage == p - 1 else 0.0
     params, grads, opt, buckets = (h + b for h, b in zip(held, back))
+    if plan.precision == "fp8":
+        params += memory.fp8_bytes(blocks, lc.block_psi, plan.zero == 3)
     backward = acts + logits + sum(back)
     if step_only > backward:
         buckets += step_only - backward

@@ -39,6 +39,7 @@ fetched partition host-to-device (or reads it from NVMe) before its gather.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -147,6 +148,13 @@ def units(model: ModelSpec, plan: Plan, block_fwd: float, block_bwd: float, firs
     out.append(Unit(tensors=tuple(n for n in part.numels if n > threshold), elements=part.total,
                     forward=last[0], backward=last[1]))
     return tuple(out)
+
+
+def flat_units(us: tuple[Unit, ...]) -> tuple[Unit, ...]:
+    """The units as a runtime with flat parameters gathers them (FSDP's FlatParameter, one per
+    wrapped block: torch.distributed.fsdp FlatParamHandle; Megatron-FSDP's contiguous buffers):
+    one all-gather of all the unit's elements, persistent ones included, instead of one per tensor."""
+    return tuple(dataclasses.replace(u, tensors=(u.elements,)) for u in us)
 
 
 def reuse_gathers(tensors: tuple[int, ...], reuse_distance: int) -> tuple[int, ...]:

@@ -187,6 +187,10 @@ def check_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec, train: TrainS
         raise SpecError("plan.json plan.tp", vocab, f"use tp {' or '.join(map(str, ok[-2:]))}, or re-plan with "
                         "`planner search`")
     unsupported = runtime_problems(plan)
+    if unsupported and plan.runtime != "deepspeed":
+        raise ExecutionError("plan.json plan.runtime", f"a {plan.runtime} plan: `planner run` executes DeepSpeed only",
+                             "re-plan with `planner search --runtime deepspeed`, or run it under "
+                             f"{plan.runtime} (docs/runtimes.md)")
     if unsupported:
         raise ExecutionError("plan.json", unsupported[0].split(" (")[0],
                              "plan without --megatron-features, or run it under Megatron-LM")

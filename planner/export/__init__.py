@@ -4,6 +4,7 @@
     accelerate          an accelerate config YAML and ds_config.json (ZeRO-only plans)
     megatron-deepspeed  Megatron-DeepSpeed pretrain_gpt.py arguments as a launch script (any TP/PP/ZeRO plan)
     torchrun            a torchrun launch of the planner's own worker (any plan DeepSpeed runs)
+    megatron-lm         Megatron-LM (Megatron-Core) pretrain_gpt.py arguments: plans on --runtime megatron-core
 
 Each target builds every file in memory first; a plan the target cannot express raises
 SpecError (one line, exit 2) before anything is written, and each file is then written
@@ -17,7 +18,7 @@ from planner.errors import SpecError
 from planner.export.common import Export, RunFiles, load_files
 from planner.rundir import atomic_write_json, atomic_write_text
 
-TARGETS = ("hf-trainer", "accelerate", "megatron-deepspeed", "torchrun")
+TARGETS = ("hf-trainer", "accelerate", "megatron-deepspeed", "torchrun", "megatron-lm")
 
 
 def build(run: RunFiles, target: str) -> Export:
@@ -31,6 +32,9 @@ def build(run: RunFiles, target: str) -> Export:
     if target == "megatron-deepspeed":
         from planner.export.megatron import megatron_deepspeed
         return megatron_deepspeed(run)
+    if target == "megatron-lm":
+        from planner.export.megatron_lm import megatron_lm
+        return megatron_lm(run)
     if target == "torchrun":
         from planner.export.torchrun import torchrun
         return torchrun(run)

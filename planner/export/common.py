@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,8 @@ def refuse_runtime(run: RunFiles, target: str) -> None:
     problems = runtime_problems(run.plan)
     if problems:
         raise SpecError("--to", f"{target} cannot run this plan: {problems[0]}",
-                        "export a plan DeepSpeed runs (search without --megatron-features)")
+                        "use --to megatron-lm" if run.plan.runtime == "megatron-core" else
+                        "export a plan DeepSpeed runs (search with --runtime deepspeed)")
 
 
 def refuse_3d(run: RunFiles, target: str) -> None:
@@ -116,3 +118,18 @@ def readme(title: str, run: RunFiles, lines: list[str], warnings: tuple[str, ...
     if warnings:
         out += ["", "## Differences from the plan", ""] + [f"- {w}" for w in warnings]
     return "\n".join(out) + "\n"
+
+
+def arg_lines(args: list[str]) -> list[str]:
+    """A bash array body: one flag (and its value) per line; ${VAR} placeholders double-quoted,
+    everything else shell-quoted."""
+    out, i = [], 0
+    while i < len(args):
+        if i + 1 < len(args) and not args[i + 1].startswith("--"):
+            v = args[i + 1]
+            out.append(f"  {args[i]} " + (f'"{v}"' if v.startswith("${") else shlex.quote(v)))
+            i += 2
+        else:
+            out.append(f"  {args[i]}")
+            i += 1
+    return out

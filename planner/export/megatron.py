@@ -17,12 +17,11 @@ deepspeedai/Megatron-DeepSpeed commit 4efb479d5317ce9b86096b9d8e3e8030b0b5263b (
 """
 from __future__ import annotations
 
-import shlex
 from typing import Any
 
 from planner.errors import SpecError
-from planner.export.common import Export, RunFiles, clip, optimizer_params, plain_ds_config, readme, refuse_runtime, \
-    schedule
+from planner.export.common import Export, RunFiles, arg_lines, clip, optimizer_params, plain_ds_config, readme, \
+    refuse_runtime, schedule
 
 SOURCE = "deepspeedai/Megatron-DeepSpeed@4efb479d5317ce9b86096b9d8e3e8030b0b5263b"
 PLACEHOLDERS = {"DATA_PATH": "a Megatron indexed dataset prefix (PREFIX.bin/.idx, e.g. from planner prepare-data)",
@@ -157,21 +156,9 @@ def _script(run: RunFiles, args: list[str], warnings: list[str]) -> str:
               *[f': "${{{k}:?set {k} to {v}}}"' for k, v in PLACEHOLDERS.items()]]
     if c.device.kind == "cpu":
         lines.append("export DS_ACCELERATOR=cpu")
-    lines.append("ARGS=(")
-    i = 0
-    while i < len(args):                      # one flag (and its value) per line
-        if i + 1 < len(args) and not args[i + 1].startswith("--"):
-            lines.append(f"  {args[i]} {_quote(args[i + 1])}")
-            i += 2
-        else:
-            lines.append(f"  {args[i]}")
-            i += 1
+    lines += ["ARGS=(", *arg_lines(args)]
     lines += [")", " ".join(launcher) + ' "${ARGS[@]}" "$@"']
     return "\n".join(lines) + "\n"
-
-
-def _quote(value: str) -> str:
-    return f'"{value}"' if value.startswith("${") else shlex.quote(value)
 
 
 def megatron_deepspeed(run: RunFiles) -> Export:

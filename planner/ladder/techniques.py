@@ -50,7 +50,9 @@ FIELDS: dict[str, tuple[str, ...]] = {
 }
 """Plan fields each technique sets; grad_accum is derived (global batch / (dp x micro-batch))."""
 
-DERIVED = ("grad_accum",)
+DERIVED = ("grad_accum", "runtime")
+"""Fields no technique sets: grad_accum follows from the others; runtime is the ladder's own
+(every rung runs on DeepSpeed, the runtime the executor measures)."""
 
 _OFF = Plan()  # the defaults of every field the baseline does not set
 

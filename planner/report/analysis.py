@@ -43,7 +43,7 @@ def plan_from_row(row: pd.Series | dict[str, Any]) -> Plan | None:
             kw[name] = tuple(int(x) for x in text.split(";") if x.strip())
         elif name in ("sequence_parallel", "overlap_comm", "quantized_weights", "quantized_gradients"):
             kw[name] = v if isinstance(v, bool) else str(v).strip().lower() in ("true", "1")
-        elif name in ("recompute", "schedule", "precision", "offload_optimizer", "offload_params"):
+        elif name in ("recompute", "schedule", "precision", "offload_optimizer", "offload_params", "runtime"):
             kw[name] = str(v)
         else:
             if v is None or (isinstance(v, float) and math.isnan(v)):

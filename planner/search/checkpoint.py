@@ -16,8 +16,8 @@ checkpoints the first k of each stage (planner.specs.plan).
 """
 from __future__ import annotations
 
-from planner.cost import engines
-from planner.cost.factors import all_factors
+from planner.cost import engines, memory
+from planner.cost.factors import cluster_factors
 from planner.cost.layers import LayerCosts
 from planner.cost.model import resident_memory
 from planner.specs.hardware import ClusterSpec
@@ -30,12 +30,14 @@ class StageModel:
     The same formulas as planner.cost.model.stage_times / stage_bytes, with the per-stage
     constants precomputed so that the solvers can call them thousands of times cheaply."""
 
-    __slots__ = ("pp", "lc", "frag", "frag1", "mb_overhead", "capacity", "saving", "selective",
+    __slots__ = ("fp8", "pp", "lc", "frag", "frag1", "mb_overhead", "capacity", "saving", "selective",
                  "stage_lin", "mins", "psi_of", "acts_of", "fixed", "owned", "dp")
 
     def __init__(self, cluster: ClusterSpec, plan: Plan, lc: LayerCosts) -> None:
-        f = all_factors(cluster.device)
+        f = cluster_factors(cluster, plan.runtime)
         self.pp = p = plan.pp
+        # fp8's weight copies and amax histories (planner.cost.memory.fp8_bytes), per stage
+        self.fp8 = (plan.precision == "fp8", plan.zero == 3)
         self.lc = lc
         self.selective = plan.recompute == "selective"
         self.frag = f["memory_fragmentation"]
@@ -89,7 +91,8 @@ class StageModel:
         if step > backward:
             buckets += step - backward
             back += step - backward
-        return held + back + acts + logits + self.fixed + self.frag * (acts + logits + buckets)
+        fp8 = memory.fp8_bytes(n, self.lc.block_psi, self.fp8[1]) if self.fp8[0] else 0.0
+        return held + back + acts + logits + self.fixed + fp8 + self.frag * (acts + logits + buckets)
 
     def time(self, i: int, n: int, k: int) -> float:
         lc = self.lc

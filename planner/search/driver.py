@@ -83,13 +83,17 @@ def fits_nowhere(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, trial
 
 def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *, exhaustive: bool = False,
            n_trials: int = 100, seed: int = 0, storage: object = None, progress: Progress | None = None,
-           max_interleave: int | None = None, megatron_features: bool = False) -> SearchResult:
+           max_interleave: int | None = None, megatron_features: bool = False,
+           runtime: str = "deepspeed") -> SearchResult:
     """Find the fastest plan that fits. Raises SpecError (one line) when nothing fits anywhere."""
     t0 = time.perf_counter()
     extra = {} if max_interleave is None else {"max_interleave": max_interleave}
-    space = Space(model=model, cluster=cluster, train=train, megatron_features=megatron_features, **extra)
+    if megatron_features:  # --megatron-features is the megatron-core runtime
+        runtime = "megatron-core"
+    space = Space(model=model, cluster=cluster, train=train, megatron_features=runtime == "megatron-core",
+                  runtime=runtime, **extra)
     space.require_nonempty()
-    evaluate = Evaluator(model, cluster, train, megatron_features=megatron_features)
+    evaluate = Evaluator(model, cluster, train, runtime=runtime)
     name = ""
     if exhaustive:
         trials = run_exhaustive(space, evaluate, progress)

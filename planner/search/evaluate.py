@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from planner.cost import estimate, layer_costs
+from planner.cost.runtime import get_runtime
 from planner.search.checkpoint import StageModel
 from planner.search.partition import NoFit, solve
 from planner.search.space import Outer
@@ -51,9 +52,15 @@ class Evaluator:
     """Evaluates outer points for one (model, cluster, train), remembering each result."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *,
-                 megatron_features: bool = False) -> None:
+                 megatron_features: bool = False, runtime: str = "deepspeed") -> None:
         self.model, self.cluster, self.train = model, cluster, train
-        self.megatron_features = megatron_features
+        self.runtime = "megatron-core" if megatron_features else runtime
+        # DeepSpeed's own rules (no interleaving, no MiCS) apply to plans DeepSpeed runs
+        self.megatron_features = self.runtime != "deepspeed"
+        # fp8 is searched (scanned exactly beside bf16) where the runtime offers it on an FP8 GPU
+        self.precisions = (train.precision,) + (
+            ("fp8",) if train.precision == "bf16" and cluster.device.supports("fp8")
+            and "fp8" in get_runtime(self.runtime).precisions else ())
         self.capacity = cluster.memory_bytes
         self.cache: dict[Outer, Trial] = {}
 
@@ -66,8 +73,15 @@ class Evaluator:
         return trial
 
     def _evaluate(self, outer: Outer, source: str) -> Trial:
+        """The outer point completed in each searched precision: the fastest that fits (else
+        the first, with its reason)."""
+        trials = [self._evaluate_in(outer, source, p) for p in self.precisions]
+        ok = [t for t in trials if t.feasible]
+        return max(ok, key=lambda t: t.tokens_per_s) if ok else trials[0]
+
+    def _evaluate_in(self, outer: Outer, source: str, precision: str) -> Trial:
         model, train = self.model, self.train
-        base = outer.plan(train.precision)
+        base = outer.plan(precision, runtime=self.runtime)
         lc = layer_costs(model, self.cluster, train, base)
         full = outer.recompute == "full"
         sol = solve(StageModel(self.cluster, base, lc), model.layers, checkpoint=full)
@@ -75,8 +89,8 @@ class Evaluator:
             why = "; ".join(([] if self.megatron_features else runtime_problems(base)) + [sol.reason])
             return Trial(outer=outer, plan=base, estimate=None, feasible=False, reason=why,
                          needs_bytes=sol.needs_bytes, capacity_bytes=self.capacity, source=source)
-        plan = outer.plan(train.precision, stage_layers=sol.stage_layers,
-                          recompute_layers=sol.checkpointed if full else ())
+        plan = outer.plan(precision, stage_layers=sol.stage_layers,
+                          recompute_layers=sol.checkpointed if full else (), runtime=self.runtime)
         if full and not any(sol.checkpointed):
             # nothing needs checkpointing: say so plainly (the same plan as recompute=none)
             plan = dataclasses.replace(plan, recompute="none", recompute_layers=())

@@ -31,7 +31,7 @@ SPACE_VERSION = 2
 def study_name(space: Space) -> str:
     key = json.dumps({"model": space.model.to_dict(), "cluster": space.cluster.to_dict(),
                       "train": space.train.to_dict(), "max_interleave": space.max_interleave,
-                      "megatron_features": space.megatron_features,
+                      "megatron_features": space.megatron_features, "runtime": space.runtime,
                       "space_version": SPACE_VERSION}, sort_keys=True, default=str)
     return f"{space.model.name}-{space.cluster.world_size}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from planner.cost.attention import selective_saves_memory
+from planner.cost.runtime import get_runtime
 from planner.errors import SpecError
 from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
@@ -89,9 +90,9 @@ class Outer:
     """DeepSpeed's ZeRO knobs and variants (None: plain ZeRO, default buckets)."""
 
     def plan(self, precision: str, stage_layers: tuple[int, ...] = (),
-             recompute_layers: tuple[int, ...] = ()) -> Plan:
+             recompute_layers: tuple[int, ...] = (), runtime: str = "deepspeed") -> Plan:
         v = self.variant or PLAIN
-        return Plan(dp=self.dp, tp=self.tp, pp=self.pp, zero=self.zero, micro_batch=self.micro_batch,
+        return Plan(runtime=runtime, dp=self.dp, tp=self.tp, pp=self.pp, zero=self.zero, micro_batch=self.micro_batch,
                     grad_accum=self.grad_accum, recompute=self.recompute, sequence_parallel=self.sequence_parallel,
                     schedule="interleaved" if self.interleave > 1 else "1f1b", interleave=self.interleave,
                     precision=precision, stage_layers=stage_layers, recompute_layers=recompute_layers,
@@ -129,6 +130,9 @@ class Space:
     megatron_features: bool = False
     """Let interleaved 1F1B be chosen (Megatron-LM runtimes). Off, it is still evaluated but
     marked infeasible for DeepSpeed (planner.specs.validate.runtime_problems)."""
+    runtime: str = "deepspeed"
+    """The runtime the plans run on (planner.cost.runtime): its ZeRO stages, whether it has TP,
+    PP and DeepSpeed's ZeRO variants bound the space."""
 
     def layouts(self) -> list[tuple[int, int, int]]:
         """Legal (tp, pp, dp) triples, checked with planner.specs.validate.plan_problems."""
@@ -137,8 +141,13 @@ class Space:
     def _layouts(self, train: TrainSpec) -> list[tuple[int, int, int]]:
         world, batch = self.cluster.world_size, train.global_batch
         out = []
+        rt = get_runtime(self.runtime)
         for tp in divisors(self.cluster.gpus_per_node):  # tp divides the node, so the world too
+            if tp > 1 and not rt.tensor_parallel:
+                continue
             for pp in divisors(world // tp):
+                if pp > 1 and not rt.pipeline:
+                    continue
                 dp = world // (tp * pp)
                 if pp > self.model.layers or batch % dp:
                     continue
@@ -152,12 +161,16 @@ class Space:
         attention kernel stores its scores, i.e. where it saves memory
         (planner.cost.attention.selective_saves_memory): with flash it would cost time for
         nothing."""
-        if selective_saves_memory(self.model, self.train, self.cluster.device.kind):
+        train = self.train
+        if get_runtime(self.runtime).attention != "plan":
+            train = dataclasses.replace(train, attention=get_runtime(self.runtime).attention)
+        if selective_saves_memory(self.model, train, self.cluster.device.kind):
             return RECOMPUTE
         return tuple(r for r in RECOMPUTE if r != "selective")
 
     def zero_stages(self, pp: int) -> tuple[int, ...]:
-        return (0, 1, 2, 3) if pp == 1 else (0, 1)
+        stages = (0, 1, 2, 3) if pp == 1 else (0, 1)
+        return tuple(z for z in stages if z in get_runtime(self.runtime).zero_stages)
 
     def zero_options(self, pp: int, dp: int, tp: int = 1) -> list[tuple[int, ZeroVariant]]:
         """(ZeRO stage, variant) pairs to scan for a layout (README "ZeRO variants"):
@@ -180,7 +193,7 @@ class Space:
         across = dp > g > 1 and self.cluster.nodes > 1
         for z in self.zero_stages(pp):
             out.append((z, PLAIN))
-            if z == 0:
+            if z == 0 or self.runtime != "deepspeed":  # the variants are DeepSpeed's
                 continue
             if dp > 1:
                 out.append((z, ZeroVariant(bucket_elements=BUCKETS[1])))

@@ -18,6 +18,12 @@ from planner.errors import ProfileError, SpecError
 SCHEMA_VERSION = 1
 PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
 PRECISIONS = ("bf16", "fp16", "fp32")
+"""Precisions every profile gives a dense peak for."""
+FP8 = "fp8"
+TRAIN_PRECISIONS = PRECISIONS + (FP8,)
+"""What a plan may train in: fp8 is bf16 mixed precision with the weight GEMMs in FP8 through
+Transformer Engine (planner/cost/compute.py gemm_precision), for runtimes that offer it on GPUs
+whose profile has `fp8: true` and a `peak_tflops.fp8`."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -117,7 +123,7 @@ class DeviceProfile:
 
     def peak_flops(self, precision: str) -> float:
         """Dense peak in FLOP/s for a precision (0 when unsupported)."""
-        return self.peak_tflops[precision] * 1e12
+        return self.peak_tflops.get(precision, 0.0) * 1e12
 
     def gemm_eff(self, flops: float, precision: str | None = None) -> float:
         """Achievable GEMM efficiency for one GEMM of `flops` floating-point operations."""
@@ -183,6 +189,13 @@ def profile_from_dict(data: Any, path: str = "") -> DeviceProfile:
         v = peaks[p]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
             raise ProfileError(f"peak_tflops.{p}", f"must be >= 0 (0 = unsupported), got {v!r}", "fix the profile file")
+    fp8_peak = peaks.get(FP8, 0.0)
+    if isinstance(fp8_peak, bool) or not isinstance(fp8_peak, (int, float)) or not math.isfinite(fp8_peak) \
+            or fp8_peak < 0:
+        raise ProfileError("peak_tflops.fp8", f"must be >= 0, got {fp8_peak!r}", "fix the profile file")
+    if fp8_peak and data.get("fp8") is not True:
+        raise ProfileError("peak_tflops.fp8", "is given but the profile says fp8: false",
+                           "set fp8: true (FP8 tensor cores) or drop peak_tflops.fp8")
     if peaks["fp32"] <= 0:
         raise ProfileError("peak_tflops.fp32", "must be positive", "fix the profile file")
     points = _curve(_need(data, "gemm_efficiency", "", list), "gemm_efficiency")
@@ -214,7 +227,7 @@ def profile_from_dict(data: Any, path: str = "") -> DeviceProfile:
     return DeviceProfile(
         name=name, kind=kind, aliases=tuple(str(a) for a in data.get("aliases", [])),
         memory_gb=_positive(_need(data, "memory_gb", ""), "memory_gb"),
-        peak_tflops={p: float(peaks[p]) for p in PRECISIONS},
+        peak_tflops={**{p: float(peaks[p]) for p in PRECISIONS}, **({FP8: float(fp8_peak)} if fp8_peak else {})},
         hbm_bandwidth_gbps=_positive(_need(data, "hbm_bandwidth_gbps", ""), "hbm_bandwidth_gbps"),
         gemm_efficiency=points, gemm_efficiency_by_precision=curves, gpus_per_node=gpn,
         intra_node=links["intra_node"], inter_node=links["inter_node"],

@@ -12,13 +12,16 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from planner.errors import SpecError
-from planner.specs.hardware import PRECISIONS
+from planner.specs.hardware import TRAIN_PRECISIONS
 
 RECOMPUTE = ("none", "selective", "full")
 OFFLOAD = ("none", "cpu", "nvme")
 DEFAULT_BUCKET = 50_000_000
 """reduce_bucket_size of the Megatron-DeepSpeed recipes (elements)."""
 SCHEDULES = ("1f1b", "interleaved")
+RUNTIMES = ("deepspeed", "megatron-core", "fsdp")
+"""The runtimes a plan may run on (profiles/runtimes/<name>.json; planner.cost.runtime); the
+first is the default and the only one `planner run` executes."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,7 +51,7 @@ class Plan:
     interleave: int = 1
     """Virtual chunks per stage v for the interleaved schedule (1 otherwise)."""
     precision: str = "bf16"
-    """bf16, fp16 or fp32."""
+    """bf16, fp16, fp32 or fp8 (planner.specs.hardware.TRAIN_PRECISIONS)."""
     overlap_comm: bool = True
     """Overlap the DP gradient reduction with the backward pass (DeepSpeed overlap_comm)."""
     bucket_elements: int = DEFAULT_BUCKET
@@ -77,6 +80,9 @@ class Plan:
     mics_shard: int = 0
     """MiCS (ZeRO-3): model states sharded over groups of this many ranks, replicated across
     groups (mics_shard_size); 0 = off (shard over the whole data-parallel group)."""
+    runtime: str = "deepspeed"
+    """The runtime the plan runs on: deepspeed (what `planner run` executes), megatron-core
+    (Megatron-LM / NeMo) or fsdp (PyTorch FSDP); see docs/runtimes.md."""
 
     def __post_init__(self) -> None:
         for f in ("dp", "tp", "pp", "micro_batch", "grad_accum", "interleave", "bucket_elements", "hpz"):
@@ -114,6 +120,8 @@ class Plan:
         if self.hpz > 1 and self.dp % self.hpz:
             raise SpecError("plan.hpz", f"{self.hpz} does not divide the data-parallel size {self.dp}",
                             f"use a divisor of {self.dp}")
+        if self.runtime not in RUNTIMES:
+            raise SpecError("plan.runtime", f"unknown runtime {self.runtime!r}", f"use one of {', '.join(RUNTIMES)}")
         if self.zero not in (0, 1, 2, 3):
             raise SpecError("plan.zero", f"ZeRO stage must be 0-3, got {self.zero!r}", "use 0, 1, 2 or 3")
         if self.pp > 1 and self.zero > 1:
@@ -127,8 +135,8 @@ class Plan:
             raise SpecError("plan.interleave", "needs the interleaved schedule", "set schedule=interleaved or interleave=1")
         if self.schedule == "interleaved" and self.pp == 1:
             raise SpecError("plan.schedule", "interleaving needs pp > 1", "use 1f1b")
-        if self.precision not in PRECISIONS:
-            raise SpecError("plan.precision", f"unknown value {self.precision!r}", f"use one of {', '.join(PRECISIONS)}")
+        if self.precision not in TRAIN_PRECISIONS:
+            raise SpecError("plan.precision", f"unknown value {self.precision!r}", f"use one of {', '.join(TRAIN_PRECISIONS)}")
         if self.stage_layers and len(self.stage_layers) != self.pp:
             raise SpecError("plan.stage_layers", f"has {len(self.stage_layers)} stages, pp={self.pp}",
                             "give one layer count per pipeline stage")
@@ -219,6 +227,8 @@ class Plan:
         if self.schedule == "interleaved":
             parts.append(f"interleaved x{self.interleave}")
         parts += self.variants
+        if self.runtime != RUNTIMES[0]:
+            parts.append(f"on {self.runtime}")
         if self.bucket_elements != DEFAULT_BUCKET and (self.zero > 0 or self.dp > 1):
             parts.append(f"buckets of {self.bucket_elements:,} elements")
         return ", ".join(parts)

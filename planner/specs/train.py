@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner.errors import SpecError
-from planner.specs.hardware import PRECISIONS
+from planner.specs.hardware import TRAIN_PRECISIONS
 
 ATTENTION = ("flash", "eager")
 
@@ -18,7 +18,8 @@ class TrainSpec:
     seq_len: int
     """Tokens per sequence."""
     precision: str = "bf16"
-    """bf16, fp16 (mixed precision with fp32 master weights) or fp32."""
+    """bf16, fp16 (mixed precision with fp32 master weights), fp32, or fp8 (bf16 mixed precision with
+    the weight GEMMs in FP8 through Transformer Engine: megatron-core and fsdp on FP8 GPUs)."""
     optimizer: str = "adamw"
     """Adam(W): 12 bytes of fp32 state per parameter in mixed precision (ZeRO, K=12)."""
     attention: str = "flash"
@@ -32,8 +33,8 @@ class TrainSpec:
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise SpecError(f"--{f.replace('_', '-')}", f"must be a positive integer, got {v!r}",
                                 "give a positive integer")
-        if self.precision not in PRECISIONS:
-            raise SpecError("--precision", f"unknown precision {self.precision!r}", f"use one of {', '.join(PRECISIONS)}")
+        if self.precision not in TRAIN_PRECISIONS:
+            raise SpecError("--precision", f"unknown precision {self.precision!r}", f"use one of {', '.join(TRAIN_PRECISIONS)}")
         if self.attention not in ATTENTION:
             raise SpecError("--attention", f"unknown attention kernel {self.attention!r}",
                             f"use one of {', '.join(ATTENTION)}")

@@ -52,7 +52,10 @@ def plan_problems(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan
         out.append(f"sequence length {train.seq_len} exceeds the model's maximum {model.max_seq}")
     if plan.sequence_parallel and train.seq_len % plan.tp:
         out.append(f"sequence parallel needs seq_len {train.seq_len} divisible by tp {plan.tp}")
-    if not cluster.device.supports(plan.precision):
+    if plan.precision == "fp8" and not cluster.device.supports("fp8"):
+        out.append(f"{cluster.device.name} has no FP8 tensor cores (profile fp8 / peak_tflops.fp8): use bf16, "
+                   "or an FP8 GPU (H100, H200, L40S, B200)")
+    elif not cluster.device.supports(plan.precision):
         out.append(f"{cluster.device.name} does not support {plan.precision}: use "
                    + " or ".join(p for p in ("bf16", "fp16", "fp32") if cluster.device.supports(p)))
     if cluster.device.kind == "cpu" and plan.precision == "fp16":
@@ -91,6 +94,9 @@ def runtime_problems(plan: Plan) -> list[str]:
     only the plain 1F1B schedule, and MiCS is gone from it. Such plans stay in the space (evaluated, shown with this
     reason) but are only chosen with --megatron-features. Megatron sequence parallelism is
     not here: the executor's own TP layers run it (tests/integration/test_parity.py)."""
+    if plan.runtime != "deepspeed":
+        return [f"the plan is for the {plan.runtime} runtime (plan.runtime): `planner run` and the DeepSpeed "
+                "exports execute DeepSpeed only (estimated for comparison; docs/runtimes.md)"]
     out = []
     if plan.schedule == "interleaved":
         out.append("DeepSpeed's PipelineEngine has no interleaved schedule (Megatron-LM only; "

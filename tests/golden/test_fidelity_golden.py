@@ -1,0 +1,76 @@
+"""Golden accuracy bounds: the cost model against every published run in shared reference/,
+source by source (benchmarks/fidelity.py; issue 19, issue 21 item 4). Each bound is the MAPE
+that benchmarks/fidelity.py printed when it was set, plus half a percentage point: a change
+that makes the model worse on any source turns this red. Tighten a bound when the model
+improves; never loosen one without saying in the commit which physics changed and why.
+
+DeepSpeed's leave-one-source-out (a refit of benchmarks/ds_reference.py's fitter per source,
+~minutes) is not run here: its after-fit MAPE is bounded instead.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import fidelity  # noqa: E402
+
+MARGIN = 0.005
+AFTER = {"T1": 0.050, "DS-A": 0.039, "DS-A13": 0.301, "DS-B": 0.064, "DS-C": 0.314, "DS-D": 0.001,
+         "DS-E": 0.114, "S1": 0.067, "S5": 0.081, "S6": 0.021, "S7": 0.074, "S8": 0.120, "all": 0.100}
+"""MAPE after (shipped factors, each row on its runtime), as printed by
+`benchmarks/fidelity.py --no-loso-deepspeed` on 2026-12-02."""
+LOSO = {"T1": 0.054, "S1": 0.069, "S5": 0.092, "S6": 0.023, "S7": 0.074, "S8": 0.120}
+"""Leave-one-source-out MAPE of the sources whose runtime's factors this benchmark fits."""
+NOT_FITTING = 60
+"""Reference runs (which all ran) predicted not to fit: may only go down."""
+
+
+@pytest.fixture(scope="module")
+def report():
+    return fidelity.run(loso_deepspeed=False)
+
+
+@pytest.mark.parametrize("source", sorted(AFTER))
+def test_after_mape_within_bound(report, source: str) -> None:
+    v = report["sources"][source]["mape_after"]
+    assert v is not None and v <= AFTER[source] + MARGIN, f"{source}: MAPE after {v:.1%} > {AFTER[source]:.1%}"
+
+
+@pytest.mark.parametrize("source", sorted(LOSO))
+def test_loso_mape_within_bound(report, source: str) -> None:
+    v = report["sources"][source]["mape_loso"]
+    assert v is not None and v <= LOSO[source] + MARGIN, f"{source}: LOSO {v:.1%} > {LOSO[source]:.1%}"
+
+
+def test_table1_under_megatron_core_is_near_the_issue_target(report) -> None:
+    """The issue's target is 5%; measured 5.0005% (2026-12-02): within a tenth of a point."""
+    assert report["sources"]["T1"]["mape_after"] <= fidelity.TARGETS["t1_after"] + 0.001
+
+
+def test_unscored_rows_are_only_context_parallel(report) -> None:
+    """fp8 and B200 are modelled: what stays unscored is context parallelism (21 rows)."""
+    left = [r for r in report["rows"] if r["unsupported"]]
+    assert len(left) == 21 and all("context parallelism" in r["unsupported"] for r in left)
+
+
+def test_runs_predicted_not_to_fit_do_not_grow(report) -> None:
+    assert len(report["sources"]["all"]["not_fitting"]) <= NOT_FITTING
+
+
+def test_every_row_is_scored_or_says_why(report) -> None:
+    assert all(r["unsupported"] or r["err_after"] is not None for r in report["rows"])
+    assert len(report["rows"]) == 10 + 38 + 194  # Table 1, deepspeed-at-scale.md A-E, modern-runs.md
+
+
+def test_before_is_the_pre_runtime_model(report) -> None:
+    """Every DeepSpeed row is costed the same before and after (its runtime did not change);
+    the megatron-core rows are not (their runtime and factors did)."""
+    ds = [r for r in report["rows"] if r["runtime"] == "deepspeed"]
+    assert all(abs(r["before_s"] - r["after_s"]) < 1e-12 for r in ds)
+    mc = [r for r in report["rows"] if r["runtime"] == "megatron-core" and not r["unsupported"]
+          and r["before_s"] is not None]
+    assert mc and all(abs(r["before_s"] - r["after_s"]) > 1e-6 for r in mc)
