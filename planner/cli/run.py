@@ -1,6 +1,8 @@
 """`planner run` and `planner verify`: thin wrappers over planner.executor."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from planner.cli.common import SCALE_CHOICES
@@ -112,7 +114,8 @@ def run(run_dir: str, **kw) -> None:
 def verify(run_dir: str, **kw) -> None:
     """Run the conventional baseline and the plan; compare against the 3x / one-third-memory targets."""
     from planner.executor.preflight import check_run
-    from planner.executor.verify import verify as do_verify
+    from planner.executor.verify import check_inputs, verify as do_verify
+    check_inputs(Path(run_dir))  # a profile from another machine, or missing a precision's probe
     _check_scale(run_dir, kw.pop("scale"))
     check_run(run_dir)  # refuse before the baseline starts, not after it ran
     do_verify(run_dir, echo=click.echo, **kw)

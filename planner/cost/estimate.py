@@ -1,6 +1,7 @@
 """Assemble the step time, throughput, FLOPs utilisation and per-stage memory of a plan."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from planner.cost import comm, compute, engines, params, pipeline, runtime, zero
@@ -159,6 +160,9 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
     step = time.total
 
     mem = stage_memory(plan, lc, layers, ckpt, f["memory_fragmentation"], resident_memory(cluster.device.kind))
+    # live tensor bytes as an allocator counts them: whole buffers, no allowance (Estimate.allocated_memory)
+    allocated = tuple(dataclasses.replace(mb, overhead=0.0)
+                      for mb in stage_memory(plan, lc, layers, ckpt, 0.0, resident=False))
     cap = cluster.memory_bytes
     for i, mb in enumerate(mem):
         if mb.total > cap:
@@ -201,7 +205,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
         hfu=hw_flops / (denom * peak), stage_memory=tuple(mem), capacity_bytes=cap,
         bubble_fraction=pipeline.bubble_fraction(p, m, v), model_flops_per_step=model_flops,
         hardware_flops_per_step=hw_flops, stage_times=tuple(fwd_share), host_memory_bytes=host,
-        nvme_bytes=nvme, headroom_bytes=f["memory_overhead_gb"] * GB)
+        nvme_bytes=nvme, headroom_bytes=f["memory_overhead_gb"] * GB, allocated_memory=allocated)
 
 
 def _breakdown(lc: LayerCosts, bt, plan: Plan, n: int, r: int, first: bool, last: bool, m: int) -> dict[str, float]:

@@ -99,6 +99,15 @@ class Estimate:
     """Per rank, model states swapped to NVMe."""
     headroom_bytes: float = 0.0
     """The fixed allowance inside the peak for CUDA context and NCCL buffers (--memory-headroom)."""
+    allocated_memory: tuple[MemoryBreakdown, ...] = ()
+    """Per stage, the peak of live tensor bytes (what torch.cuda.max_memory_allocated reports):
+    every buffer counted whole as allocated, no runtime allowance (overhead 0). stage_memory
+    is what the device's peak figure counts: on a GPU this plus the allowance; on a CPU the
+    resident set, pages touched plus the process (planner.cost.model.resident_memory)."""
+
+    @property
+    def allocated_peak_bytes(self) -> float:
+        return max((m.total for m in self.allocated_memory), default=0.0)
 
     @property
     def near_limit(self) -> bool:
@@ -140,4 +149,6 @@ class Estimate:
             "nvme_gb": self.nvme_bytes / GB,
             "headroom_gb": self.headroom_bytes / GB,
             "near_limit": self.near_limit,
+            "allocated_peak_gb": self.allocated_peak_bytes / GB,
+            "allocated_memory_gb": [m.to_gb() for m in self.allocated_memory],
         }
