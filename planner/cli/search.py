@@ -30,7 +30,7 @@ from planner.search.claim import claim
 from planner.search.outputs import (MEASUREMENTS, SEARCH_FILES, set_aside, set_aside_line, write_estimate,
                                     write_outputs)
 from planner.specs.estimate import GB, Estimate
-from planner.specs.plan import OFFLOAD, RECOMPUTE, Plan
+from planner.specs.plan import CP_KINDS, OFFLOAD, RECOMPUTE, Plan
 from planner.specs.validate import plan_problems, runtime_problems
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$")
@@ -419,7 +419,8 @@ _PLAN_FLAGS = {"tp": "--tp", "pp": "--pp", "zero": "--zero", "micro_batch": "--m
                "offload_optimizer": "--offload-optimizer", "offload_params": "--offload-params", "hpz": "--hpz",
                "quantized_weights": "--qwz", "quantized_gradients": "--qgz", "mics_shard": "--mics-shard",
                "bucket_elements": "--bucket-elements", "prefetch_elements": "--prefetch-elements",
-               "live_elements": "--live-elements", "persistence_elements": "--persistence-elements"}
+               "live_elements": "--live-elements", "persistence_elements": "--persistence-elements",
+               "ep": "--ep", "cp": "--cp", "cp_kind": "--cp-kind"}
 
 
 def _build_plan(**fields: Any) -> Plan:
@@ -457,6 +458,12 @@ def _int_list(text: str | None, flag: str) -> tuple[int, ...]:
               help="With --recompute full: checkpointed blocks per stage (default: all).")
 @click.option("--stage-layers", default=None, metavar="N0,N1,...", help="Blocks per stage (default: even split).")
 @click.option("--sequence-parallel", is_flag=True, help="Megatron sequence parallelism (needs --tp > 1).")
+@click.option("--ep", type=int, default=1, show_default=True,
+              help="Expert-parallel size (MoE models; divides the experts and the data-parallel degree).")
+@click.option("--cp", type=int, default=1, show_default=True,
+              help="Context-parallel degree: ranks splitting each sequence (docs/long-context.md).")
+@click.option("--cp-kind", type=click.Choice(list(CP_KINDS)), default="ulysses", show_default=True,
+              help="ulysses (DeepSpeed-Ulysses all-to-all) or ring (Megatron-Core context parallelism).")
 @click.option("--interleave", type=int, default=1, show_default=True,
               help="Virtual chunks per stage (> 1: interleaved 1F1B).")
 @click.option("--offload-optimizer", type=click.Choice(list(OFFLOAD)), default="none", show_default=True,
@@ -498,18 +505,19 @@ def estimate(ctx: click.Context, **kw: Any) -> None:
         check_writable(write_dir, "--write")
     model, cluster, train = load_inputs(kw)
     spec = load_bill(kw, model, cluster)
-    tp, pp, mb = kw["tp"], kw["pp"], kw["micro_batch"]
-    for flag, v in (("--tp", tp), ("--pp", pp), ("--micro-batch", mb), ("--interleave", kw["interleave"])):
+    tp, pp, mb, cp = kw["tp"], kw["pp"], kw["micro_batch"], kw["cp"]
+    for flag, v in (("--tp", tp), ("--pp", pp), ("--micro-batch", mb), ("--interleave", kw["interleave"]),
+                    ("--ep", kw["ep"]), ("--cp", cp)):
         if v < 1:
             raise SpecError(flag, f"must be a positive integer, got {v}", "give 1 or more")
     world = cluster.world_size
-    if world % (tp * pp):
-        raise SpecError("--tp/--pp", f"tp {tp} x pp {pp} = {tp * pp} does not divide the {world} devices",
-                        f"choose degrees whose product divides {world}")
-    dp = world // (tp * pp)
+    if world % (tp * pp * cp):
+        raise SpecError("--tp/--pp/--cp", f"tp {tp} x pp {pp} x cp {cp} = {tp * pp * cp} does not divide the "
+                        f"{world} devices", f"choose degrees whose product divides {world}")
+    dp = world // (tp * pp * cp)
     plan = _build_plan(dp=dp, tp=tp, pp=pp, zero=kw["zero"], micro_batch=mb,
                        grad_accum=max(1, train.global_batch // (mb * dp)), recompute=kw["recompute"],
-                       sequence_parallel=kw["sequence_parallel"],
+                       sequence_parallel=kw["sequence_parallel"], ep=kw["ep"], cp=cp, cp_kind=kw["cp_kind"],
                        schedule="interleaved" if kw["interleave"] > 1 else "1f1b",
                        interleave=kw["interleave"], precision=train.precision,
                        stage_layers=_int_list(kw["stage_layers"], "--stage-layers"),

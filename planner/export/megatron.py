@@ -63,41 +63,52 @@ def _recompute(run: RunFiles) -> tuple[list[str], list[str]]:
                     "--write DIR), or use --to torchrun")
 
 
-def _model_args(run: RunFiles) -> tuple[list[str], list[str]]:
+def model_args(run: RunFiles, core: bool = False) -> tuple[list[str], list[str]]:
+    """The model's shape as pretrain_gpt.py flags, and the features no flag sets. `core`: the
+    Megatron-LM (Megatron-Core) spelling of the flags that differ from Megatron-DeepSpeed's
+    (grouped-query attention, the norm and its epsilon, rotary positions, a QKV-only bias)."""
     m, t = run.model, run.train
+    name = "Megatron-LM" if core else "Megatron-DeepSpeed"
     args = ["--num-layers", str(m.layers), "--hidden-size", str(m.hidden), "--ffn-hidden-size", str(m.ffn_hidden),
             "--num-attention-heads", str(m.heads), "--seq-length", str(t.seq_len),
             "--max-position-embeddings", str(m.max_seq)]
     missing = []
     if m.kv_groups and m.kv_groups != m.heads:
-        args += ["--num-key-value-heads", str(m.kv_groups)]
-    if m.norm == "rmsnorm":
+        args += ["--group-query-attention", "--num-query-groups"] if core else ["--num-key-value-heads"]
+        args.append(str(m.kv_groups))
+    if core:
+        args += ["--normalization", "RMSNorm" if m.norm == "rmsnorm" else "LayerNorm"]
+    elif m.norm == "rmsnorm":
         args += ["--normalization", "rmsnorm"]
-    args += ["--layernorm-epsilon", repr(float(m.norm_eps))]
+    args += ["--norm-epsilon" if core else "--layernorm-epsilon", repr(float(m.norm_eps))]
     if m.activation == "swiglu":
         args.append("--swiglu")
     elif m.activation == "geglu":
-        missing.append("GeGLU feed-forward (Megatron-DeepSpeed has --swiglu only)")
-    if t.attention == "flash":
+        missing.append(f"GeGLU feed-forward ({name} has --swiglu only)")
+    if t.attention == "flash" and not core:    # Megatron-LM's flash backend is set by megatron_lm.py
         args.append("--use-flash-attn-v2")
     if m.position == "rotary":
-        args.append("--use-rotary-position-embeddings")
+        theta = "--rotary-base" if core else "--rotary-position-embeddings-theta"
+        args += ["--position-embedding-type", "rope", "--rotary-percent", repr(float(m.rotary_fraction))] if core \
+            else ["--use-rotary-position-embeddings"]
         if float(m.rope_theta).is_integer():
-            args += ["--rotary-position-embeddings-theta", str(int(m.rope_theta))]
+            args += [theta, str(int(m.rope_theta))]
         else:
-            missing.append(f"rope theta {m.rope_theta} (--rotary-position-embeddings-theta takes an integer)")
+            missing.append(f"rope theta {m.rope_theta} ({theta} takes an integer)")
     elif m.position == "alibi":
         missing.append("ALiBi positions")
     if not m.tied_embeddings:
         args.append("--untie-embeddings-and-output-weights")
     if not m.linear_bias:
         args.append("--disable-bias-linear")
-        if m.qkv_bias:
+        if m.qkv_bias and core:
+            args.append("--add-qkv-bias")
+        elif m.qkv_bias:
             missing.append("a QKV bias without other linear biases (--disable-bias-linear drops both)")
     if m.norm_position != "pre":
         missing.append(f"{m.norm_position} layer norm placement (Megatron's blocks are pre-LN)")
     args += ["--attention-dropout", repr(float(m.attention_dropout)), "--hidden-dropout", repr(float(m.hidden_dropout)),
-             "--vocab-size", str(m.vocab), "--make-vocab-size-divisible-by", "1"]
+             "--vocab-size", str(m.vocab), "--make-vocab-size-divisible-by", "128" if core else "1"]
     return args, missing
 
 
@@ -112,8 +123,8 @@ def arguments(run: RunFiles) -> tuple[list[str], list[str]]:
     if p.sequence_parallel:
         args.append("--sequence-parallel")
     args += ["--micro-batch-size", str(p.micro_batch), "--global-batch-size", str(p.global_batch)]
-    model_args, missing = _model_args(run)
-    args += model_args
+    margs, missing = model_args(run)
+    args += margs
     rc, _ = _recompute(run)
     args += rc
     args += ["--zero-stage", str(p.zero)]

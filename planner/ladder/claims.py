@@ -25,7 +25,7 @@ SOURCE = ("the source article's per-technique figures as quoted in issue 12 (the
           "dynamic batching: GPU utilisation 65% -> over 90%; ZeRO: optimizer memory 3N -> 1.5N; activation "
           "checkpointing: 70% less activation memory for 20% more compute")
 
-COMM_PARTS = ("tp_comm", "pp_comm", "dp_sync", "zero_gather")
+COMM_PARTS = ("tp_comm", "a2a_comm", "pp_comm", "dp_sync", "zero_gather")
 COMPUTE_PARTS = ("forward", "backward", "recompute")
 
 

@@ -20,7 +20,7 @@ from planner.specs import MemoryBreakdown, Plan, TimeBreakdown
 TIME_PARTS = [f.name for f in dataclasses.fields(TimeBreakdown)]
 MEM_PARTS = [f.name for f in dataclasses.fields(MemoryBreakdown)]
 TIME_LABELS = {"forward": "forward", "backward": "backward", "recompute": "recompute", "tp_comm": "TP comm",
-               "pp_comm": "PP send/recv", "bubble": "pipeline bubble", "dp_sync": "DP gradient sync",
+               "a2a_comm": "EP/CP all-to-all", "pp_comm": "PP send/recv", "bubble": "pipeline bubble", "dp_sync": "DP gradient sync",
                "zero_gather": "ZeRO-3 gathers", "optimizer": "optimizer", "overhead": "runtime overhead"}
 MEM_LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states",
               "activations": "activations", "logits": "logits + loss", "buckets": "comm buckets",
@@ -44,7 +44,8 @@ def plan_from_row(row: pd.Series | dict[str, Any]) -> Plan | None:
             kw[name] = tuple(int(x) for x in text.split(";") if x.strip())
         elif name in ("sequence_parallel", "overlap_comm", "quantized_weights", "quantized_gradients"):
             kw[name] = v if isinstance(v, bool) else str(v).strip().lower() in ("true", "1")
-        elif name in ("recompute", "schedule", "precision", "offload_optimizer", "offload_params", "runtime"):
+        elif name in ("recompute", "schedule", "precision", "offload_optimizer", "offload_params", "runtime",
+                      "cp_kind"):
             kw[name] = str(v)
         else:
             if v is None or (isinstance(v, float) and math.isnan(v)):
@@ -60,6 +61,7 @@ def short_label(plan: Plan) -> str:
     """Two short lines for a figure: "TP4·PP8·DP2" and "Z1 mb1 sel-rc"."""
     rc = {"none": "", "selective": " sel-rc", "full": " full-rc"}[plan.recompute]
     extra = (" SP" if plan.sequence_parallel else "") + (f" v{plan.interleave}" if plan.interleave > 1 else "")
+    extra += (f" EP{plan.ep}" if plan.ep > 1 else "") + (f" {plan.cp_kind[0].upper()}CP{plan.cp}" if plan.cp > 1 else "")
     extra += "".join(f" {v}" for v in option_labels(plan))
     return f"TP{plan.tp}·PP{plan.pp}·DP{plan.dp}\nZ{plan.zero} mb{plan.micro_batch}{rc}{extra}"
 

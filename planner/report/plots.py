@@ -25,7 +25,7 @@ STYLE = {"font.size": 9, "axes.titlesize": 10, "axes.labelsize": 9, "legend.font
          "axes.spines.top": False, "axes.spines.right": False, "axes.grid": True, "grid.alpha": 0.3,
          "figure.dpi": DPI, "savefig.dpi": DPI}
 MEM_COLORS = dict(zip(MEM_PARTS, ["#4c72b0", "#55a868", "#c44e52", "#dd8452", "#8172b3", "#937860", "#b0b0b0"]))
-TIME_COLORS = dict(zip(TIME_PARTS, ["#4c72b0", "#6b8fd4", "#8172b3", "#dd8452", "#e6b800", "#c44e52",
+TIME_COLORS = dict(zip(TIME_PARTS, ["#4c72b0", "#6b8fd4", "#8172b3", "#dd8452", "#da8bc3", "#e6b800", "#c44e52",
                                     "#55a868", "#2a9d8f", "#937860", "#b0b0b0"]))
 REASON_MARKERS = ["x", "+", "1", "v", "^", "s"]
 REASON_COLORS = ["#c44e52", "#dd8452", "#8172b3", "#937860", "#da8bc3", "#8c8c8c"]

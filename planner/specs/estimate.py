@@ -20,6 +20,9 @@ class TimeBreakdown:
     recompute: float = 0.0
     tp_comm: float = 0.0
     """Exposed tensor-parallel all-reduces / reduce-scatters."""
+    a2a_comm: float = 0.0
+    """Exposed expert-parallel and context-parallel traffic: MoE dispatch/combine all-to-alls,
+    DeepSpeed-Ulysses' all-to-alls, ring attention's KV sends not hidden behind the core."""
     pp_comm: float = 0.0
     """Pipeline point-to-point sends on the critical path."""
     bubble: float = 0.0
@@ -34,7 +37,7 @@ class TimeBreakdown:
 
     @property
     def total(self) -> float:
-        return (self.forward + self.backward + self.recompute + self.tp_comm + self.pp_comm + self.bubble
+        return (self.forward + self.backward + self.recompute + self.tp_comm + self.a2a_comm + self.pp_comm + self.bubble
                 + self.dp_sync + self.zero_gather + self.optimizer + self.overhead)
 
     def to_dict(self) -> dict[str, float]:
