@@ -33,6 +33,29 @@ from planner.specs.train import TrainSpec
 VERSION = 1
 
 
+def check_writable(path: str | Path, field: str) -> None:
+    """Refuse, before any work, an output directory that cannot be written: one line naming the
+    path (a read-only or foreign directory otherwise fails late, as an OSError or a storage
+    error, or leaves a command waiting). `path` is the directory the command writes into; it
+    may not exist yet, then the nearest existing directory above it must take a new entry. The
+    test is a real one: a temporary file created and removed there."""
+    p = Path(path)
+    probe = p
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        where = "is not a directory" if probe == p else f"cannot be created: {probe} is not a directory"
+        raise SpecError(field, f"{p} {where}", "give a directory path")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=probe, prefix=".planner-write-check-")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as exc:
+        at = "" if probe == p else f" (its nearest existing directory {probe})"
+        raise SpecError(field, f"cannot write to {p}{at}: {exc.strerror or exc}",
+                        "give a directory you can write to, or fix its permissions") from None
+
+
 def atomic_write_text(path: str | Path, text: str, mode: int | None = None) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

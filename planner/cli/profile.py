@@ -27,6 +27,8 @@ from planner.errors import SpecError
 def profile(quick: bool, out: str | None, model_arg: str | None, scale: str | None, procs: int | None,
             max_tp: int | None, precision: str, name: str | None, force_cpu: bool) -> None:
     """Measure this machine and write a device profile (use it with --profile)."""
+    from planner.rundir import check_writable
+    check_writable(Path(out).parent if out else Path("profiles"), "--out")  # before minutes of measuring
     import torch
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

@@ -1,6 +1,8 @@
 """`planner run` and `planner verify`: thin wrappers over planner.executor."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from planner.cli.common import SCALE_CHOICES
@@ -37,7 +39,10 @@ def _err(e) -> str:
 @click.argument("run_dir", type=click.Path(file_okay=True, dir_okay=True))
 @click.option("--steps", type=int, default=10, show_default=True, help="Optimizer steps to run.")
 @click.option("--warmup", type=int, default=2, show_default=True, help="Steps left out of the timing.")
-@click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in RUN_DIR/checkpoints.")
+@click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in RUN_DIR/checkpoints "
+              "(refused when there is none).")
+@click.option("--resume-if-present", is_flag=True,
+              help="Continue from the latest checkpoint if there is one, else start at step 1 and say so.")
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds before a run counts as hung.")
 @click.option("--batching", type=click.Choice(["dynamic", "static"]), default="dynamic", show_default=True,
               help="Packed token-budget batches, or one padded sequence per row.")
@@ -77,6 +82,8 @@ def run(run_dir: str, **kw) -> None:
     """Train the plan in RUN_DIR under DeepSpeed and write RUN_DIR/metrics.json."""
     from planner.executor.launch import run_plan
     _check_scale(run_dir, kw.pop("scale"))
+    if kw["resume_if_present"]:
+        kw["resume"] = True
     m = run_plan(run_dir, echo=click.echo, **kw)
     p, e = m["predicted"], m["relative_error"]
     click.echo(f"step time     {_fmt(m['step_time_s'], ' s')}  (predicted {_fmt(p['step_time_s'], ' s')}, "
@@ -112,8 +119,13 @@ def run(run_dir: str, **kw) -> None:
 def verify(run_dir: str, **kw) -> None:
     """Run the conventional baseline and the plan; compare against the 3x / one-third-memory targets."""
     from planner.executor.preflight import check_run
-    from planner.executor.verify import verify as do_verify
+    from planner.executor.launch import check_counts
+    from planner.executor.verify import check_inputs, verify as do_verify
+    from planner.rundir import check_writable
+    check_counts(kw["steps"], kw["warmup"], kw["timeout"])
+    check_inputs(Path(run_dir))  # a profile from another machine, or missing a precision's probe
     _check_scale(run_dir, kw.pop("scale"))
     check_run(run_dir)  # refuse before the baseline starts, not after it ran
+    check_writable(run_dir, "RUN_DIR")
     do_verify(run_dir, echo=click.echo, **kw)
     click.echo(f"wrote {run_dir}/verify.json")

@@ -25,12 +25,14 @@ from planner.cli.common import (bill_options, common_inputs, comparison_doc, com
 from planner.cli.tuning import prepare as prepare_tuning
 from planner.cli.tuning import refine_step, tuning_options
 from planner.errors import SpecError
+from planner.rundir import check_writable
 from planner.report.plan_text import (headroom_gb, headroom_text, host_bytes_per_rank, host_memory_text,
-                                      plan_memory_flag, short_variants)
+                                      option_labels, plan_memory_flag)
+from planner.search.claim import claim
 from planner.search.outputs import (MEASUREMENTS, SEARCH_FILES, set_aside, set_aside_line, write_estimate,
                                     write_outputs)
 from planner.specs.estimate import GB, Estimate
-from planner.specs.plan import OFFLOAD, RECOMPUTE, Plan
+from planner.specs.plan import CP_KINDS, OFFLOAD, RECOMPUTE, Plan
 from planner.specs.validate import plan_problems, runtime_problems
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$")
@@ -83,9 +85,7 @@ def _plan_cells(plan: Plan) -> list[str]:
     if rc == "full" and plan.recompute_layers:
         rc = f"full {sum(plan.recompute_layers)}/{sum(plan.stage_layers) or '?'}"
     sched = f"interleaved x{plan.interleave}" if plan.schedule == "interleaved" else ("1F1B" if plan.pp > 1 else "-")
-    variants = list(short_variants(plan))
-    if plan.bucket_elements != _PLAN_DEFAULTS.bucket_elements:   # else two rows can look the same
-        variants.append(f"bucket {plan.bucket_elements:.0e}".replace("e+0", "e").replace("e+", "e"))
+    variants = option_labels(plan)          # every option away from its default: else two rows look the same
     return [f"{plan.tp}x{plan.pp}x{plan.dp}", str(plan.zero), " ".join(variants) or "-",
             f"{plan.micro_batch}x{plan.grad_accum}", rc, "yes" if plan.sequence_parallel else "-", sched]
 
@@ -189,6 +189,9 @@ def _print_search(console: Console, result, cluster, run_dir: Path, written: lis
 @click.option("--name", default=None, help="Run directory name (default: <model>_<gpus>).")
 @click.option("--out-dir", default="reports", show_default=True, type=click.Path(file_okay=False),
               help="Parent of the run directory.")
+@click.option("--overwrite", is_flag=True,
+              help="Search into a run directory that holds a plan for other inputs, moving that plan to "
+                   "RUN_DIR/previous/<time>/ (without it such a directory is refused).")
 @click.option("--exhaustive", is_flag=True, help="Evaluate every legal plan instead of sampling with Optuna.")
 @click.option("--trials", "n_trials", type=click.IntRange(1, 1_000_000), default=100, show_default=True,
               help="Optuna trials the study should hold (a rerun resumes up to this many).")
@@ -228,6 +231,12 @@ def search(ctx: click.Context, **kw: Any) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise SpecError("--out-dir", f"{out_dir} is not a directory", "give a directory path")
     tuning = prepare_tuning(kw, model, cluster, train, runtimes[0])   # refuses bad tuning input first
+    check_writable(run_dir, "--out-dir")
+    held = claim(run_dir, {"model": model.to_dict(), "cluster": cluster.to_dict(), "train": train.to_dict()},
+                 overwrite=kw["overwrite"])
+    ctx.call_on_close(held.release)
+    if held.moved:
+        click.echo(held.moved)
     storage, tmp_db = tuning.storage, None
     rdb = None
     if not kw["exhaustive"] and storage is None:
@@ -385,7 +394,8 @@ _PLAN_FLAGS = {"tp": "--tp", "pp": "--pp", "zero": "--zero", "micro_batch": "--m
                "offload_optimizer": "--offload-optimizer", "offload_params": "--offload-params", "hpz": "--hpz",
                "quantized_weights": "--qwz", "quantized_gradients": "--qgz", "mics_shard": "--mics-shard",
                "bucket_elements": "--bucket-elements", "prefetch_elements": "--prefetch-elements",
-               "live_elements": "--live-elements", "persistence_elements": "--persistence-elements"}
+               "live_elements": "--live-elements", "persistence_elements": "--persistence-elements",
+               "ep": "--ep", "cp": "--cp", "cp_kind": "--cp-kind"}
 
 
 def _build_plan(**fields: Any) -> Plan:
@@ -423,6 +433,12 @@ def _int_list(text: str | None, flag: str) -> tuple[int, ...]:
               help="With --recompute full: checkpointed blocks per stage (default: all).")
 @click.option("--stage-layers", default=None, metavar="N0,N1,...", help="Blocks per stage (default: even split).")
 @click.option("--sequence-parallel", is_flag=True, help="Megatron sequence parallelism (needs --tp > 1).")
+@click.option("--ep", type=int, default=1, show_default=True,
+              help="Expert-parallel size (MoE models; divides the experts and the data-parallel degree).")
+@click.option("--cp", type=int, default=1, show_default=True,
+              help="Context-parallel degree: ranks splitting each sequence (docs/long-context.md).")
+@click.option("--cp-kind", type=click.Choice(list(CP_KINDS)), default="ulysses", show_default=True,
+              help="ulysses (DeepSpeed-Ulysses all-to-all) or ring (Megatron-Core context parallelism).")
 @click.option("--interleave", type=int, default=1, show_default=True,
               help="Virtual chunks per stage (> 1: interleaved 1F1B).")
 @click.option("--offload-optimizer", type=click.Choice(list(OFFLOAD)), default="none", show_default=True,
@@ -460,20 +476,23 @@ def estimate(ctx: click.Context, **kw: Any) -> None:
     scale, model_arg, write_dir = kw["scale"], kw["model_arg"], kw["write_dir"]
     if write_dir is not None and write_dir.exists() and not write_dir.is_dir():
         raise SpecError("--write", f"{write_dir} is not a directory", "give a directory path (it is created)")
+    if write_dir is not None:
+        check_writable(write_dir, "--write")
     model, cluster, train = load_inputs(kw)
     spec = load_bill(kw, model, cluster)
-    tp, pp, mb = kw["tp"], kw["pp"], kw["micro_batch"]
-    for flag, v in (("--tp", tp), ("--pp", pp), ("--micro-batch", mb), ("--interleave", kw["interleave"])):
+    tp, pp, mb, cp = kw["tp"], kw["pp"], kw["micro_batch"], kw["cp"]
+    for flag, v in (("--tp", tp), ("--pp", pp), ("--micro-batch", mb), ("--interleave", kw["interleave"]),
+                    ("--ep", kw["ep"]), ("--cp", cp)):
         if v < 1:
             raise SpecError(flag, f"must be a positive integer, got {v}", "give 1 or more")
     world = cluster.world_size
-    if world % (tp * pp):
-        raise SpecError("--tp/--pp", f"tp {tp} x pp {pp} = {tp * pp} does not divide the {world} devices",
-                        f"choose degrees whose product divides {world}")
-    dp = world // (tp * pp)
+    if world % (tp * pp * cp):
+        raise SpecError("--tp/--pp/--cp", f"tp {tp} x pp {pp} x cp {cp} = {tp * pp * cp} does not divide the "
+                        f"{world} devices", f"choose degrees whose product divides {world}")
+    dp = world // (tp * pp * cp)
     plan = _build_plan(dp=dp, tp=tp, pp=pp, zero=kw["zero"], micro_batch=mb,
                        grad_accum=max(1, train.global_batch // (mb * dp)), recompute=kw["recompute"],
-                       sequence_parallel=kw["sequence_parallel"],
+                       sequence_parallel=kw["sequence_parallel"], ep=kw["ep"], cp=cp, cp_kind=kw["cp_kind"],
                        schedule="interleaved" if kw["interleave"] > 1 else "1f1b",
                        interleave=kw["interleave"], precision=train.precision,
                        stage_layers=_int_list(kw["stage_layers"], "--stage-layers"),

@@ -14,6 +14,7 @@ from planner.cli.common import (apply_variants, comparison_doc, comparison_table
                                  model_options, serving_comparison, variant_option)
 from planner.cli.search import _command_line, _console
 from planner.errors import SpecError
+from planner.rundir import check_writable
 from planner.serve.cost import engine_budget
 from planner.serve.launch import launch_script
 from planner.serve.outputs import calibration_badge, latency_curve, render_report, write_serve_run
@@ -157,6 +158,7 @@ def serve(ctx: click.Context, **kw: Any) -> None:
     out_dir = Path(kw["out_dir"])
     if out_dir.exists() and not out_dir.is_dir():
         raise SpecError("--out-dir", f"{out_dir} is not a directory", "give a directory path")
+    check_writable(out_dir / name, "--out-dir")
 
     result = search_deployments(model, cluster, workload, target=target, space=space, requests=kw["requests"],
                                 seed=kw["seed"], rate_qps=rate)

@@ -1,9 +1,10 @@
 """Assemble the step time, throughput, FLOPs utilisation and per-stage memory of a plan."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
-from planner.cost import comm, compute, engines, params, pipeline, runtime, zero
+from planner.cost import comm, compute, engines, longctx, moe, params, pipeline, runtime, zero
 from planner.cost.attention import recomputes_scores
 from planner.cost.engines import Engine
 from planner.cost.factors import cluster_factors
@@ -122,7 +123,11 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
     rt = get_runtime(plan.runtime)
     reasons = plan_problems(model, cluster, train, plan) + runtime.problems(rt, plan)
     f = cluster_factors(cluster, plan.runtime)
-    bt = _block_times(model, cluster, train, plan, f)
+    # context parallelism: every term below for the cp-free equivalent (planner.cost.longctx),
+    # the FLOPs and tokens for the plan as given
+    full_plan, full_train = plan, train
+    plan, train = longctx.local(plan, train)
+    bt = _block_times(model, cluster, train, plan, f, (full_plan.cp, full_plan.cp_kind))
     lc = _layer_costs(model, cluster, train, plan, f, bt)
     engine = engines.engine_for(plan)
     layers = plan.layers_per_stage(model.layers)
@@ -151,6 +156,10 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
     else:
         dp_sync, zero_gather = dp_comm(cluster, plan, engine, psi, f, tuple(times), backward), 0.0
     opt = optimizer_time(cluster, plan, engine, psi, f)
+    if model.moe is not None:  # the experts' own gradient sync and optimizer step (planner.cost.moe)
+        e_sync, e_opt = moe.expert_sync_and_step(model, cluster, plan, layers, f, backward, _act_bytes(plan.precision),
+                                                 engines.engine_for(moe.expert_plan(plan)).optimizer_sharded)
+        dp_sync, opt = dp_sync + e_sync, opt + e_opt
 
     time = _breakdown(lc, bt, plan, layers[slow], ckpt[slow], slow == 0, slow == p - 1, m)
     time = TimeBreakdown(**{**time, "pp_comm": pp_comm, "bubble": bubble, "dp_sync": dp_sync,
@@ -159,6 +168,9 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
     step = time.total
 
     mem = stage_memory(plan, lc, layers, ckpt, f["memory_fragmentation"], resident_memory(cluster.device.kind))
+    # live tensor bytes as an allocator counts them: whole buffers, no allowance (Estimate.allocated_memory)
+    allocated = tuple(dataclasses.replace(mb, overhead=0.0)
+                      for mb in stage_memory(plan, lc, layers, ckpt, 0.0, resident=False))
     cap = cluster.memory_bytes
     for i, mb in enumerate(mem):
         if mb.total > cap:
@@ -189,10 +201,11 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
             + (lc.last_stage_time / 3.0 if i == p - 1 else 0.0)
         fwd_share.append((fw, max(t_i - fw, 0.0)))
 
-    world = plan.world_size
+    world = full_plan.world_size
+    train = full_train
     tokens = train.global_batch * train.seq_len
-    model_flops = compute.model_flops_per_sequence(model, train.seq_len) * train.global_batch
-    hw_flops = model_flops + hardware_extra_flops(model, cluster, train, plan, ckpt)
+    model_flops = moe.model_flops_per_sequence(model, train.seq_len) * train.global_batch
+    hw_flops = model_flops + hardware_extra_flops(model, cluster, train, full_plan, ckpt)
     peak = cluster.device.peak_flops(plan.precision) or cluster.device.peak_flops("fp32")
     denom = step * world
     return Estimate(
@@ -201,7 +214,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
         hfu=hw_flops / (denom * peak), stage_memory=tuple(mem), capacity_bytes=cap,
         bubble_fraction=pipeline.bubble_fraction(p, m, v), model_flops_per_step=model_flops,
         hardware_flops_per_step=hw_flops, stage_times=tuple(fwd_share), host_memory_bytes=host,
-        nvme_bytes=nvme, headroom_bytes=f["memory_overhead_gb"] * GB)
+        nvme_bytes=nvme, headroom_bytes=f["memory_overhead_gb"] * GB, allocated_memory=allocated)
 
 
 def _breakdown(lc: LayerCosts, bt, plan: Plan, n: int, r: int, first: bool, last: bool, m: int) -> dict[str, float]:
@@ -214,8 +227,9 @@ def _breakdown(lc: LayerCosts, bt, plan: Plan, n: int, r: int, first: bool, last
         "forward": m * (n * bt.forward + (first_c + last_c) / 3.0),
         "backward": m * (n * bt.backward + 2.0 * (first_c + last_c) / 3.0),
         "recompute": m * (r * (bt.forward + bt.tp_fwd) + selective),
-        "tp_comm": m * (n * (bt.tp_fwd + bt.tp_bwd) + (lc.first_stage_tp if first else 0.0)
+        "tp_comm": m * (n * (bt.tp_fwd + bt.tp_bwd - bt.a2a_fwd - bt.a2a_bwd) + (lc.first_stage_tp if first else 0.0)
                         + (lc.last_stage_tp if last else 0.0)),
+        "a2a_comm": m * n * (bt.a2a_fwd + bt.a2a_bwd),
     }
 
 
@@ -226,7 +240,7 @@ def hardware_extra_flops(model: ModelSpec, cluster: ClusterSpec, train: TrainSpe
     the attention core; flash's backward recomputes QK^T in every block; the padded vocabulary's
     extra output columns (forward and backward)."""
     s = train.seq_len
-    full = sum(ckpt) * compute.block_forward_flops(model, s, 1)  # ckpt is all zeros unless recompute is full
+    full = sum(ckpt) * moe.block_forward_flops(model, s)  # ckpt is all zeros unless recompute is full
     selective = model.layers * compute.block_gemms(model, s, 1, 1)[1] if plan.recompute == "selective" else 0.0
     flash = model.layers * compute.flash_recompute_flops(model, s, 1) \
         if recomputes_scores(_kernel(model, cluster, train)) else 0.0

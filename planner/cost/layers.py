@@ -71,6 +71,10 @@ class LayerCosts:
     last_stage_numels: tuple[int, ...] = ()
     share_layers: int = 1
     """ModelSpec.share_layers: K consecutive blocks use one set of parameter tensors."""
+    block_expert_bytes: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """MoE: (params, grads, optimizer) bytes of one (mean) block's routed experts on one device,
+    partitioned over the expert-data-parallel ranks (planner.cost.model.moe_state_bytes); not
+    in block_psi."""
 
     @property
     def largest(self) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from planner.cost import comm, compute, engines, memory, params, pipeline
+from planner.cost import comm, compute, engines, longctx, memory, moe, params, pipeline
 from planner.cost.attention import attention_kernel, recomputes_scores
 from planner.cost.factors import cluster_factors
 from planner.cost.layers import LayerCosts
@@ -30,9 +30,11 @@ planner/executor/parallel/tensor.py)."""
 class _BlockTimes:
     forward: float  # GEMMs + attention core + element-wise, no communication
     backward: float  # 2x forward, plus flash's recomputed scores
-    tp_fwd: float  # exposed TP collectives of one forward
+    tp_fwd: float  # exposed collectives of one forward: TP's and (a2a_fwd of them) EP's / CP's
     tp_bwd: float
     selective: float  # extra forward work of selective recompute (attention core + softmax)
+    a2a_fwd: float = 0.0  # of tp_fwd: MoE and context-parallel all-to-alls / ring sends
+    a2a_bwd: float = 0.0
 
 
 def _act_bytes(precision: str) -> float:
@@ -48,7 +50,11 @@ def _tp_link(cluster: ClusterSpec, plan: Plan) -> tuple[float, float]:
 
 
 def _block_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan,
-                 f: dict[str, float]) -> _BlockTimes:
+                 f: dict[str, float], ctx: tuple[int, str] = (1, "ulysses")) -> _BlockTimes:
+    """One block's times for a cp-free plan (planner.cost.longctx.local); `ctx` = the original
+    plan's (cp, cp_kind): its attention core is cp times a block's at s/cp, plus the
+    context-parallel communication. MoE blocks' FFN, router and all-to-alls are weighted in by
+    their share of the blocks (planner.cost.moe)."""
     dev = cluster.device
     prec = plan.precision if dev.supports(plan.precision) else "fp32"
     s, b, t, e = train.seq_len, plan.micro_batch, plan.tp, _act_bytes(plan.precision)
@@ -67,9 +73,24 @@ def _block_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
                                    f["comm_efficiency"])
     if plan.sequence_parallel and get_runtime(plan.runtime).tp_comm_overlap:
         tp_fwd, tp_bwd = overlapped_tp(tp_fwd, tp_bwd, gemm_f)
+    cp, kind = ctx
+    a2a_f = a2a_b = 0.0
+    if cp > 1:  # a rank's share of the s x s core: cp x a block's at s/cp (flash only: validate)
+        core_f, rec_f = core_f * longctx.core_factor(cp), rec_f * longctx.core_factor(cp)
+        cf, cb = longctx.block_comm(model, cluster, t, b, cp, kind, s, e, f["comm_efficiency"], core_f,
+                                    2.0 * core_f + rec_f)
+        a2a_f, a2a_b = cf, cb
+    w = moe.share(model)
+    if w:
+        gemm_f += w * (moe.ffn_time(model, dev, s, b, t, plan.ep, prec, f["compute_scale"])
+                       - moe.dense_ffn_time(model, dev, s, b, t, prec, f["compute_scale"]))
+        moe_e, dense_e = moe.ffn_elementwise_bytes(model, s, b, t, e)
+        elem_f += w * (moe_e - dense_e) / hbm * f["elementwise_scale"]
+        af, ab = moe.alltoall_comm(model, cluster, plan, s, e, f["comm_efficiency"])
+        a2a_f, a2a_b = a2a_f + w * af, a2a_b + w * ab
     fwd = gemm_f + core_f + elem_f
-    return _BlockTimes(forward=fwd, backward=2.0 * (gemm_f + core_f) + rec_f + 2.0 * elem_f, tp_fwd=tp_fwd,
-                       tp_bwd=tp_bwd, selective=core_f + scores_f)
+    return _BlockTimes(forward=fwd, backward=2.0 * (gemm_f + core_f) + rec_f + 2.0 * elem_f, tp_fwd=tp_fwd + a2a_f,
+                       tp_bwd=tp_bwd + a2a_b, selective=core_f + scores_f, a2a_fwd=a2a_f, a2a_bwd=a2a_b)
 
 
 def overlapped_tp(tp_fwd: float, tp_bwd: float, gemm_fwd: float) -> tuple[float, float]:
@@ -146,9 +167,12 @@ def runtime_train(train: TrainSpec, plan: Plan) -> TrainSpec:
 
 
 def layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan) -> LayerCosts:
+    """Per-block costs of `plan`, computed for its cp-free equivalent (planner.cost.longctx.local)."""
     train = runtime_train(train, plan)
     f = cluster_factors(cluster, plan.runtime)
-    return _layer_costs(model, cluster, train, plan, f, _block_times(model, cluster, train, plan, f))
+    ctx = (plan.cp, plan.cp_kind)
+    plan, train = longctx.local(plan, train)
+    return _layer_costs(model, cluster, train, plan, f, _block_times(model, cluster, train, plan, f, ctx))
 
 
 def _layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan, f: dict[str, float],
@@ -180,6 +204,11 @@ def _layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
         act += own if plan.recompute != "selective" else 0.0
         act_none += own
     act_full = memory.block_activation_bytes(model, s, b, t, recompute="full", **kw)
+    w = moe.share(model)
+    if w:  # MoE blocks keep their router scores and dispatched tokens instead of the dense FFN's
+        moe_a, dense_a = moe.ffn_activation_bytes(model, s, b, t, e)
+        act += w * (moe_a - dense_a) * f["activation_scale"]
+        act_none += w * (moe_a - dense_a) * f["activation_scale"]
     in_flight = pipeline.in_flight(plan.pp, plan.grad_accum, plan.interleave)
     first_act, last_act, work = stage_extras(model, s, b, t, plan, e, kernel, in_flight[0])
     # the recomputed block (or attention core) rebuilds what it dropped, next to what it kept
@@ -187,20 +216,36 @@ def _layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
     thr = plan.persistence_elements or params.persistence_threshold(model)
     blk, fst, lst = (params.block_tensors(model, t), params.first_stage_tensors(model, t),
                      params.last_stage_tensors(model, t, plan.pp))
+    blk_psi, blk_small, experts = blk.total / model.share_layers, blk.small(thr) / model.share_layers, (0.0,) * 3
+    if w:  # the mean block: dense blocks and MoE blocks' replicated part; experts in their own group
+        mblk = params.moe_block_tensors(model, t)
+        blk_psi = (1 - w) * blk.total + w * mblk.total
+        blk_small = (1 - w) * blk.small(thr) + w * mblk.small(thr)
+        blk = mblk
+        experts = tuple(w * x for x in moe_state_bytes(plan, model, resident_memory(dev.kind)))
     return LayerCosts(
         block_time=block_time, block_time_full_recompute=block_full, first_stage_time=first + first_tp,
         last_stage_time=last + last_tp, first_stage_tp=first_tp, last_stage_tp=last_tp,
         block_act_bytes=act, block_act_bytes_full_recompute=act_full,
         block_work_bytes=work, first_stage_act_bytes=first_act, last_stage_act_bytes=last_act,
         # share_layers K: K blocks hold one set of parameters (ModelSpec.share_layers; PP refused)
-        block_psi=blk.total / model.share_layers, first_stage_psi=fst.total, last_stage_psi=lst.total,
-        block_small=blk.small(thr) / model.share_layers, first_stage_small=fst.small(thr),
+        block_psi=blk_psi, first_stage_psi=fst.total, last_stage_psi=lst.total,
+        block_small=blk_small, first_stage_small=fst.small(thr),
         last_stage_small=lst.small(thr),
         fixed_bytes=f["memory_overhead_gb"] * GB,
         in_flight=in_flight,
         block_numels=blk.numels, first_stage_numels=fst.numels, last_stage_numels=lst.numels,
-        share_layers=model.share_layers,
+        share_layers=model.share_layers, block_expert_bytes=experts,
     )
+
+
+def moe_state_bytes(plan: Plan, model: ModelSpec, resident: bool) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes of one MoE block's routed experts on one rank: experts /
+    ep of them, with the plan's ZeRO stage partitioning over the expert-data-parallel ranks
+    (planner.cost.moe.expert_plan), as DeepSpeed's separate MoE parameter groups do."""
+    psi = moe.expert_params(model, plan.ep)
+    held, back, _ = engines.footprint(moe.expert_plan(plan), resident).evaluate(psi, 0.0)
+    return held[0] + back[0], held[1] + back[1], held[2] + back[2]
 
 
 def rebuilds_shared_per_block(plan: Plan) -> bool:
@@ -280,6 +325,8 @@ def stage_bytes(fp: engines.Footprint, plan: Plan, lc: LayerCosts, stage: int, b
         acts += lc.block_work_bytes
     logits = lc.last_stage_act_bytes if stage == p - 1 else 0.0
     params, grads, opt, buckets = (h + b for h, b in zip(held, back))
+    ep_p, ep_g, ep_o = lc.block_expert_bytes  # MoE: the experts' states (their own ZeRO group)
+    params, grads, opt = params + blocks * ep_p, grads + blocks * ep_g, opt + blocks * ep_o
     if plan.precision == "fp8":
         params += memory.fp8_bytes(blocks, lc.block_psi, plan.zero == 3)
     backward = acts + logits + sum(back)

@@ -75,6 +75,23 @@ def block_tensors(model: ModelSpec, t: int) -> Tensors:
 
 
 @lru_cache(maxsize=4096)
+def moe_block_tensors(model: ModelSpec, t: int) -> Tensors:
+    """The replicated part of one MoE block on one TP rank (its routed experts are counted
+    apart, planner.cost.moe.expert_params): the block's attention and norms as in
+    block_tensors, the router h x E (whole on every TP rank, as DeepSpeed's gate), and each
+    shared expert split by TP like the dense FFN."""
+    h, k, m = model.hidden, model.ffn_in_matrices, model.moe
+    dense = block_tensors(model, t).numels
+    attn = dense[:len(dense) - (4 if model.linear_bias else 2)]  # everything before the FFN
+    out = list(attn) + [h * m.experts]
+    for _ in range(m.shared_experts):
+        out += [h * k * m.shared_size // t, m.shared_size * h // t]
+        if model.linear_bias:
+            out += [k * m.shared_size // t, h]
+    return Tensors(numels=tuple(out))
+
+
+@lru_cache(maxsize=4096)
 def first_stage_tensors(model: ModelSpec, t: int) -> Tensors:
     """Word embedding (V_pad/t rows) and a learned position embedding (replicated)."""
     out = [model.padded_vocab(t) * model.hidden // t]

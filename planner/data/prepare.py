@@ -8,6 +8,7 @@ from typing import Any
 from planner.data import indexed
 from planner.data.text import load_tokenizer, read_documents, tokenize, train_tokenizer, vocab_size
 from planner.errors import SpecError
+from planner.rundir import check_writable
 
 
 def prepare(inputs: list[Path], prefix: Path, *, tokenizer: str | Path = "", train_vocab: int | None = None,
@@ -18,15 +19,17 @@ def prepare(inputs: list[Path], prefix: Path, *, tokenizer: str | Path = "", tra
     for p in inputs:
         if not p.is_file():
             raise SpecError("INPUT", f"{p} does not exist or is not a file", "give .txt or .jsonl files")
+    check_writable(prefix.parent, "--out")
+    # the inputs are read (and refused) before anything is written, the trained tokenizer too
+    docs = [d for p in inputs for d in read_documents(p, "INPUT")]
+    if not docs:
+        raise SpecError("INPUT", "the inputs hold no document", "give non-empty text")
     trained = train_vocab is not None
     if trained:
         tokenizer = train_tokenizer(inputs, train_vocab, Path(f"{prefix}-tokenizer"))
     tok = load_tokenizer(tokenizer)
     vocab = vocab_size(tok)
     dtype = indexed.best_dtype(vocab)
-    docs = [d for p in inputs for d in read_documents(p, "INPUT")]
-    if not docs:
-        raise SpecError("INPUT", "the inputs hold no document", "give non-empty text")
     with indexed.IndexedWriter(prefix, dtype) as w, _bar(progress, len(docs)) as advance:
         for ids in tokenize(tok, docs):
             w.add(ids)

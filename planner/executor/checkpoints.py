@@ -60,8 +60,10 @@ def resume(engine, ckpt: Path, state: dict) -> str | None:
 
 def rollback(engine, run_dir: Path, rank: int, state: dict, step: int, batch: int, loss: float,
              gnorm: float | None, ckpt: Path, layout: Layout) -> None:
-    """NaN/Inf: snapshot, reload the last good checkpoint, skip the bad batch."""
+    """NaN/Inf: snapshot, reload the last good checkpoint, skip the bad batch. `step` is the
+    loop's 0-based index; events and files name it as the progress lines count (step + 1)."""
     reason = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {gnorm}"
+    step += 1
     if rank == 0:
         atomic_write_json(run_dir / "debug" / f"nan_step{step}.json", {
             "step": step, "batch": batch, "reason": reason, "loss_history": state["loss"],

@@ -25,9 +25,11 @@ from typing import Any, Callable
 from planner.errors import ExecutionError
 from planner.executor import preflight
 from planner.executor.metrics import build_metrics, failure_metrics
+from planner.executor.buildlock import stale_lock_problem
+from planner.executor.checkpoints import latest_tag
 from planner.executor.files import CKPT_DIR, RANKS_DIR
 from planner.executor.observability import ALERTS_FILE, DASHBOARD_FILE, format_progress
-from planner.rundir import atomic_write_json, load_run, read_json
+from planner.rundir import atomic_write_json, check_writable, load_run, read_json
 
 
 def _free_port() -> int:
@@ -69,13 +71,23 @@ def _pick_failed(run_dir: Path, failed: dict[int, int]) -> int:
     return min(failed, key=score)
 
 
+def check_counts(steps: int, warmup: int, timeout: float) -> None:
+    """--steps, --warmup and --timeout of `planner run` / `planner verify`, before anything starts."""
+    if steps < 1 or warmup < 0 or warmup >= steps:
+        raise ExecutionError("--steps/--warmup", f"need steps >= 1 and 0 <= warmup < steps, got {steps}/{warmup}",
+                             "e.g. --steps 10 --warmup 2")
+    if not timeout > 0:
+        raise ExecutionError("--timeout", f"must be a positive number of seconds, got {timeout:g}",
+                             "e.g. --timeout 600")
+
+
 def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: bool = False,
              timeout: float = 600.0, batching: str = "dynamic", checkpoint_every: int = 0,
              inject_nan: int = -1, data: str = "", seed: int = 1234, data_workers: int | None = None,
              ignore_host_checks: bool = False, tokenizer: str = "", eval_every: int = 0, eval_batches: int = 2,
              lr: float | None = None, lr_warmup_steps: int = 0, lr_schedule: str | None = None,
              metrics_port: int = 0, metrics_host: str = "127.0.0.1", init_hf: str = "", save_hf: str = "",
-             step_sleep: float = 0.0, save_sleep: float = 0.0,
+             step_sleep: float = 0.0, save_sleep: float = 0.0, resume_if_present: bool = False,
              echo: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Run the plan in `run_dir` for `steps` optimizer steps; returns (and writes) metrics.json.
 
@@ -87,10 +99,17 @@ def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: b
     metrics.json at the end (the launcher rebuilds it from result.json if it did not).
     `step_sleep` and `save_sleep` are test hooks (a pause after each step / checkpoint file)."""
     run = Path(run_dir).resolve()
-    if steps < 1 or warmup < 0 or warmup >= steps:
-        raise ExecutionError("--steps/--warmup", f"need steps >= 1 and 0 <= warmup < steps, got {steps}/{warmup}",
-                             "e.g. --steps 10 --warmup 2")
+    check_counts(steps, warmup, timeout)
     plan, model, cluster, train, doc = load_run(run)
+    resume_tag = latest_tag(run / CKPT_DIR)
+    if resume and resume_tag is None:
+        if not resume_if_present:
+            raise ExecutionError("--resume", f"no checkpoint to resume from in {run / CKPT_DIR} "
+                                 "(no complete tag named in `latest`)",
+                                 "run without --resume to start at step 1, or pass --resume-if-present to "
+                                 "resume when a checkpoint exists and start fresh otherwise")
+        echo(f"no checkpoint in {run / CKPT_DIR}: starting at step 1 (--resume-if-present)")
+        resume = False
     # every refusal comes before the run directory is touched (planner/executor/preflight.py)
     missing_cfg = preflight.check(run, plan, model, cluster, train, doc, ignore_host=ignore_host_checks)
     preflight.check_trainer(run, plan, model, train, data=data, tokenizer=tokenizer, seed=seed, batching=batching,
@@ -98,6 +117,10 @@ def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: b
                             lr=lr, lr_warmup_steps=lr_warmup_steps, lr_schedule=lr_schedule,
                             metrics_port=metrics_port, metrics_host=metrics_host, init_hf=init_hf, save_hf=save_hf,
                             data_workers=data_workers)
+    check_writable(run, "RUN_DIR")
+    lock = stale_lock_problem()
+    if lock is not None:
+        raise ExecutionError("torch extensions", *lock)
     if missing_cfg is not None:
         atomic_write_json(run / "ds_config.json", missing_cfg)
         echo("ds_config.json was missing: written from plan.json")
@@ -110,6 +133,9 @@ def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: b
     for f in ranks.glob("rank*.json"):
         f.unlink()
     (ranks / "result.json").unlink(missing_ok=True)
+    progress_file = ranks / "progress.jsonl"
+    # a resumed run shows its own lines only: the killed run's records stay in the file
+    shown = progress_file.stat().st_size if resume and progress_file.exists() else 0
     (run / "metrics.json").unlink(missing_ok=True)  # rank 0 writes this run's at the end
     world = plan.world_size
     cpu = cluster.device.kind == "cpu"
@@ -167,7 +193,7 @@ def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: b
                                           stdout=log, stderr=subprocess.STDOUT, **kw))
             if r == 0:
                 pgid = procs[0].pid
-        follow = _Follower(ranks / "progress.jsonl", echo)
+        follow = _Follower(progress_file, echo, shown)
         failure = _watch(run, procs, start, timeout, follow)
         follow()
     finally:
@@ -192,8 +218,8 @@ def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: b
 class _Follower:
     """Echo the progress records rank 0 appends to progress.jsonl (complete lines only)."""
 
-    def __init__(self, path: Path, echo: Callable[[str], None]) -> None:
-        self.path, self.echo, self.offset = path, echo, 0
+    def __init__(self, path: Path, echo: Callable[[str], None], offset: int = 0) -> None:
+        self.path, self.echo, self.offset = path, echo, offset
 
     def __call__(self) -> None:
         try:
@@ -218,10 +244,22 @@ def _terminated(*_) -> None:
     raise KeyboardInterrupt
 
 
+LOCK_CHECK_S = 10.0
+"""While a rank is still starting, look for a stale torch-extensions build lock this often."""
+
+
 def _watch(run: Path, procs: list[subprocess.Popen], start: float, timeout: float,
            tick: Callable[[], None] = lambda: None) -> tuple[int | None, str] | None:
+    next_lock_check = start + LOCK_CHECK_S
     while True:
         tick()
+        if time.monotonic() > next_lock_check:
+            next_lock_check = time.monotonic() + LOCK_CHECK_S
+            starting = [r for r in range(len(procs))
+                        if _read(run / RANKS_DIR / f"rank{r}.json").get("phase", "start") in ("start", "init")]
+            lock = stale_lock_problem() if starting else None
+            if lock is not None:  # ranks wait on it forever: stop now and name it
+                raise ExecutionError("torch extensions", f"rank {starting[0]} cannot start: {lock[0]}", lock[1])
         codes = {r: p.poll() for r, p in enumerate(procs)}
         failed = {r: c for r, c in codes.items() if c not in (None, 0)}
         if failed:

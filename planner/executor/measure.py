@@ -6,6 +6,7 @@ peak resident set size, VmHWM from /proc/self/status, reset after initialisation
 freed buffers and the high-water mark tracks live memory. It includes the interpreter and
 libraries (reported separately as the RSS before the model was built).
 GPU: torch.cuda.max_memory_allocated after torch.cuda.reset_peak_memory_stats.
+The allocated peak on CPU (live tensor bytes, what a GPU counts): planner/executor/allocated.py.
 Model states (both): the bytes of parameters, gradients and optimizer state (fp32 masters,
 moments, ZeRO partitions and buckets) this rank holds, counted tensor by tensor with
 shared storage counted once -- exact and repeatable; what DeepSpeed offloads (ZeRO-Offload's
@@ -63,11 +64,58 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int]:
 
 
 ROLES = ("params", "grads", "optimizer")
-"""Model-state roles, per location ("device", "host"). Device: as before -- parameters and
+"""Where model_states first places a storage, per location ("device", "host"): parameters and
 gradients reached through the module (p.data or ZeRO-3's ds_tensor, hpZ's ds_secondary_tensor,
-p.grad) and everything else reached through the optimizer under "optimizer" (fp32 masters,
-moments, ZeRO's gradient partitions and buckets). Host: what DeepSpeed keeps in its CPU offload
-structures (`_host_roles`), split by what it is."""
+p.grad), everything else reached through the optimizer under "optimizer"; what DeepSpeed keeps
+in its CPU offload structures (`_host_roles`) by what it is. The reported classes are finer
+(CLASSES)."""
+
+CLASSES = ("params", "grads", "optimizer", "buckets", "other")
+"""The classes model states are reported in: the cost model's buffer roles
+(planner.cost.engines.ROLES, the estimate's MemoryBreakdown fields of the same names), so that
+predicted - measured is a field-by-field subtraction, and "other" for a storage no rule below
+names (its buffer label says what it is)."""
+
+OPTIMIZER_CLASSES = (
+    # (in the attribute path under the optimizer, class, the engine buffer it is: planner.cost.engines)
+    ("ipg_buckets", "buckets", "reduce bucket(s): stage3.py / stage_1_and_2.py ipg_buckets[dtype].buffer"),
+    ("grad_partitions_flat_buffer", "grads", "ZeRO-3 gradient partition (stage3.py)"),
+    ("averaged_gradients", "grads", "ZeRO-1 owned gradient partition (stage_1_and_2.py)"),
+    ("grads_in_partition", "grads", "ZeRO-2 owned gradient partition (stage_1_and_2.py)"),
+    ("fp32_groups_gradients", "grads", "BF16_Optimizer gradient accumulation buffer"),
+    ("non_expert_gradients", "grads", "BF16_Optimizer gradient accumulation buffer (its views, reached first)"),
+    ("_global_grad_norm", "optimizer", "the optimizer's scalar gradient norm (like Adam's step counters)"),
+    ("inf_or_nan_tracker", "optimizer", "ZeRO-3's overflow flag (one byte)"),
+    (".grad", "grads", "an fp32 master's .grad: the fp32 gradient partition or copy"),
+    ("accumulated_grads", "grads", "ZeRO-2 offload accumulated gradient partition"),
+    ("temp_grad_buffer_for_cpu", "grads", "host gradient staging buffer"),
+    ("temp_grad_buffer_for_gpu", "optimizer", "device gradient staging buffer"),
+    ("state[", "optimizer", "Adam moments and step counters; FP16_Optimizer's fp32 masters as state keys"),
+    ("fp32", "optimizer", "fp32 master weights / partition"),
+    ("param_buffer_of_bit16", "optimizer", "16-bit partition for the copy back (offload)"),
+    ("bit16_groups_flat", "params", "ZeRO-1/2 flat 16-bit weights (the module's weights are views)"),
+    ("fp16_groups_flat", "params", "FP16_Optimizer flat 16-bit weights"),
+    ("bf16_groups_flat", "params", "BF16_Optimizer flat 16-bit weights"),
+)
+"""How a storage the optimizer holds is classed, first match wins (DeepSpeed 0.19.8 attribute
+names, as `_walk` spells them)."""
+
+
+def storage_class(role: str, name: str) -> str:
+    """The class (CLASSES) of a storage model_states placed under `role` with label `name`
+    ("optimizer.<attribute path>", "module.param", ...; "gathered weights ..." for a ZeRO-3
+    parameter's p.data the optimizer reaches)."""
+    if name.startswith("gathered weights"):
+        return "buckets"  # planner.cost.engines _zero3 "gathered weights" (live parameters)
+    if name.startswith("persistent weights"):
+        return "params"   # _zero3 "persistent small weights"
+    if role != "optimizer" or not name.startswith("optimizer."):
+        return role
+    path = name[len("optimizer."):]
+    for pattern, cls, _ in OPTIMIZER_CLASSES:
+        if pattern in path:
+            return cls
+    return "other"
 
 
 def _host_roles(module: torch.nn.Module, optimizer) -> dict[tuple[int, int], str]:
@@ -156,14 +204,16 @@ def _walk(root, depth: int) -> dict[tuple[int, int], tuple[str, torch.Tensor]]:
 
 
 def model_states(module: torch.nn.Module, optimizer, device: str = "cpu") -> dict:
-    """This rank's model states by location and role, in bytes, each storage counted once:
-    {"device": {params, grads, optimizer}, "host": {params, grads, optimizer},
-     "buffers": {"<location>.<role>:<where DeepSpeed keeps it>": bytes}}.
+    """This rank's model states by location and class, in bytes, each storage counted once:
+    {"device": {params, grads, optimizer, buckets, other}, "host": {...the same},
+     "buffers": {"<location>.<class>:<where DeepSpeed keeps it>": bytes}}.
 
-    "device" keeps the meaning model_state_bytes always had (module parameters -- this rank's
-    ZeRO-3 shard, plus hpZ's secondary shard -- and gradients; the rest of what the optimizer
-    holds under "optimizer"), less what DeepSpeed offloads: that is "host" (`_host_roles`; on a
-    GPU also anything else the optimizer holds on the CPU)."""
+    The classes are the cost model's (CLASSES, storage_class): module parameters (this rank's
+    ZeRO-3 shard, hpZ's secondary shard, ZeRO-3's persistent weights) are params; module
+    gradients and the gradient partitions and fp32 gradient copies the optimizer holds are
+    grads; fp32 masters and Adam state are optimizer; reduce buckets and ZeRO-3's live gathered
+    weights are buckets. "host" is what DeepSpeed offloads (`_host_roles`; on a GPU also
+    anything else the optimizer holds on the CPU)."""
     host = _host_roles(module, optimizer)
     where: dict[tuple[int, int], tuple[str, str, str]] = {}  # key -> (location, role, name)
 
@@ -190,19 +240,22 @@ def model_states(module: torch.nn.Module, optimizer, device: str = "cpu") -> dic
             place(p.grad, "grads", "module.grad")
     for name, t in _walk(optimizer, depth=6).values():
         if isinstance(t, torch.nn.Parameter):  # p.data beside its ds_tensor: ZeRO-3 keeps it gathered
-            name = "gathered parameters (ZeRO-3 persistent or live)"
+            name = ("persistent weights (ZeRO-3, kept gathered)" if getattr(t, "ds_persist", False)
+                    else "gathered weights (ZeRO-3, live)")
+            place(t, "optimizer", name)
+            continue
         place(t, "optimizer", "optimizer." + name)
-    out: dict = {"device": dict.fromkeys(ROLES, 0), "host": dict.fromkeys(ROLES, 0), "buffers": {}}
+    out: dict = {"device": dict.fromkeys(CLASSES, 0), "host": dict.fromkeys(CLASSES, 0), "buffers": {}}
     for (_, nbytes), (loc, role, name) in where.items():
-        out[loc][role] += nbytes
-        label = f"{loc}.{role}:{name}"
+        cls = storage_class(role, name)
+        out[loc][cls] += nbytes
+        label = f"{loc}.{cls}:{name}"
         out["buffers"][label] = out["buffers"].get(label, 0) + nbytes
     return out
 
 
 def model_state_bytes(module: torch.nn.Module, optimizer) -> dict[str, int]:
-    """Device-held bytes of parameters (this rank's shard under ZeRO-3), gradients and optimizer
-    state (model_states(...)["device"])."""
+    """Device-held bytes per class (model_states(...)["device"])."""
     return model_states(module, optimizer)["device"]
 
 

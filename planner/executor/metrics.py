@@ -9,12 +9,37 @@ from typing import Any
 from planner.executor.files import RANKS_DIR
 from planner.specs.estimate import GB
 
-VERSION = 1
+VERSION = 2
+"""2: model states by the estimate's classes (params, grads, optimizer, buckets, other; 1 put
+buckets under optimizer), allocated peak beside peak RSS, predicted states per rank."""
+
+SCALARS = ("step_time_s", "tokens_per_s", "peak_memory_gb", "allocated_peak_gb")
 
 
 def _predicted(estimate_doc: dict) -> dict[str, float | None]:
     est = estimate_doc.get("estimate", {}) if isinstance(estimate_doc, dict) else {}
-    return {k: est.get(k) for k in ("step_time_s", "tokens_per_s", "peak_memory_gb")}
+    return {k: est.get(k) for k in SCALARS}
+
+
+def predicted_states(run: Path, world: int) -> list[dict[str, dict[str, float]]] | None:
+    """Per rank, the model states the cost model says the executor counts, in GB by class
+    (planner.cost.states.rank_states), from the run directory's plan.json; None when it cannot
+    be read (a run directory from an older planner)."""
+    from planner.cost.states import rank_states
+    from planner.errors import PlannerError
+    from planner.rundir import load_run
+    try:
+        plan, model, cluster, train, _ = load_run(run)
+    except (PlannerError, OSError, KeyError, ValueError):
+        return None
+    return [{loc: {k: v / GB for k, v in by.items()} for loc, by in rank_states(model, cluster, train, plan, r).items()}
+            for r in range(world)]
+
+
+def state_errors(measured: list[dict[str, float]], predicted: list[dict[str, float]]) -> list[dict[str, float]]:
+    """Per rank and class, predicted - measured GB (a class the cost model has no buffer for,
+    such as "other", is predicted 0)."""
+    return [{k: p.get(k, 0.0) - v for k, v in m.items()} for m, p in zip(measured, predicted)]
 
 
 def relative_error(measured: float | None, predicted: float | None) -> float | None:
@@ -54,10 +79,19 @@ def build_metrics(result: dict, plan, model, warmup: int, steps: int, estimate_d
     tokens_per_s = (sum(toks[s] for s in timed if s < len(toks)) / sum(step_times[s] for s in timed)) if timed else None
     real, pad = result["real_tokens"], result["padding_tokens"]
     peaks = [r["peak_bytes"] / GB for r in ranks]
+    alloc = [r.get("allocated_peak_bytes") for r in ranks]
+    alloc = [a / GB for a in alloc] if all(a is not None for a in alloc) else None
     states = [sum(r["model_state"].values()) / GB for r in ranks]
     host = [r.get("host_model_state") or {} for r in ranks]  # offloaded states (planner.executor.measure)
     predicted = _predicted(estimate_doc)
-    measured = {"step_time_s": step_time, "tokens_per_s": tokens_per_s, "peak_memory_gb": max(peaks)}
+    measured = {"step_time_s": step_time, "tokens_per_s": tokens_per_s, "peak_memory_gb": max(peaks),
+                "allocated_peak_gb": max(alloc) if alloc else None}
+    by_class = [{k: v / GB for k, v in r["model_state"].items()} for r in ranks]
+    host_by_class = [{k: v / GB for k, v in h.items()} for h in host]
+    pstates = predicted_states(run, len(ranks))
+    if pstates is not None:
+        predicted["model_state_breakdown_gb_per_rank"] = [p["device"] for p in pstates]
+        predicted["host_model_state_breakdown_gb_per_rank"] = [p["host"] for p in pstates]
     m = _base(plan, model, result["world_size"], warmup, steps, result["batching"])
     m.update({
         "device": result["device"], "step_times_s": step_times, "step_time_s": step_time,
@@ -65,10 +99,17 @@ def build_metrics(result: dict, plan, model, warmup: int, steps: int, estimate_d
         "tokens_per_s": tokens_per_s, "real_tokens": real, "padding_tokens": pad,
         "padding_fraction": pad / (real + pad) if real + pad else 0.0,
         "peak_memory_gb_per_rank": peaks, "peak_memory_gb": max(peaks), "memory_method": result["memory_method"],
+        # CPU: peak_memory is peak RSS; allocated is live tensor bytes (a GPU's max_memory_allocated)
+        "allocated_peak_gb_per_rank": alloc, "allocated_peak_gb": measured["allocated_peak_gb"],
+        "allocated_method": result.get("allocated_method"),
+        "allocated_steps": ranks[0].get("allocated_steps"),
+        "rss_peak_gb_per_rank": peaks if result["device"] == "cpu" else None,
         "model_state_gb_per_rank": states,
-        "model_state_breakdown_gb_per_rank": [{k: v / GB for k, v in r["model_state"].items()} for r in ranks],
+        "model_state_breakdown_gb_per_rank": by_class,
         "host_model_state_gb_per_rank": [sum(h.values()) / GB for h in host],
-        "host_model_state_breakdown_gb_per_rank": [{k: v / GB for k, v in h.items()} for h in host],
+        "host_model_state_breakdown_gb_per_rank": host_by_class,
+        "model_state_error_gb_per_rank": None if pstates is None else
+        state_errors(by_class, predicted["model_state_breakdown_gb_per_rank"]),
         "model_state_buffers_bytes_per_rank": [r.get("model_state_buffers") or {} for r in ranks],
         "rss_before_model_gb_per_rank": [r["rss_before_model_bytes"] / GB for r in ranks],
         "loss": result["loss"], "resumed_at": result["resumed_at"], "skipped_batches": result["skipped_batches"],
@@ -81,6 +122,7 @@ def build_metrics(result: dict, plan, model, warmup: int, steps: int, estimate_d
         "eval_loss": result.get("eval_loss", []),
         "allreduce_s_per_step": result.get("allreduce_s"),
         "loader": result.get("loader"),
+        "data": result.get("data"),   # the corpus it trained on (the report labels verify's runs by it)
     })
     if any(r.get("activations") is not None for r in ranks):
         # worker --measure-activations: per rank, the bytes each block ("activation_bytes_per_block",
@@ -101,10 +143,11 @@ def failure_metrics(run: Path, plan, model, world: int, cluster, warmup: int, st
               "failed_rank": rank, "device": "cpu" if cluster.device.kind == "cpu" else "cuda",
               "loss": _progress_losses(run), "step_times_s": [], "step_time_s": None, "tokens_per_s": None,
               "peak_memory_gb_per_rank": [], "peak_memory_gb": None, "model_state_gb_per_rank": [],
+              "allocated_peak_gb_per_rank": None, "allocated_peak_gb": None,
               "host_model_state_gb_per_rank": [],
               "memory_method": None, "padding_fraction": None,
               "predicted": _predicted(_read_json(run / "estimate.json")),
-              "relative_error": {"step_time_s": None, "tokens_per_s": None, "peak_memory_gb": None},
+              "relative_error": dict.fromkeys(SCALARS),
               "events": [{"step": None, "kind": "failure", "message": cause}],
               "lr": [], "lr_schedule": None, "eval_loss": [], "allreduce_s_per_step": None})
     return m

@@ -108,6 +108,8 @@ def format_progress(rec: dict[str, Any]) -> str:
         return " | ".join(parts)
     if kind == "checkpoint":
         return f"checkpoint step {rec['step']} saved ({rec.get('tag', '')})".replace(" ()", "")
+    if kind == "resume":
+        return f"resuming from step {rec['step']} (checkpoint {rec.get('dir') or rec.get('tag', '?')})"
     if kind == "rollback":
         return f"rollback at step {rec['step']}: back to step {rec['to']}, skipping batch {rec['skip']}"
     if kind == "eval":

@@ -194,6 +194,10 @@ def check_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec, train: TrainS
     if unsupported:
         raise ExecutionError("plan.json", unsupported[0].split(" (")[0],
                              "plan without --megatron-features, or run it under Megatron-LM")
+    if model.moe is not None or plan.cp > 1:
+        what = "mixture-of-experts layers" if model.moe is not None else "context-parallel attention"
+        raise ExecutionError("plan.json", f"the executor has no {what} yet (docs/moe.md, docs/long-context.md): "
+                             "such plans are estimated and searched, not run", "run a dense plan with cp 1")
     if cluster.nodes > 1:
         raise ExecutionError("cluster", f"{cluster.nodes} nodes: `planner run` launches on this machine only",
                              "use launch.sh with a hostfile (deepspeed launcher) for multi-node runs")

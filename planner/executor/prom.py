@@ -11,7 +11,9 @@ from planner.executor.observability import SERIES
 LOCAL = "127.0.0.1"
 PER_RANK = ("planner_peak_memory_bytes", "planner_allreduce_seconds", "planner_allreduce_calls",
             "planner_allreduce_latency_seconds", "planner_gpu_utilization_percent")
-LAZY = ("planner_eval_loss",)
+EAGER = ("planner_step",)
+"""Series that exist from the start: 0 steps completed is true before step 1. Every other series
+appears with its first value (an unset Gauge would read 0, a drop to zero on a dashboard)."""
 
 
 def port_problem(port: int, host: str = LOCAL) -> str:
@@ -37,31 +39,33 @@ class Exporter:
         self.registry = CollectorRegistry()
         self._gauge = lambda name: Gauge(name, SERIES[name], ["rank"] if name in PER_RANK else [],
                                          registry=self.registry)
-        # the held-out loss appears with the first evaluation (an unset gauge would read 0)
-        self.gauges: dict[str, Any] = {name: self._gauge(name) for name in SERIES if name not in LAZY}
+        self.gauges: dict[str, Any] = {name: self._gauge(name) for name in EAGER}
         self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
+
+    def _set(self, name: str, value: float, rank: str | None = None) -> None:
+        if name not in self.gauges:
+            self.gauges[name] = self._gauge(name)
+        g = self.gauges[name]
+        (g.labels(rank) if rank is not None else g).set(value)
 
     def step(self, rec: dict[str, Any], per_rank: list[dict[str, float | None]]) -> None:
         """rec: the step's progress record; per_rank: {peak_memory_bytes, allreduce_seconds,
         allreduce_calls, gpu_utilization_percent} of every rank, in rank order."""
-        g = self.gauges
-        g["planner_step"].set(rec["step"])
+        self._set("planner_step", rec["step"])
         for key, name in (("tokens_per_s", "planner_tokens_per_second"), ("time_s", "planner_step_time_seconds"),
                           ("loss", "planner_loss"), ("grad_norm", "planner_grad_norm"),
                           ("lr", "planner_learning_rate"), ("eval_loss", "planner_eval_loss")):
             if rec.get(key) is not None:
-                if name not in g:
-                    g[name] = self._gauge(name)
-                g[name].set(rec[key])
+                self._set(name, rec[key])
         for r, m in enumerate(per_rank):
             lab = str(r)
-            g["planner_peak_memory_bytes"].labels(lab).set(m["peak_memory_bytes"])
-            g["planner_allreduce_seconds"].labels(lab).set(m["allreduce_seconds"])
-            g["planner_allreduce_calls"].labels(lab).set(m["allreduce_calls"])
-            g["planner_allreduce_latency_seconds"].labels(lab).set(
-                m["allreduce_seconds"] / m["allreduce_calls"] if m["allreduce_calls"] else 0.0)
+            self._set("planner_peak_memory_bytes", m["peak_memory_bytes"], lab)
+            self._set("planner_allreduce_seconds", m["allreduce_seconds"], lab)
+            self._set("planner_allreduce_calls", m["allreduce_calls"], lab)
+            self._set("planner_allreduce_latency_seconds",
+                      m["allreduce_seconds"] / m["allreduce_calls"] if m["allreduce_calls"] else 0.0, lab)
             if m.get("gpu_utilization_percent") is not None:
-                g["planner_gpu_utilization_percent"].labels(lab).set(m["gpu_utilization_percent"])
+                self._set("planner_gpu_utilization_percent", m["gpu_utilization_percent"], lab)
 
     def close(self) -> None:
         self.server.shutdown()

@@ -19,6 +19,7 @@ from planner.executor.checkpoints import latest_tag
 from planner.executor.data import Layout, Rows
 from planner.executor.evaluate import evaluate
 from planner.executor.hooks import dump_first_grads, record_first_forward, slow_saves
+from planner.executor.allocated import ALLOCATED_METHOD, AllocatedMeter
 from planner.executor.measure import (CPU_METHOD, GPU_METHOD, ActivationRecorder, model_states, peak_bytes,
                                       reset_peak, rss_bytes)
 from planner.executor.model import Block
@@ -61,6 +62,9 @@ def train(args, run_dir: Path, rank: int, status) -> None:
     plan, spec, cluster, trainspec, doc = load_run(run_dir)
     cfg = read_json(run_dir / "ds_config.json", "ds_config.json")
     device = "cuda" if cluster.device.kind != "cpu" and torch.cuda.is_available() else "cpu"
+    # CPU: live tensor bytes counted from before the model is built (planner.executor.measure)
+    meter = AllocatedMeter() if device == "cpu" else None
+    allocated, allocated_steps = None, None
     exporter = None
     if rank == 0 and args.metrics_port:
         from planner.executor.prom import Exporter
@@ -111,7 +115,13 @@ def train(args, run_dir: Path, rank: int, status) -> None:
     state = {"step": 0, "cursor": 0, "skip": [], "loss": [], "events": [], "times": [], "tokens": 0, "padding": 0,
              "lr": [], "eval": [], "allreduce_s": []}
     tag = checkpoints.resume(engine, ckpt, state) if args.resume else None
+    if args.resume and tag is None:  # launch.sh runs: `planner run` refuses this before starting ranks
+        raise ExecutionError("--resume", f"no checkpoint to resume from in {ckpt}", "run without --resume")
     resumed_at = state["step"]
+    if rank == 0 and tag is not None:
+        rec = {"step": resumed_at, "kind": "resume", "tag": tag, "dir": str(ckpt / tag)}
+        progress(run_dir, rec)
+        print(format_progress(rec), flush=True)
     saved = {"step": state["step"] if tag is not None else None}
 
     def save(step: int) -> None:  # every rank; `latest` names the tag once all have saved it
@@ -121,6 +131,8 @@ def train(args, run_dir: Path, rank: int, status) -> None:
     if args.checkpoint_every and latest_tag(ckpt) is None:
         save(0)  # a good state to roll back to before the first checkpoint interval
     reset_peak(device)
+    if meter is not None:
+        meter.reset()
     status.write(phase="train")
     times: dict[int, float] = {int(k): v for k, v in state.get("times_by_step", {}).items()}
     poisoned_batches: set[int] = set()
@@ -210,9 +222,14 @@ def train(args, run_dir: Path, rank: int, status) -> None:
         state["step_tokens"] = state.get("step_tokens", [])[:step] + [step_tokens]
         state["allreduce_s"] = state.get("allreduce_s", [])[:step] + [
             max(m["allreduce_seconds"] for m in per_rank) if timer is not None else None]
-        for ev in monitor.observe(step, step_loss, gnorm):
+        for ev in monitor.observe(step + 1, step_loss, gnorm):  # step numbers as the progress lines count
             state["events"].append(ev)
         state["step"], state["cursor"] = step + 1, b + 1
+        if meter is not None and meter.running and state["step"] >= min(max(args.warmup, ALLOCATED_STEPS), args.steps):
+            # the warm-up steps' peak (at least the first two: the optimizer allocates its states in
+            # the first step, the second is the steady state); peak RSS from here on
+            allocated, allocated_steps = meter.stop(), state["step"] - resumed_at
+            reset_peak(device)
         state["times_by_step"] = {str(k): v for k, v in times.items()}
         eval_loss = None
         if args.eval_every and (step + 1) % args.eval_every == 0:
@@ -257,7 +274,11 @@ def train(args, run_dir: Path, rank: int, status) -> None:
     status.write(phase="measure")
     if states is None or pipe:  # pipeline: after the last step (train_batch has freed the gradients)
         states = model_states(engine.module, engine.optimizer, device)
+    if meter is not None and meter.running:  # a run too short for the window
+        allocated, allocated_steps = meter.stop(), state["step"] - resumed_at
     mine = {"rank": rank, "coords": [pp_i, dp_i, tp_i], "peak_bytes": peak_bytes(device),
+            "allocated_peak_bytes": peak_bytes(device) if device == "cuda" else allocated,
+            "allocated_steps": allocated_steps,
             "rss_before_model_bytes": rss_before, "model_state": states["device"],
             "host_model_state": states["host"], "model_state_buffers": states["buffers"],
             "checkpointed_blocks": [bool(m.checkpoint) for m in engine.module.modules() if isinstance(m, Block)],
@@ -274,12 +295,14 @@ def train(args, run_dir: Path, rank: int, status) -> None:
         result = {
             "device": device, "world_size": world, "resumed_at": resumed_at, "batching": args.batching,
             "memory_method": GPU_METHOD if device == "cuda" else CPU_METHOD,
+            "allocated_method": ALLOCATED_METHOD[device],
             "loss": state["loss"], "events": state["events"], "skipped_batches": state["skip"],
             "real_tokens": state["tokens"], "padding_tokens": state["padding"],
             "step_tokens": state.get("step_tokens", []),
             "lr": state.get("lr", []), "lr_schedule": lr_info, "eval_loss": state.get("eval", []),
             "allreduce_s": state.get("allreduce_s", []) if timer is not None else None,
             "loader": loading.to_dict(),
+            "data": {"corpus": args.data or "synthetic", "tokenizer": args.tokenizer or None, "seed": args.seed},
             "ranks": gathered}
         atomic_write_json(run_dir / RANKS_DIR / "result.json", result)
         estimate = (read_json(run_dir / "estimate.json", "estimate.json")
@@ -294,6 +317,11 @@ def train(args, run_dir: Path, rank: int, status) -> None:
 
 PER_RANK = 5
 """Values each rank contributes to the per-step collective (see the step loop)."""
+
+ALLOCATED_STEPS = 2
+"""Steps the CPU allocated-bytes profiler covers at least (planner.executor.allocated.AllocatedMeter):
+the first allocates the optimizer's states, the second is a steady-state step. Steps past the
+warm-up that it covers are timed with its overhead (metrics.json allocated_steps says how many)."""
 
 
 def _gpu_util(device: str) -> float:

@@ -81,11 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir).resolve()
     rank = int(os.environ.get("RANK", "0"))
     status = Status(run_dir, rank)
-    signal.signal(signal.SIGTERM, lambda *_: (status.write(phase="terminated"), os._exit(143)))
+    signal.signal(signal.SIGTERM, _on_sigterm(status))
     _exit_with_parent()
     try:
         from planner.executor.train import train
         train(args, run_dir, rank, status)
+    except Terminated:  # the stack has unwound (finally blocks ran): leave now
+        os._exit(143)
     except BaseException as exc:  # record the cause for the launcher, then fail
         last = traceback.format_exception_only(type(exc), exc)[-1].strip()
         status.write(phase="error", error=last[:2000])
@@ -95,8 +97,34 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+class Terminated(BaseException):
+    """Raised in the main thread by SIGTERM (BaseException: no `except Exception` swallows it)."""
+
+
+UNWIND_GRACE_S = 3.0
+"""Seconds the stack may take to unwind after SIGTERM before the rank exits regardless."""
+
+
+def _on_sigterm(status: Status):
+    """SIGTERM unwinds the main thread instead of exiting on the spot, so that the `finally` of
+    whatever holds a resource runs: torch's FileBaton removes its torch-extensions build lock
+    there (planner/executor/buildlock.py; an os._exit inside DeepSpeed's op build left it behind
+    and every later run waited on it). A timer exits anyway if unwinding hangs."""
+    import threading
+
+    def handler(*_) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one interruption
+        status.write(phase="terminated")
+        timer = threading.Timer(UNWIND_GRACE_S, os._exit, (143,))
+        timer.daemon = True
+        timer.start()
+        raise Terminated
+    return handler
+
+
 def _exit_with_parent() -> None:
-    """A rank whose launcher died (killed without cleanup) exits instead of lingering."""
+    """A rank whose launcher died (killed without cleanup) stops as on SIGTERM (see _on_sigterm)
+    instead of lingering."""
     import threading
     parent = os.getppid()
 
@@ -104,6 +132,8 @@ def _exit_with_parent() -> None:
         while True:
             time.sleep(1.0)
             if os.getppid() != parent:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(UNWIND_GRACE_S + 1.0)
                 os._exit(144)
 
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()

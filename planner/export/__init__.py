@@ -16,7 +16,7 @@ from pathlib import Path
 
 from planner.errors import SpecError
 from planner.export.common import Export, RunFiles, load_files
-from planner.rundir import atomic_write_json, atomic_write_text
+from planner.rundir import atomic_write_json, atomic_write_text, check_writable
 
 TARGETS = ("hf-trainer", "accelerate", "megatron-deepspeed", "torchrun", "megatron-lm")
 
@@ -49,6 +49,7 @@ def export(run_dir: str | Path, target: str, out: str | Path | None = None) -> t
     dest = Path(out) if out is not None else run.run_dir / "export" / target
     if dest.exists() and not dest.is_dir():
         raise SpecError("--out", f"{dest} is not a directory", "give a directory path (it is created)")
+    check_writable(dest, "--out")
     for name, content in result.files.items():
         if isinstance(content, str):
             atomic_write_text(dest / name, content, 0o755 if name.endswith(".sh") else None)

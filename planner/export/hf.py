@@ -96,6 +96,9 @@ def hf_trainer(run: RunFiles) -> Export:
     files: dict[str, Any] = {"ds_config.json": plain_ds_config(run), "training_args.json": kw,
                              "train.args": args_file(kw)}
     world, nodes = run.cluster.world_size, run.cluster.nodes
+    if nodes > 1:                              # the command below names it
+        from planner import dsconfig
+        files["hostfile"] = dsconfig.hostfile(run.cluster)
     launch = (f"deepspeed {'--hostfile hostfile --num_nodes %d ' % nodes if nodes > 1 else ''}"
               f"--num_gpus {run.cluster.gpus_per_node} your_train.py $(cat train.args)")
     files["README.md"] = readme("Hugging Face Trainer", run, [
@@ -105,6 +108,8 @@ def hf_trainer(run: RunFiles) -> Export:
         "- `train.args`: the same as command-line flags (`HfArgumentParser(...).parse_args_into_dataclasses()`).",
         "- `ds_config.json`: the plan's DeepSpeed config, every value explicit (no \"auto\"): batch sizes, "
         "precision, ZeRO stage and options, clipping, optimizer.",
+        *(["- `hostfile`: one line per node for the deepspeed launcher (replace node-<i> with your hosts)."]
+          if nodes > 1 else []),
         "",
         f"Start from this directory (the paths are relative) with {world} processes, e.g.:",
         "", f"    {launch}", "",

@@ -12,8 +12,16 @@ deepspeedai/Megatron-DeepSpeed commit 4efb479d5317ce9b86096b9d8e3e8030b0b5263b (
 - GPTModelPipe takes its activation-checkpoint interval from --checkpoint-activations /
   --checkpoint-num-layers or from --recompute-method uniform --recompute-num-layers ("deepspeed's
   pipeline doesn't support the block recompute method"): under PP every block is checkpointed or
-  none. Without PP (--no-pipeline-parallel) --recompute-method block --recompute-num-layers K
-  checkpoints the first K blocks, as the plan's recompute_layers does.
+  none. The export writes the --recompute-* form only: --checkpoint-activations is the legacy
+  flag arguments.py keeps "because DeepSpeed still relies on the old activation checkpointing
+  mechanism" (gpt_model.py reads it first, with the same interval). Without PP
+  (--no-pipeline-parallel) --recompute-method block --recompute-num-layers K checkpoints the
+  first K blocks, as the plan's recompute_layers does.
+- Flash attention (the plan's train.attention "flash", which the estimate assumes) is
+  --use-flash-attn-v2 (transformer.py FlashSelfAttention with flash_attn_varlen_func).
+- The learning-rate schedule is always stated: --lr-decay-style defaults to "linear" (a decay the
+  plan does not have), and --train-iters (or --train-samples) is required: the cosine schedule's
+  length, else the ${TRAIN_ITERS} the script asks for.
 """
 from __future__ import annotations
 
@@ -27,6 +35,7 @@ SOURCE = "deepspeedai/Megatron-DeepSpeed@4efb479d5317ce9b86096b9d8e3e8030b0b5263
 PLACEHOLDERS = {"DATA_PATH": "a Megatron indexed dataset prefix (PREFIX.bin/.idx, e.g. from planner prepare-data)",
                 "TOKENIZER": "a Hugging Face tokenizer directory (--tokenizer-type HFTokenizer)",
                 "MEGATRON_DS": "your Megatron-DeepSpeed checkout (holds pretrain_gpt.py)"}
+TRAIN_ITERS = {"TRAIN_ITERS": "the optimizer steps to train (--train-iters: the schedule in ds_config.json does not fix them)"}
 
 
 def _balanced(layers: int, pp: int) -> tuple[int, ...]:
@@ -44,7 +53,6 @@ def _recompute(run: RunFiles) -> tuple[list[str], list[str]]:
     stages = p.layers_per_stage(layers)
     if tuple(per_stage) == tuple(stages):          # every block
         return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
-                "--checkpoint-activations", "--checkpoint-num-layers", "1",
                 "--deepspeed-activation-checkpointing"], []
     if p.pp == 1:
         return ["--recompute-granularity", "full", "--recompute-method", "block",
@@ -55,39 +63,52 @@ def _recompute(run: RunFiles) -> tuple[list[str], list[str]]:
                     "--write DIR), or use --to torchrun")
 
 
-def _model_args(run: RunFiles) -> tuple[list[str], list[str]]:
+def model_args(run: RunFiles, core: bool = False) -> tuple[list[str], list[str]]:
+    """The model's shape as pretrain_gpt.py flags, and the features no flag sets. `core`: the
+    Megatron-LM (Megatron-Core) spelling of the flags that differ from Megatron-DeepSpeed's
+    (grouped-query attention, the norm and its epsilon, rotary positions, a QKV-only bias)."""
     m, t = run.model, run.train
+    name = "Megatron-LM" if core else "Megatron-DeepSpeed"
     args = ["--num-layers", str(m.layers), "--hidden-size", str(m.hidden), "--ffn-hidden-size", str(m.ffn_hidden),
             "--num-attention-heads", str(m.heads), "--seq-length", str(t.seq_len),
             "--max-position-embeddings", str(m.max_seq)]
     missing = []
     if m.kv_groups and m.kv_groups != m.heads:
-        args += ["--num-key-value-heads", str(m.kv_groups)]
-    if m.norm == "rmsnorm":
+        args += ["--group-query-attention", "--num-query-groups"] if core else ["--num-key-value-heads"]
+        args.append(str(m.kv_groups))
+    if core:
+        args += ["--normalization", "RMSNorm" if m.norm == "rmsnorm" else "LayerNorm"]
+    elif m.norm == "rmsnorm":
         args += ["--normalization", "rmsnorm"]
-    args += ["--layernorm-epsilon", repr(float(m.norm_eps))]
+    args += ["--norm-epsilon" if core else "--layernorm-epsilon", repr(float(m.norm_eps))]
     if m.activation == "swiglu":
         args.append("--swiglu")
     elif m.activation == "geglu":
-        missing.append("GeGLU feed-forward (Megatron-DeepSpeed has --swiglu only)")
+        missing.append(f"GeGLU feed-forward ({name} has --swiglu only)")
+    if t.attention == "flash" and not core:    # Megatron-LM's flash backend is set by megatron_lm.py
+        args.append("--use-flash-attn-v2")
     if m.position == "rotary":
-        args.append("--use-rotary-position-embeddings")
+        theta = "--rotary-base" if core else "--rotary-position-embeddings-theta"
+        args += ["--position-embedding-type", "rope", "--rotary-percent", repr(float(m.rotary_fraction))] if core \
+            else ["--use-rotary-position-embeddings"]
         if float(m.rope_theta).is_integer():
-            args += ["--rotary-position-embeddings-theta", str(int(m.rope_theta))]
+            args += [theta, str(int(m.rope_theta))]
         else:
-            missing.append(f"rope theta {m.rope_theta} (--rotary-position-embeddings-theta takes an integer)")
+            missing.append(f"rope theta {m.rope_theta} ({theta} takes an integer)")
     elif m.position == "alibi":
         missing.append("ALiBi positions")
     if not m.tied_embeddings:
         args.append("--untie-embeddings-and-output-weights")
     if not m.linear_bias:
         args.append("--disable-bias-linear")
-        if m.qkv_bias:
+        if m.qkv_bias and core:
+            args.append("--add-qkv-bias")
+        elif m.qkv_bias:
             missing.append("a QKV bias without other linear biases (--disable-bias-linear drops both)")
     if m.norm_position != "pre":
         missing.append(f"{m.norm_position} layer norm placement (Megatron's blocks are pre-LN)")
     args += ["--attention-dropout", repr(float(m.attention_dropout)), "--hidden-dropout", repr(float(m.hidden_dropout)),
-             "--vocab-size", str(m.vocab), "--make-vocab-size-divisible-by", "1"]
+             "--vocab-size", str(m.vocab), "--make-vocab-size-divisible-by", "128" if core else "1"]
     return args, missing
 
 
@@ -102,8 +123,8 @@ def arguments(run: RunFiles) -> tuple[list[str], list[str]]:
     if p.sequence_parallel:
         args.append("--sequence-parallel")
     args += ["--micro-batch-size", str(p.micro_batch), "--global-batch-size", str(p.global_batch)]
-    model_args, missing = _model_args(run)
-    args += model_args
+    margs, missing = model_args(run)
+    args += margs
     rc, _ = _recompute(run)
     args += rc
     args += ["--zero-stage", str(p.zero)]
@@ -118,8 +139,9 @@ def arguments(run: RunFiles) -> tuple[list[str], list[str]]:
         args += ["--lr-decay-style", "cosine", "--lr-warmup-iters", str(sched["warmup_steps"]),
                  "--train-iters", str(sched["total_steps"]),
                  "--min-lr", repr(float(opt["lr"]) * sched["min_ratio"])]
-    elif sched.get("kind") == "constant":
-        args += ["--lr-decay-style", "constant", "--lr-warmup-iters", str(sched["warmup_steps"])]
+    else:                                 # constant, or no scheduler in ds_config.json: constant
+        args += ["--lr-decay-style", "constant", "--lr-warmup-iters", str(sched.get("warmup_steps", 0)),
+                 "--train-iters", "${TRAIN_ITERS}"]
     args += ["--data-path", "${DATA_PATH}", "--data-impl", "mmap", "--split", "949,50,1",
              "--tokenizer-type", "HFTokenizer", "--tokenizer-model", "${TOKENIZER}",
              "--distributed-backend", "gloo" if run.cluster.device.kind == "cpu" else "nccl",
@@ -138,8 +160,14 @@ def arguments(run: RunFiles) -> tuple[list[str], list[str]]:
     return args, warnings
 
 
+def placeholders(args: list[str]) -> dict[str, str]:
+    """The environment variables the script needs: the fixed ones, and TRAIN_ITERS when used."""
+    return {**PLACEHOLDERS, **(TRAIN_ITERS if "${TRAIN_ITERS}" in args else {})}
+
+
 def _script(run: RunFiles, args: list[str], warnings: list[str]) -> str:
     p, c = run.plan, run.cluster
+    need = placeholders(args)
     launcher = ["${DEEPSPEED:-deepspeed}"]
     if c.nodes > 1:
         launcher += ["--hostfile", "hostfile", "--num_nodes", str(c.nodes)]
@@ -147,13 +175,13 @@ def _script(run: RunFiles, args: list[str], warnings: list[str]) -> str:
     lines = ["#!/usr/bin/env bash",
              f"# Megatron-DeepSpeed pretrain_gpt.py for {run.model.name}: {p.describe()}",
              f"# {c.world_size} processes; flags as in {SOURCE} megatron/arguments.py",
-             *[f"# set {k}: {v}" for k, v in PLACEHOLDERS.items()]]
+             *[f"# set {k}: {v}" for k, v in need.items()]]
     if p.pp > 1:
         lines.append(f"# stage split (blocks per stage): {list(p.layers_per_stage(run.model.layers))}; "
                      "Megatron-DeepSpeed balances blocks itself (partition_method=\"type:transformer\", no flag)")
     lines += [f"# NOTE: {w}" for w in warnings]
     lines += ["set -euo pipefail", 'cd "$(dirname "$0")"',
-              *[f': "${{{k}:?set {k} to {v}}}"' for k, v in PLACEHOLDERS.items()]]
+              *[f': "${{{k}:?set {k} to {v}}}"' for k, v in need.items()]]
     if c.device.kind == "cpu":
         lines.append("export DS_ACCELERATOR=cpu")
     lines += ["ARGS=(", *arg_lines(args)]
@@ -177,5 +205,5 @@ def megatron_deepspeed(run: RunFiles) -> Export:
         "- `ds_config.json`: the plan's DeepSpeed config (ZeRO, precision, batch sizes, clipping).", "",
         f"Flag names: {SOURCE}, megatron/arguments.py.", "",
         "    DATA_PATH=/data/corpus_text_document TOKENIZER=/models/tok MEGATRON_DS=~/Megatron-DeepSpeed "
-        "./pretrain_gpt.sh --train-iters 1000"], warnings)
+        + ("TRAIN_ITERS=1000 " if "${TRAIN_ITERS}" in args else "") + "./pretrain_gpt.sh"], warnings)
     return Export(files=files, warnings=tuple(warnings), run="./pretrain_gpt.sh")

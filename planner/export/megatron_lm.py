@@ -13,6 +13,7 @@ from typing import Any
 
 from planner.errors import SpecError
 from planner.export.common import Export, RunFiles, arg_lines, clip, optimizer_params, readme
+from planner.export.megatron import model_args
 
 SOURCE = "NVIDIA/Megatron-LM megatron/training/arguments.py (Megatron-Core >= 0.8)"
 PLACEHOLDERS = {"DATA_PATH": "a Megatron indexed dataset prefix (PREFIX.bin/.idx, e.g. from planner prepare-data)",
@@ -37,37 +38,6 @@ def refuse(run: RunFiles) -> None:
                         "search with --runtime megatron-core")
 
 
-def _model_args(run: RunFiles) -> tuple[list[str], list[str]]:
-    m, t = run.model, run.train
-    args = ["--num-layers", str(m.layers), "--hidden-size", str(m.hidden), "--ffn-hidden-size", str(m.ffn_hidden),
-            "--num-attention-heads", str(m.heads), "--seq-length", str(t.seq_len),
-            "--max-position-embeddings", str(m.max_seq)]
-    missing = []
-    if m.kv_groups and m.kv_groups != m.heads:
-        args += ["--group-query-attention", "--num-query-groups", str(m.kv_groups)]
-    args += ["--normalization", "RMSNorm" if m.norm == "rmsnorm" else "LayerNorm", "--norm-epsilon", repr(float(m.norm_eps))]
-    if m.activation == "swiglu":
-        args.append("--swiglu")
-    elif m.activation == "geglu":
-        missing.append("GeGLU feed-forward (pretrain_gpt.py has --swiglu only)")
-    if m.position == "rotary":
-        args += ["--position-embedding-type", "rope", "--rotary-base", str(int(m.rope_theta)),
-                 "--rotary-percent", repr(float(m.rotary_fraction))]
-    elif m.position == "alibi":
-        missing.append("ALiBi positions")
-    if not m.tied_embeddings:
-        args.append("--untie-embeddings-and-output-weights")
-    if not m.linear_bias:
-        args.append("--disable-bias-linear")
-    if m.qkv_bias and not m.linear_bias:
-        args.append("--add-qkv-bias")
-    if m.norm_position != "pre":
-        missing.append(f"{m.norm_position} layer norm placement (Megatron-Core's blocks are pre-LN)")
-    args += ["--attention-dropout", repr(float(m.attention_dropout)), "--hidden-dropout", repr(float(m.hidden_dropout)),
-             "--vocab-size", str(m.vocab), "--make-vocab-size-divisible-by", "128"]
-    return args, missing
-
-
 def arguments(run: RunFiles) -> tuple[list[str], list[str]]:
     refuse(run)
     p, m = run.plan, run.model
@@ -87,8 +57,8 @@ def arguments(run: RunFiles) -> tuple[list[str], list[str]]:
             warnings.append(f"the plan's stage split {list(split)} is not expressed (Megatron-LM sets only the first "
                             "and last stage's layers, without interleaving): it runs balanced stages")
     args += ["--micro-batch-size", str(p.micro_batch), "--global-batch-size", str(p.global_batch)]
-    model_args, missing = _model_args(run)
-    args += model_args
+    margs, missing = model_args(run, core=True)
+    args += margs
     args += ZERO[p.zero]
     if p.recompute == "full":
         ks = p.checkpointed_per_stage(m.layers)

@@ -25,7 +25,7 @@ SOURCE = ("the source article's per-technique figures as quoted in issue 12 (the
           "dynamic batching: GPU utilisation 65% -> over 90%; ZeRO: optimizer memory 3N -> 1.5N; activation "
           "checkpointing: 70% less activation memory for 20% more compute")
 
-COMM_PARTS = ("tp_comm", "pp_comm", "dp_sync", "zero_gather")
+COMM_PARTS = ("tp_comm", "a2a_comm", "pp_comm", "dp_sync", "zero_gather")
 COMPUTE_PARTS = ("forward", "backward", "recompute")
 
 
@@ -39,16 +39,22 @@ class Claim:
     """The same figure as a number in our metric's unit (None: the article gives none)."""
     unit: str
     """"x" (a ratio after / before or before / after as the metric says) or "%" (a share after the rung)."""
+    short: str
+    """The metric in two or three words, printed beside our value: the rung's gain column is
+    tokens/s, and precision's "15.17x" beside a 14.88x gain must say it is compute per token."""
 
 
 CLAIMS: dict[str, Claim] = {
-    "precision": Claim("compute throughput (compute seconds per token, before / after)", "2.8x", 2.8, "x"),
-    "overlap": Claim("exposed communication share of the step, after", "35% -> 12%", 0.12, "%"),
+    "precision": Claim("compute throughput (compute seconds per token, before / after)", "2.8x", 2.8, "x",
+                       "compute/token"),
+    "overlap": Claim("exposed communication share of the step, after", "35% -> 12%", 0.12, "%", "comm share"),
     "batching": Claim("real tokens / tokens computed (the article: GPU utilisation), after", "65% -> over 90%",
-                      0.90, "%"),
-    "zero": Claim("optimizer states + fp32 master per GPU, after / before", "3N -> 1.5N (0.5x)", 0.5, "x"),
-    "recompute": Claim("activation memory per sequence, after / before", "-70% (0.30x) for +20% compute", 0.30, "x"),
-    "layout": Claim("tokens/s, after / before", "no figure", None, "x"),
+                      0.90, "%", "real tokens"),
+    "zero": Claim("optimizer states + fp32 master per GPU, after / before", "3N -> 1.5N (0.5x)", 0.5, "x",
+                  "optimizer memory"),
+    "recompute": Claim("activation memory per sequence, after / before", "-70% (0.30x) for +20% compute", 0.30, "x",
+                       "activations/seq"),
+    "layout": Claim("tokens/s, after / before", "no figure", None, "x", "tokens/s"),
 }
 
 
@@ -65,7 +71,8 @@ def ours(technique: str, before: dict[str, Any], after: dict[str, Any]) -> dict[
     """Our predicted value of the article's metric for a rung (`before`/`after`: rung records
     of planner.ladder.predict), with a note where a second quantity belongs to the claim."""
     c = CLAIMS[technique]
-    out: dict[str, Any] = {"metric": c.metric, "article": c.article, "article_value": c.article_value, "unit": c.unit}
+    out: dict[str, Any] = {"metric": c.metric, "article": c.article, "article_value": c.article_value, "unit": c.unit,
+                           "short": c.short}
     tb, ta = before["time_breakdown_s"], after["time_breakdown_s"]
     if technique == "precision":
         v = compute_per_token(tb, before["tokens_per_step"]) / compute_per_token(ta, after["tokens_per_step"])
@@ -91,6 +98,22 @@ def ours(technique: str, before: dict[str, Any], after: dict[str, Any]) -> dict[
         v = after["tokens_per_s"] / before["tokens_per_s"] if before["tokens_per_s"] > 0 else None
     out["ours"] = v
     return out
+
+
+def ours_text(c: dict[str, Any]) -> str:
+    """Our value of a rung's claim as the CLI and the report print it, named by its metric:
+    "15.17x compute/token", "43% -> 97% real tokens", "0.08x activations/seq, compute +30%"."""
+    if c.get("ours") is None:
+        return "-"
+    text = fmt_value(c["ours"], c["unit"])
+    if c.get("before") is not None:
+        text = f"{fmt_value(c['before'], c['unit'])} -> {text}"
+    # a ladder.json written before "short" existed: the metric names it
+    short = c.get("short") or next((v.short for v in CLAIMS.values() if v.metric == c.get("metric")), "")
+    text += f" {short}" if short else ""
+    if c.get("compute_ratio") is not None:
+        text += f", compute {c['compute_ratio'] - 1:+.0%}"
+    return text
 
 
 def fmt_value(value: float | None, unit: str) -> str:

@@ -36,17 +36,23 @@ def _claim(technique: str, m: dict[str, Any], prev: dict[str, Any]) -> str:
 
 
 def optimizer_gb(metrics: dict[str, Any]) -> float | None:
-    """The most optimizer-state GB a rank holds, on the device or offloaded: Adam's moments and the
-    fp32 master weights (what the article's 3N -> 1.5N and the cost model's "optimizer" count),
-    from the executor's per-buffer count (planner.executor.measure.model_states). Not the other
-    buffers DeepSpeed's optimizer object holds, such as ZeRO-3's reduce bucket (ipg_buckets: 100
-    MB at the tiny plan's 5e7 bf16 elements, six times the tiny model's states) or the flat
-    gradient partition, which the cost model counts as buckets and gradients."""
-    ranks = metrics.get("model_state_buffers_bytes_per_rank") or []
-    keep = ("state[", "fp32")
-    sums = [sum(b for k, b in r.items() if ".optimizer:" in k and any(w in k.split(":", 1)[1] for w in keep))
-            for r in ranks]
-    return max(sums) / 1e9 if sums and max(sums) > 0 else None
+    """The most optimizer-state GB a rank holds, on the device or offloaded: the "optimizer" class
+    of metrics.json's model states (Adam's moments and the fp32 master weights: what the
+    article's 3N -> 1.5N and the cost model's "optimizer" count; planner.executor.measure
+    storage_class). ZeRO-3's reduce bucket is a bucket, the flat gradient partition a gradient."""
+    return states_gb(metrics).get("optimizer") or None
+
+
+def states_gb(metrics: dict[str, Any]) -> dict[str, float]:
+    """Per class (the estimate's: params, grads, optimizer, buckets, other), the most GB a rank
+    holds on the device or offloaded, as metrics.json's model_state_breakdown_gb_per_rank."""
+    dev = metrics.get("model_state_breakdown_gb_per_rank") or []
+    host = metrics.get("host_model_state_breakdown_gb_per_rank") or [{} for _ in dev]
+    out: dict[str, float] = {}
+    for d, h in zip(dev, host):
+        for k, v in d.items():
+            out[k] = max(out.get(k, 0.0), v + h.get(k, 0.0))
+    return out
 
 
 def measure(run_dir: str | Path, ladder: dict[str, Any], model: ModelSpec, cluster: ClusterSpec,
@@ -62,7 +68,10 @@ def measure(run_dir: str | Path, ladder: dict[str, Any], model: ModelSpec, clust
     from planner.executor.launch import run_plan
     from planner.executor.verify import prepare_run_dir
 
+    from planner.executor.lab_inputs import check_run_dir
     run = Path(run_dir).resolve()
+    check_run_dir(run, tuple(dict.fromkeys(["fp32"] + [r["plan"]["precision"] for r in ladder["rungs"]
+                                                         if "illegal" not in r])))  # before any rung runs
     root = run / LADDER_DIR
     spec = DataSpec(seq_len=train.seq_len, vocab=model.vocab, seed=seed, token_file=data, tokenizer=tokenizer)
     legal = [r for r in ladder["rungs"] if "illegal" not in r]
@@ -105,10 +114,11 @@ def measure(run_dir: str | Path, ladder: dict[str, Any], model: ModelSpec, clust
             continue
         real, pad = got.get("real_tokens") or 0, got.get("padding_tokens") or 0
         m = {"tokens_per_s": got.get("tokens_per_s"), "peak_memory_gb": got.get("peak_memory_gb"),
+             "allocated_peak_gb": got.get("allocated_peak_gb"),
              "step_time_s": got.get("step_time_s"), "steps": n, "dir": str(rdir.relative_to(run)),
              "real_share": real / (real + pad) if real + pad else None,
              "model_state_gb": max(got.get("model_state_gb_per_rank") or [0.0]) or None,
-             "optimizer_gb": optimizer_gb(got)}
+             "optimizer_gb": optimizer_gb(got), "model_states_gb": states_gb(got)}
         if prev_m is not None and m["tokens_per_s"] and prev_m.get("tokens_per_s"):
             m["gain"] = m["tokens_per_s"] / prev_m["tokens_per_s"]
             m["memory_ratio"] = m["peak_memory_gb"] / prev_m["peak_memory_gb"]
@@ -122,5 +132,8 @@ def measure(run_dir: str | Path, ladder: dict[str, Any], model: ModelSpec, clust
     first, last = legal[0].get("measured") or {}, legal[-1].get("measured") or {}
     if first.get("tokens_per_s") and last.get("tokens_per_s"):
         ladder["measured_ratio"] = {"throughput": last["tokens_per_s"] / first["tokens_per_s"],
-                                    "memory": last["peak_memory_gb"] / first["peak_memory_gb"]}
+                                    "memory": last["peak_memory_gb"] / first["peak_memory_gb"],
+                                    "allocated": (last["allocated_peak_gb"] / first["allocated_peak_gb"]
+                                                  if last.get("allocated_peak_gb") and first.get("allocated_peak_gb")
+                                                  else None)}
     return ladder

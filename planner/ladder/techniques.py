@@ -46,7 +46,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "zero": ("zero", "prefetch_elements", "live_elements", "persistence_elements", "offload_optimizer",
              "offload_params", "hpz", "quantized_weights", "quantized_gradients", "mics_shard"),
     "recompute": ("recompute", "recompute_layers", "micro_batch"),
-    "layout": ("dp", "tp", "pp", "stage_layers", "sequence_parallel", "schedule", "interleave"),
+    "layout": ("dp", "tp", "pp", "stage_layers", "sequence_parallel", "schedule", "interleave", "ep", "cp", "cp_kind"),
 }
 """Plan fields each technique sets; grad_accum is derived (global batch / (dp x micro-batch))."""
 

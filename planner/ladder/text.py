@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from planner.ladder.claims import fmt_value
+from planner.ladder.claims import ours_text
 
 
 def _mem(r: dict[str, Any]) -> str:
@@ -13,6 +13,17 @@ def _mem(r: dict[str, Any]) -> str:
 
 def _tps(x: float | None) -> str:
     return "-" if x is None else f"{x:,.0f}"
+
+
+GAIN_TARGET = 0.15
+"""Issue 20: each rung's predicted gain within 15% of its measured gain."""
+
+
+def _err(predicted: float | None, measured: float | None) -> str:
+    """(predicted - measured) / measured as a signed percentage, "-" without both."""
+    if not predicted or not measured:
+        return "-"
+    return f"{(predicted - measured) / measured:+.0%}"
 
 
 def _name(r: dict[str, Any]) -> str:
@@ -26,7 +37,7 @@ def rung_lines(rungs: list[dict[str, Any]], measured: bool) -> list[str]:
     head = f"{'#':>2}  {'technique':<28} {'tokens/s':>10} {'gain':>7} {'step s':>9} {'comm':>5} {'pad':>4} " \
            f"{'peak GB':>8} {'mem':>6}"
     if measured:
-        head += f" | {'measured':>9} {'gain':>6} {'peak GB':>8}"
+        head += f" | {'measured':>9} {'gain':>6} {'err':>6} {'alloc GB':>8} {'peak GB':>8}"
     out = [head]
     for r in rungs:
         if "illegal" in r:
@@ -40,7 +51,10 @@ def rung_lines(rungs: list[dict[str, Any]], measured: bool) -> list[str]:
             m = r.get("measured")
             if m and m.get("tokens_per_s"):
                 mg = f"{m['gain']:.2f}x" if m.get("gain") else "-"
-                line += f" | {_tps(m['tokens_per_s']):>9} {mg:>6} {m['peak_memory_gb']:>8.3f}"
+                err = _err(r.get("gain"), m.get("gain"))
+                alloc = m.get("allocated_peak_gb")
+                line += (f" | {_tps(m['tokens_per_s']):>9} {mg:>6} {err:>6} "
+                         f"{'-' if alloc is None else f'{alloc:.3f}':>8} {m['peak_memory_gb']:>8.3f}")
             else:
                 line += " | not run: " + (m or {}).get("not_run", "?")
         out.append(line)
@@ -48,17 +62,13 @@ def rung_lines(rungs: list[dict[str, Any]], measured: bool) -> list[str]:
 
 
 def claim_lines(rungs: list[dict[str, Any]], measured: bool) -> list[str]:
-    out = [f"{'#':>2}  {'technique':<28} {'article':<32} {'ours (predicted)':<18}" + (" measured" if measured else "")]
+    out = [f"{'#':>2}  {'technique':<28} {'article':<32} {'ours (predicted)':<26}" + (" measured" if measured else "")]
     for r in rungs:
         c = r.get("claim")
         if not c:
             continue
-        ours = fmt_value(c["ours"], c["unit"])
-        if c.get("before") is not None:
-            ours = f"{fmt_value(c['before'], c['unit'])} -> {ours}"
-        if c.get("compute_ratio") is not None:
-            ours += f", compute {c['compute_ratio'] - 1:+.0%}"
-        line = f"{r['index']:>2}  {_name(r):<28} {c['article']:<32} {ours:<18}"
+        ours = ours_text(c)
+        line = f"{r['index']:>2}  {_name(r):<28} {c['article']:<32} {ours:<26}"
         if measured:
             m = r.get("measured") or {}
             mc = m.get("claim")
@@ -84,7 +94,10 @@ def lines(ladder: dict[str, Any]) -> list[str]:
                "per GPU (the product of the gains)")
     if ladder.get("measured_ratio"):
         mr = ladder["measured_ratio"]
-        out.append(f"baseline -> plan (measured): {mr['throughput']:.2f}x tokens/s, {mr['memory']:.2f}x peak memory")
+        out.append(f"baseline -> plan (measured): {mr['throughput']:.2f}x tokens/s (prediction "
+                   f"{_err(ratio['throughput'], mr['throughput'])}), {mr['memory']:.2f}x peak memory"
+                   + (f", {mr['allocated']:.2f}x allocated" if mr.get("allocated") else "")
+                   + f"; err = (predicted - measured) / measured, target within {GAIN_TARGET:.0%}")
     out.append("")
     out.append("the article's figure beside ours:")
     out += claim_lines(ladder["rungs"], measured)

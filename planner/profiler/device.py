@@ -27,10 +27,11 @@ def detect(force_cpu: bool = False) -> Target:
     import torch
     if not force_cpu and torch.cuda.is_available():
         return Target(device="cuda", kind="gpu", name=torch.cuda.get_device_name(0))
-    return Target(device="cpu", kind="cpu", name=_cpu_name())
+    return Target(device="cpu", kind="cpu", name=cpu_name())
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), as profiles record it."""
     try:
         for line in open("/proc/cpuinfo"):
             if line.startswith("model name"):
@@ -72,7 +73,7 @@ def environment(target: Target) -> dict[str, Any]:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "hostname": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
         "torch": torch.__version__, "device": target.name, "kind": target.kind,
-        "cpu": _cpu_name(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "cpu": cpu_name(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
     try:  # version only: importing deepspeed costs seconds and prints accelerator warnings

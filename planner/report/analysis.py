@@ -12,14 +12,15 @@ import pandas as pd
 
 from planner.errors import PlannerError
 from planner.report.data import PLAN_FIELDS, RunData
-from planner.report.plan_text import headroom_gb, headroom_text, host_memory, memory_flag, short_variants
+from planner.report.plan_text import (headroom_gb, headroom_text, host_memory, memory_flag, option_labels,
+                                      short_variants)
 from planner.specs.estimate import GB
 from planner.specs import MemoryBreakdown, Plan, TimeBreakdown
 
 TIME_PARTS = [f.name for f in dataclasses.fields(TimeBreakdown)]
 MEM_PARTS = [f.name for f in dataclasses.fields(MemoryBreakdown)]
 TIME_LABELS = {"forward": "forward", "backward": "backward", "recompute": "recompute", "tp_comm": "TP comm",
-               "pp_comm": "PP send/recv", "bubble": "pipeline bubble", "dp_sync": "DP gradient sync",
+               "a2a_comm": "EP/CP all-to-all", "pp_comm": "PP send/recv", "bubble": "pipeline bubble", "dp_sync": "DP gradient sync",
                "zero_gather": "ZeRO-3 gathers", "optimizer": "optimizer", "overhead": "runtime overhead"}
 MEM_LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states",
               "activations": "activations", "logits": "logits + loss", "buckets": "comm buckets",
@@ -43,7 +44,8 @@ def plan_from_row(row: pd.Series | dict[str, Any]) -> Plan | None:
             kw[name] = tuple(int(x) for x in text.split(";") if x.strip())
         elif name in ("sequence_parallel", "overlap_comm", "quantized_weights", "quantized_gradients"):
             kw[name] = v if isinstance(v, bool) else str(v).strip().lower() in ("true", "1")
-        elif name in ("recompute", "schedule", "precision", "offload_optimizer", "offload_params", "runtime"):
+        elif name in ("recompute", "schedule", "precision", "offload_optimizer", "offload_params", "runtime",
+                      "cp_kind"):
             kw[name] = str(v)
         else:
             if v is None or (isinstance(v, float) and math.isnan(v)):
@@ -59,7 +61,8 @@ def short_label(plan: Plan) -> str:
     """Two short lines for a figure: "TP4·PP8·DP2" and "Z1 mb1 sel-rc"."""
     rc = {"none": "", "selective": " sel-rc", "full": " full-rc"}[plan.recompute]
     extra = (" SP" if plan.sequence_parallel else "") + (f" v{plan.interleave}" if plan.interleave > 1 else "")
-    extra += "".join(f" {v}" for v in short_variants(plan))
+    extra += (f" EP{plan.ep}" if plan.ep > 1 else "") + (f" {plan.cp_kind[0].upper()}CP{plan.cp}" if plan.cp > 1 else "")
+    extra += "".join(f" {v}" for v in option_labels(plan))
     return f"TP{plan.tp}·PP{plan.pp}·DP{plan.dp}\nZ{plan.zero} mb{plan.micro_batch}{rc}{extra}"
 
 
@@ -93,8 +96,10 @@ def reason_category(reason: str) -> str:
     if re.search(r"GB\s*>", first) or "does not fit" in first or "fits no" in first:
         m = re.search(r":\s*([a-z][a-z +\-]*?)\s+\d", first)
         return f"out of memory ({m.group(1)})" if m else "out of memory"
-    generic = _NUM.sub("#", first)
-    return generic if len(generic) <= 60 else generic[:57] + "..."
+    # the statement without its parenthetical detail (the table of reasons has the detail), never
+    # cut mid-word: the legend wraps it
+    generic = _NUM.sub("#", first.split(" (", 1)[0].strip())
+    return generic
 
 
 def knobs(plan: Plan, layers: int) -> list[tuple[str, str, str]]:

@@ -24,6 +24,7 @@ from planner.errors import PlannerError, SpecError
 from planner.report import analysis, cluster, fmt, plots, timeline
 from planner.report import bill as bill_section
 from planner.report import ladder as ladder_section
+from planner.report.plan_text import distinct_labels
 from planner.report.data import PLAN_FIELDS, RunData, load
 from planner.rundir import atomic_write_text
 from planner.specs import Plan
@@ -39,6 +40,13 @@ def _environment() -> jinja2.Environment:
     env = jinja2.Environment(autoescape=True, undefined=jinja2.ChainableUndefined, trim_blocks=False)
     env.filters["min"] = lambda xs: min(xs)
     return env
+
+
+def _plan(d: dict[str, Any] | None) -> Plan | None:
+    try:
+        return Plan.from_dict(d) if d else None
+    except PlannerError:
+        return None
 
 
 def _figures(run: RunData, top: list[dict[str, Any]], head: dict[str, Any]) -> tuple[dict[str, str], dict[str, str], dict[str, Any]]:
@@ -63,7 +71,9 @@ def _figures(run: RunData, top: list[dict[str, Any]], head: dict[str, Any]) -> t
     base = head.get("baseline")
     base_pt = {"peak_memory_gb": base["needs_gb"], "tokens_per_s": base["tokens_per_s"]} if base and base["fits"] else None
     if run.trials is not None and not run.trials.empty:
-        extra["reason_counts"] = attempt("frontier", lambda: plots.frontier(run.trials, run.estimate, base_pt, cap)) or {}
+        # one point (and one count in the legend) per distinct plan, as the caption counts them
+        extra["reason_counts"] = attempt("frontier", lambda: plots.frontier(distinct_trials(run.trials), run.estimate,
+                                                                          base_pt, cap)) or {}
 
     plan_rows = [r for r in top if r["kind"] == "plan"]
     others = [r for r in plan_rows if not r["chosen"]][:3]
@@ -87,11 +97,17 @@ def _figures(run: RunData, top: list[dict[str, Any]], head: dict[str, Any]) -> t
         groups.append({"label": "baseline\n" + (analysis.short_label(base_plan) if base_plan else "?"),
                        "stages": stages or [],
                        "needs_gb": base["needs_gb"]})
+    # tied plans share a rank and may share a short label: each label says what sets its plan apart
+    group_plans = [run.plan] + [_plan(r["plan_dict"]) for r in others] + ([base_plan] if base else [])
+    for g, lab in zip(groups, distinct_labels([g["label"] for g in groups], group_plans)):
+        g["label"] = lab
     attempt("memory", lambda: plots.memory_stacks(groups, cap))
 
+    shown = [r for r in plan_rows if not r["chosen"]][:5]
     rows = [{"label": "chosen", "time": run.estimate.get("time_breakdown_s") or {}}]
-    rows += [{"label": f"#{int(r['rank'])} {r['short'].splitlines()[0]}", "time": r["time"]}
-             for r in [r for r in plan_rows if not r["chosen"]][:5]]
+    rows += [{"label": f"#{int(r['rank'])} {r['short'].replace(chr(10), ' ')}", "time": r["time"]} for r in shown]
+    for row, lab in zip(rows[1:], distinct_labels([r["label"] for r in rows[1:]], [_plan(r["plan_dict"]) for r in shown])):
+        row["label"] = lab
     if base and base["fits"] and run.baseline and isinstance(run.baseline.get("estimate"), dict):
         rows.append({"label": "baseline", "time": run.baseline["estimate"].get("time_breakdown_s") or {}})
     attempt("time", lambda: plots.time_breakdown(rows))
@@ -125,14 +141,20 @@ def _nan_to_none(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in records]
 
 
+def distinct_trials(trials: Any) -> Any:
+    """trials.csv with each distinct plan once and without the baseline row (trials.csv lists a
+    plan again when Optuna proposes it again)."""
+    df = trials[trials["source"] != "baseline"] if "source" in trials.columns else trials
+    return df.drop_duplicates([f for f in PLAN_FIELDS if f in df.columns])
+
+
 def distinct_plans(trials: Any) -> tuple[int, int]:
     """(plans evaluated, of them feasible), counting each distinct plan once and not the
     baseline row: the count `planner search` prints (SearchResult.distinct) and estimate.json's
-    search.trials. trials.csv lists a plan again when Optuna proposes it again."""
+    search.trials, and the counts in the frontier's legend."""
     if trials is None or trials.empty:
         return 0, 0
-    df = trials[trials["source"] != "baseline"] if "source" in trials.columns else trials
-    df = df.drop_duplicates([f for f in PLAN_FIELDS if f in df.columns])
+    df = distinct_trials(trials)
     return len(df), int(df["feasible"].sum())
 
 

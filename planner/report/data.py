@@ -224,6 +224,9 @@ def load(run_dir: str | Path) -> RunData:
     variant = variant if isinstance(variant, dict) and isinstance(variant.get("rows"), list) else None
     metrics = _optional_json(run / "metrics.json", notes)
     metrics = _of_this_plan(metrics, (metrics or {}).get("plan"), plan, "metrics.json", notes)
+    if metrics is not None and metrics.get("status") == "ok" and (metrics.get("version") or 1) < 2:
+        notes.append("metrics.json is version 1 (an older planner): no allocated peak and its \"optimizer\" model "
+                     "states include the buckets; regenerate it with `planner run RUN_DIR`.")
     verify = _optional_json(run / "verify.json", notes)
     planned = (verify or {}).get("planned")
     verify = _of_this_plan(verify, planned.get("plan") if isinstance(planned, dict) else None, plan, "verify.json",

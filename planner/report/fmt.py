@@ -52,6 +52,14 @@ def pct(x: float | None, digits: int = 1) -> str:
     return "n/a" if _bad(x) else f"{100 * x:.{digits}f}%"
 
 
+def less(reduction: float | None, digits: int = 1) -> str:
+    """A memory reduction in words: 0.123 -> "12.3% less", -0.123 -> "12.3% more" (not "-12.3% less")."""
+    if _bad(reduction):
+        return "n/a"
+    word = "less" if reduction >= 0 else "more"
+    return f"{100 * abs(reduction):.{digits}f}% {word}"
+
+
 def ratio(x: float | None) -> str:
     return "n/a" if _bad(x) else f"{x:.2f}x"
 

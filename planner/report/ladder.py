@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from planner.ladder.claims import fmt_value
+from planner.ladder.claims import ours_text
 
 
 def load(run_dir: Path) -> dict[str, Any] | None:
@@ -20,9 +20,7 @@ def load(run_dir: Path) -> dict[str, Any] | None:
         rows = []
         for r in lad["rungs"]:
             c, m = r.get("claim") or {}, r.get("measured") or {}
-            ours = fmt_value(c.get("ours"), c.get("unit", "x")) if c else ""
-            if c and c.get("before") is not None:
-                ours = f"{fmt_value(c['before'], c['unit'])} -> {ours}"
+            ours = ours_text(c) if c else ""
             rows.append({"index": r["index"], "name": " + ".join(r.get("adds") or [r["technique"]]),
                          "illegal": r.get("illegal", ""), "description": r.get("description", ""),
                          "tokens_per_s": r.get("tokens_per_s"), "gain": r.get("gain"),

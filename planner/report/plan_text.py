@@ -14,11 +14,59 @@ from typing import Any, Mapping
 from planner.specs.estimate import GB, NEAR_LIMIT
 from planner.specs.plan import Plan
 
+_DEFAULT_PLAN = Plan()
 
 
 def short_variants(plan: Plan) -> tuple[str, ...]:
     """ZeRO variants in a few letters: off-opt:cpu, off-par:nvme, hpZ8, qwZ, qgZ, MiCS16."""
     return tuple(short for _, short in plan.variant_labels())
+
+
+def _elements(n: int) -> str:
+    return f"{n:.0e}".replace("e+0", "e").replace("e+", "e")
+
+
+def option_labels(plan: Plan) -> tuple[str, ...]:
+    """Every ZeRO option the plan sets away from its default, in a few letters: the variants
+    (short_variants), then overlap=off, bucket=1e9, prefetch=, live=, persist= . Two plans that
+    differ only here must not look the same in a table or a chart label (issue 25)."""
+    d = _DEFAULT_PLAN
+    out = list(short_variants(plan))
+    if plan.overlap_comm != d.overlap_comm:
+        out.append("overlap=off" if not plan.overlap_comm else "overlap=on")
+    for name, field in (("bucket", "bucket_elements"), ("prefetch", "prefetch_elements"),
+                        ("live", "live_elements"), ("persist", "persistence_elements")):
+        v = getattr(plan, field)
+        if v != getattr(d, field):
+            out.append(f"{name}={_elements(v)}")
+    return tuple(out)
+
+
+def distinct_labels(labels: list[str], plans: list[Plan | None]) -> list[str]:
+    """The labels, each one that another shares extended by what its plan sets differently
+    ("#1 TP1·PP1·DP2" twice -> "... stages 2,2" / "... stages 3,1"); plans that are equal keep
+    the shared label."""
+    out = list(labels)
+    for i, lab in enumerate(labels):
+        twins = [j for j, other in enumerate(labels) if other == lab and j != i]
+        if not twins or plans[i] is None:
+            continue
+        mine = plans[i].to_dict()
+        diff = []
+        for j in twins:
+            theirs = plans[j].to_dict() if plans[j] is not None else {}
+            diff += [k for k in mine if mine[k] != theirs.get(k) and k not in diff]
+        if diff:
+            out[i] = lab + " (" + ", ".join(f"{k}={_compact(mine[k])}" for k in diff) + ")"
+    return out
+
+
+def _compact(v: Any) -> str:
+    if isinstance(v, (list, tuple)):
+        return ",".join(str(x) for x in v) or "-"
+    if isinstance(v, int) and not isinstance(v, bool) and v >= 10_000:
+        return _elements(v)
+    return str(v)
 
 
 def headroom_gb(cluster: Any, est: Any = None) -> float | None:
@@ -135,4 +183,4 @@ def _num(v: Any) -> bool:
 
 
 __all__ = ["NEAR_LIMIT", "HostMemory", "MemoryFlag", "headroom_gb", "headroom_text", "host_bytes_per_rank",
-           "host_memory", "host_memory_text", "memory_flag", "plan_memory_flag", "short_variants"]
+           "host_memory", "host_memory_text", "memory_flag", "plan_memory_flag", "short_variants", "option_labels", "distinct_labels"]

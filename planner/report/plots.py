@@ -25,7 +25,7 @@ STYLE = {"font.size": 9, "axes.titlesize": 10, "axes.labelsize": 9, "legend.font
          "axes.spines.top": False, "axes.spines.right": False, "axes.grid": True, "grid.alpha": 0.3,
          "figure.dpi": DPI, "savefig.dpi": DPI}
 MEM_COLORS = dict(zip(MEM_PARTS, ["#4c72b0", "#55a868", "#c44e52", "#dd8452", "#8172b3", "#937860", "#b0b0b0"]))
-TIME_COLORS = dict(zip(TIME_PARTS, ["#4c72b0", "#6b8fd4", "#8172b3", "#dd8452", "#e6b800", "#c44e52",
+TIME_COLORS = dict(zip(TIME_PARTS, ["#4c72b0", "#6b8fd4", "#8172b3", "#dd8452", "#da8bc3", "#e6b800", "#c44e52",
                                     "#55a868", "#2a9d8f", "#937860", "#b0b0b0"]))
 REASON_MARKERS = ["x", "+", "1", "v", "^", "s"]
 REASON_COLORS = ["#c44e52", "#dd8452", "#8172b3", "#937860", "#da8bc3", "#8c8c8c"]
@@ -116,12 +116,24 @@ def frontier(trials: pd.DataFrame, chosen: dict[str, Any], baseline: dict[str, A
     return render(draw, (10.5, 4.6)), {str(k): int(v) for k, v in counts.items()}
 
 
+OVERHEAD_HIDDEN = 0.75
+"""The runtime allowance is left out of the memory bars (and stated) when it is at least this
+share of every bar: the rest would be slivers (tiny chatglm3 on CPU: 0.25 of 0.28 GB, 89%)."""
+
+
 def memory_stacks(groups: list[dict[str, Any]], capacity_gb: float) -> str:
     """Stacked per-GPU memory, one bar per pipeline stage, grouped by plan.
 
     groups: [{"label": str, "stages": [{part: GB}], "note": str, "needs_gb": float|None}]"""
 
-    totals = [sum(float(v or 0.0) for v in st.values()) for g in groups for st in g["stages"]]
+    # a small model's bars are nearly all runtime allowance (a fixed GB or so): drawn stacked, the
+    # model states are invisible slivers. Then the allowance is stated, not drawn.
+    bars = [st for g in groups for st in g["stages"]]
+    allowance = [float(st.get("overhead", 0.0) or 0.0) for st in bars]
+    hide = bool(bars) and all(a >= OVERHEAD_HIDDEN * sum(float(v or 0.0) for v in st.values())
+                              for a, st in zip(allowance, bars)) and max(allowance) > 0
+    parts = [p for p in MEM_PARTS if not (hide and p == "overhead")]
+    totals = [sum(float(st.get(p, 0.0) or 0.0) for p in parts) for st in bars]
     fitting = [t for t in totals if t <= capacity_gb] or [capacity_gb]
     top = max(capacity_gb * 1.3, max(fitting) * 1.1)     # far-over-capacity bars are clipped and labelled
     # when every plan uses a sliver of the capacity (a tiny model on a CPU host), scale to the
@@ -146,7 +158,7 @@ def memory_stacks(groups: list[dict[str, Any]], capacity_gb: float) -> str:
                 x += 1
             for si, st in enumerate(stages):
                 bottom = 0.0
-                for part in MEM_PARTS:
+                for part in parts:
                     v = float(st.get(part, 0.0) or 0.0)
                     if v > 0:
                         ax.bar(x, v, width, bottom=bottom, color=MEM_COLORS[part], lw=0)
@@ -176,7 +188,13 @@ def memory_stacks(groups: list[dict[str, Any]], capacity_gb: float) -> str:
         ax.tick_params(axis="x", length=0, pad=12)
         ax.set_ylabel("GB per GPU (bars: pipeline stages)")
         ax.grid(axis="x", visible=False)
-        handles = [Patch(color=MEM_COLORS[p], label=MEM_LABELS[p]) for p in MEM_PARTS]
+        if hide:
+            lo, hi = min(allowance), max(allowance)
+            amount = f"{lo:.2g} GB" if hi - lo < 0.005 else f"{lo:.2g}-{hi:.2g} GB"
+            ax.text(0.995, 0.97, f"+ runtime allowance {amount} per GPU, not drawn (it is over "
+                    f"{OVERHEAD_HIDDEN:.0%} of every bar)", ha="right", va="top", fontsize=8, color="#555",
+                    transform=ax.transAxes)
+        handles = [Patch(color=MEM_COLORS[p], label=MEM_LABELS[p]) for p in parts]
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
 
     return render(draw, (10.5, 4.2))
@@ -287,9 +305,24 @@ def loss_curve(metrics: dict[str, Any]) -> str:
             if isinstance(ev, dict) and isinstance(ev.get("step"), int) and 0 < ev["step"] <= len(loss):
                 bad = ev.get("kind") in ("nan", "spike", "stall", "rollback")
                 a1.axvline(ev["step"], color="#c44e52" if bad else "#999", ls=":", lw=1)
+        evals = [(e["step"], _num(e.get("loss"))) for e in metrics.get("eval_loss") or []
+                 if isinstance(e, dict) and isinstance(e.get("step"), int)]
+        if evals:
+            a1.plot(*zip(*evals), "s", ms=5, color="#dd8452", label="held-out loss", zorder=3)
+        lr = [_num(x) for x in metrics.get("lr") or []]
+        if lr:
+            a3 = a1.twinx()
+            a3.plot(range(1, len(lr) + 1), lr, color="#8c8c8c", ls="--", lw=1, label="learning rate")
+            a3.set_ylabel("learning rate", color="#8c8c8c")
+            a3.set_ylim(bottom=0)
+            a3.tick_params(axis="y", labelcolor="#8c8c8c")
+        handles = [h for ax in fig.axes for h in ax.get_legend_handles_labels()[0]]
+        if evals or lr:
+            a1.legend(handles=[a1.lines[0]] + handles, labels=["training loss"] + [h.get_label() for h in handles],
+                      loc="upper right", frameon=False)
         a1.set_xlabel("step")
         a1.set_ylabel("loss")
-        a1.set_title("training loss")
+        a1.set_title("training loss" + (", held-out loss" if evals else "") + (" and learning rate" if lr else ""))
         a2.plot(range(1, len(times) + 1), times, "-o", ms=2.5, color="#55a868", lw=1)
         if 0 < warm < len(times):
             a2.axvspan(0.5, warm + 0.5, color="#ddd", alpha=0.6, label="warm-up (not counted)")

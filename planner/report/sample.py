@@ -59,14 +59,15 @@ def _measured(plan: Plan, model: ModelSpec, est: Estimate, train: TrainSpec, rng
     loss = [10.5 * math.exp(-i / 12) + 2.2 + rng.uniform(-0.05, 0.05) for i in range(steps)]
     tps = train.tokens_per_step / mean
     peak = max(per_rank)
-    return {"version": 1, "status": "ok", "error": None, "failed_rank": None, "plan": plan.to_dict(),
+    return {"version": 2, "status": "ok", "error": None, "failed_rank": None, "plan": plan.to_dict(),
             "model": model.to_dict(), "world_size": plan.world_size, "device": "cuda", "steps": steps,
             "warmup": warmup, "step_times_s": times, "step_time_s": mean, "tokens_per_s": tps,
             "padding_fraction": 0.0, "batching": "static", "peak_memory_gb_per_rank": per_rank,
             "peak_memory_gb": peak, "memory_method": "synthetic (planner.report.sample)",
+            "allocated_peak_gb_per_rank": per_rank, "allocated_peak_gb": peak,  # a GPU's peak is its allocated
             "model_state_gb_per_rank": [est.stage_memory[0].params / GB] * len(per_rank), "loss": loss,
             "predicted": {"step_time_s": est.step_time_s, "tokens_per_s": est.tokens_per_s,
-                          "peak_memory_gb": est.peak_memory_gb},
+                          "peak_memory_gb": est.peak_memory_gb, "allocated_peak_gb": est.allocated_peak_bytes / GB},
             "relative_error": {"step_time_s": (est.step_time_s - mean) / mean,
                                "tokens_per_s": (est.tokens_per_s - tps) / tps,
                                "peak_memory_gb": (est.peak_memory_gb - peak) / peak},

@@ -59,6 +59,8 @@ class StageModel:
             psi0, small0 = lc.stage_psi(i, p, 0)
             psi_of[i] = (lc.block_psi, psi0)
             lin[i] = tuple((a * lc.block_psi + b * lc.block_small, a * psi0 + b * small0 + c) for a, b, c in fp.linear)
+            # MoE: each block's routed experts, in their own ZeRO group (held from backward on)
+            lin[i] = ((lin[i][0][0] + sum(lc.block_expert_bytes), lin[i][0][1]),) + lin[i][1:]
         inner = min(1, p - 1)
         self.stage_lin = [lin[i if i in (0, p - 1) else inner] for i in range(p)]
         self.psi_of = [psi_of[i if i in (0, p - 1) else inner] for i in range(p)]

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from planner.cost import estimate, layer_costs
+from planner.cost.longctx import local
 from planner.cost.runtime import get_runtime
 from planner.search.checkpoint import StageModel
 from planner.search.partition import NoFit, solve
@@ -84,7 +85,8 @@ class Evaluator:
         base = outer.plan(precision, runtime=self.runtime)
         lc = layer_costs(model, self.cluster, train, base)
         full = outer.recompute == "full"
-        sol = solve(StageModel(self.cluster, base, lc), model.layers, checkpoint=full)
+        # the stage model's ZeRO groups are those of the cp-free equivalent (dp x cp ranks)
+        sol = solve(StageModel(self.cluster, local(base, train)[0], lc), model.layers, checkpoint=full)
         if isinstance(sol, NoFit):
             why = "; ".join(([] if self.megatron_features else runtime_problems(base)) + [sol.reason])
             return Trial(outer=outer, plan=base, estimate=None, feasible=False, reason=why,

@@ -16,6 +16,7 @@ least one layer per chunk; sequence parallelism needs TP > 1 and seq_len divisib
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -28,6 +29,11 @@ from planner.specs.plan import RECOMPUTE, Plan
 from planner.specs.train import TrainSpec
 from planner.specs.validate import plan_problems
 
+LONG_SEQUENCE = 16384
+"""Space.context_parallel "auto" offers context parallelism from this sequence length: the
+shortest the DeepSpeed-Ulysses paper (Jacobs et al. 2023, arXiv 2309.14509, Fig. 2: 8k-256k on
+GPT 1.2B-30B) and Megatron-Core's long-context recipes split; below it the cp axis only
+multiplies the space (pass context_parallel="on" to search it anyway)."""
 MAX_INTERLEAVE = 4
 """Largest number of virtual chunks per stage the space offers. The interleaved bubble is
 (p-1)/(v m) (Narayanan et al. 2021, sec. 2.2.2) while point-to-point traffic grows with v;
@@ -88,6 +94,11 @@ class Outer:
     """1 = 1F1B; v > 1 = interleaved with v chunks per stage."""
     variant: "ZeroVariant" = None  # type: ignore[assignment]
     """DeepSpeed's ZeRO knobs and variants (None: plain ZeRO, default buckets)."""
+    ep: int = 1
+    """Expert-parallel size (MoE models)."""
+    cp: int = 1
+    """Context-parallel degree; dp here is the data-parallel degree without it (shape.dp / cp)."""
+    cp_kind: str = "ulysses"
 
     def plan(self, precision: str, stage_layers: tuple[int, ...] = (),
              recompute_layers: tuple[int, ...] = (), runtime: str = "deepspeed") -> Plan:
@@ -96,7 +107,7 @@ class Outer:
                     grad_accum=self.grad_accum, recompute=self.recompute, sequence_parallel=self.sequence_parallel,
                     schedule="interleaved" if self.interleave > 1 else "1f1b", interleave=self.interleave,
                     precision=precision, stage_layers=stage_layers, recompute_layers=recompute_layers,
-                    **v.plan_fields())
+                    ep=self.ep, cp=self.cp, cp_kind=self.cp_kind, **v.plan_fields())
 
     @property
     def shape(self) -> "Shape":
@@ -112,13 +123,16 @@ class Shape:
     tp: int
     pp: int
     dp: int
+    """Ranks per (TP, PP) cell: the data-parallel degree times the context-parallel one."""
     recompute: str
 
     def outer(self, micro_batch: int, grad_accum: int, sequence_parallel: bool = False,
-              interleave: int = 1, zero: int = 0, variant: ZeroVariant | None = None) -> Outer:
-        return Outer(tp=self.tp, pp=self.pp, dp=self.dp, zero=zero, micro_batch=micro_batch,
+              interleave: int = 1, zero: int = 0, variant: ZeroVariant | None = None, ep: int = 1, cp: int = 1,
+              cp_kind: str = "ulysses") -> Outer:
+        return Outer(tp=self.tp, pp=self.pp, dp=self.dp // cp, zero=zero, micro_batch=micro_batch,
                      grad_accum=grad_accum, recompute=self.recompute, sequence_parallel=sequence_parallel,
-                     interleave=interleave, variant=variant if variant is not None and variant != PLAIN else None)
+                     interleave=interleave, variant=variant if variant is not None and variant != PLAIN else None,
+                     ep=ep, cp=cp, cp_kind=cp_kind)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -130,6 +144,8 @@ class Space:
     megatron_features: bool = False
     """Let interleaved 1F1B be chosen (Megatron-LM runtimes). Off, it is still evaluated but
     marked infeasible for DeepSpeed (planner.specs.validate.runtime_problems)."""
+    context_parallel: str = "auto"
+    """Offer cp > 1 (Ulysses and ring): on, off, or auto = on from LONG_SEQUENCE tokens."""
     runtime: str = "deepspeed"
     """The runtime the plans run on (planner.cost.runtime): its ZeRO stages, whether it has TP,
     PP and DeepSpeed's ZeRO variants bound the space."""
@@ -169,8 +185,11 @@ class Space:
         return tuple(r for r in RECOMPUTE if r != "selective")
 
     def zero_stages(self, pp: int) -> tuple[int, ...]:
+        """0-3 without a pipeline, 0-1 with one, those the runtime has; ZeRO-3 is not modelled for
+        MoE (validate.moe_problems)."""
         stages = (0, 1, 2, 3) if pp == 1 else (0, 1)
-        return tuple(z for z in stages if z in get_runtime(self.runtime).zero_stages)
+        return tuple(z for z in stages if z in get_runtime(self.runtime).zero_stages
+                     and not (z == 3 and self.model.moe is not None))
 
     def zero_options(self, pp: int, dp: int, tp: int = 1) -> list[tuple[int, ZeroVariant]]:
         """(ZeRO stage, variant) pairs to scan for a layout (README "ZeRO variants"):
@@ -222,6 +241,31 @@ class Space:
             return [1]
         return [1] + list(range(2, min(self.max_interleave, self.model.layers // pp) + 1))
 
+    def context_options(self, tp: int, ranks: int) -> list[tuple[int, str]]:
+        """(cp, kind) pairs for a (TP, PP) cell of `ranks` ranks: cp = 1, and with context
+        parallelism on, every cp > 1 dividing the ranks that leaves a batch divisible by the
+        remaining data-parallel degree, as Ulysses where cp x tp divides the heads and KV groups
+        and as ring where 2 cp divides the sequence (planner.specs.validate.context_problems)."""
+        out = [(1, "ulysses")]
+        mode, m, s = self.context_parallel, self.model, self.train.seq_len
+        if mode == "off" or (mode == "auto" and s < LONG_SEQUENCE) or m.linear_attention:
+            return out
+        for c in divisors(ranks)[1:]:
+            if self.train.global_batch % (ranks // c):
+                continue
+            if m.heads % (c * tp) == 0 and m.kv_heads % (c * tp) == 0 and s % c == 0:
+                out.append((c, "ulysses"))
+            if s % (2 * c) == 0:
+                out.append((c, "ring"))
+        return out
+
+    def expert_options(self, dp: int, zero: int) -> list[int]:
+        """Expert-parallel sizes: 1, and for a MoE model every divisor of gcd(experts, dp)
+        (ZeRO-3 is not modelled with MoE: validate.moe_problems)."""
+        if self.model.moe is None or zero == 3:
+            return [1]
+        return divisors(math.gcd(self.model.moe.experts, dp))
+
     def sequence_parallel(self, tp: int) -> tuple[bool, ...]:
         return (False, True) if tp > 1 and self.train.seq_len % tp == 0 else (False,)
 
@@ -235,17 +279,20 @@ class Space:
         """The shape's legal outer points: one list per (ZeRO, sequence parallel, interleave),
         each with every legal micro-batch, smallest first (interleaving needs the accumulation
         divisible by pp)."""
-        per_rank = self.train.global_batch // shape.dp
         out = []
-        for zero, variant in self.zero_options(shape.pp, shape.dp, shape.tp):
-            for sp in self.sequence_parallel(shape.tp):
-                for v in self.interleaves(shape.pp, shape.dp):
-                    row = []
-                    for mb in divisors(per_rank):
-                        ga = per_rank // mb
-                        if v == 1 or ga % shape.pp == 0:
-                            row.append(shape.outer(mb, ga, sp, v, zero, variant))
-                    out.append(row)
+        for cp, kind in self.context_options(shape.tp, shape.dp):
+            dp = shape.dp // cp
+            per_rank = self.train.global_batch // dp
+            for zero, variant in self.zero_options(shape.pp, dp, shape.tp):
+                for ep in self.expert_options(dp, zero):
+                    for sp in self.sequence_parallel(shape.tp):
+                        for v in self.interleaves(shape.pp, dp):
+                            row = []
+                            for mb in divisors(per_rank):
+                                ga = per_rank // mb
+                                if v == 1 or ga % shape.pp == 0:
+                                    row.append(shape.outer(mb, ga, sp, v, zero, variant, ep, cp, kind))
+                            out.append(row)
         return out
 
     def points(self) -> Iterator[Outer]:

@@ -20,6 +20,9 @@ class TimeBreakdown:
     recompute: float = 0.0
     tp_comm: float = 0.0
     """Exposed tensor-parallel all-reduces / reduce-scatters."""
+    a2a_comm: float = 0.0
+    """Exposed expert-parallel and context-parallel traffic: MoE dispatch/combine all-to-alls,
+    DeepSpeed-Ulysses' all-to-alls, ring attention's KV sends not hidden behind the core."""
     pp_comm: float = 0.0
     """Pipeline point-to-point sends on the critical path."""
     bubble: float = 0.0
@@ -34,7 +37,7 @@ class TimeBreakdown:
 
     @property
     def total(self) -> float:
-        return (self.forward + self.backward + self.recompute + self.tp_comm + self.pp_comm + self.bubble
+        return (self.forward + self.backward + self.recompute + self.tp_comm + self.a2a_comm + self.pp_comm + self.bubble
                 + self.dp_sync + self.zero_gather + self.optimizer + self.overhead)
 
     def to_dict(self) -> dict[str, float]:
@@ -99,6 +102,15 @@ class Estimate:
     """Per rank, model states swapped to NVMe."""
     headroom_bytes: float = 0.0
     """The fixed allowance inside the peak for CUDA context and NCCL buffers (--memory-headroom)."""
+    allocated_memory: tuple[MemoryBreakdown, ...] = ()
+    """Per stage, the peak of live tensor bytes (what torch.cuda.max_memory_allocated reports):
+    every buffer counted whole as allocated, no runtime allowance (overhead 0). stage_memory
+    is what the device's peak figure counts: on a GPU this plus the allowance; on a CPU the
+    resident set, pages touched plus the process (planner.cost.model.resident_memory)."""
+
+    @property
+    def allocated_peak_bytes(self) -> float:
+        return max((m.total for m in self.allocated_memory), default=0.0)
 
     @property
     def near_limit(self) -> bool:
@@ -140,4 +152,6 @@ class Estimate:
             "nvme_gb": self.nvme_bytes / GB,
             "headroom_gb": self.headroom_bytes / GB,
             "near_limit": self.near_limit,
+            "allocated_peak_gb": self.allocated_peak_bytes / GB,
+            "allocated_memory_gb": [m.to_gb() for m in self.allocated_memory],
         }

@@ -220,18 +220,25 @@ FAMILIES: dict[str, Callable[[_Config, str, str], ModelSpec]] = {
 }
 
 
+def _families() -> dict[str, Callable[[_Config, str, str], ModelSpec]]:
+    """Every supported model_type: the dense families here and the MoE ones (hf_moe.py)."""
+    from planner.specs.hf_moe import MOE_FAMILIES  # it builds on _llama_like
+    return {**FAMILIES, **MOE_FAMILIES}
+
+
 def spec_from_hf(data: Any, name: str = "hf-model", where: str = "config.json") -> ModelSpec:
     """Build a ModelSpec from a parsed Hugging Face config dict."""
     if not isinstance(data, Mapping):
         raise SpecError(where, "must be a JSON object", "give a Hugging Face config.json")
     model_type = data.get("model_type")
+    families = _families()
     if model_type is None:
-        raise SpecError(f"{where}: model_type", "missing", f"add one of {', '.join(FAMILIES)}")
-    if not isinstance(model_type, str) or model_type.lower() not in FAMILIES:
+        raise SpecError(f"{where}: model_type", "missing", f"add one of {', '.join(families)}")
+    if not isinstance(model_type, str) or model_type.lower() not in families:
         raise SpecError(f"{where}: model_type", f"unsupported type {model_type!r}",
-                        f"use a config of type {', '.join(FAMILIES)}")
+                        f"use a config of type {', '.join(families)}")
     family = model_type.lower()
-    return FAMILIES[family](_Config(data, where), name, family)
+    return families[family](_Config(data, where), name, family)
 
 
 def load_hf_config(path: str | Path) -> ModelSpec:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from planner.errors import SpecError
+from planner.specs.moe import MoESpec
 
 NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("pre", "post", "deepnorm")
@@ -100,6 +101,9 @@ class ModelSpec:
     blocks; compute and activations of all layers."""
     sparse_gemm_efficiency: float = SPARSE_GEMM_EFFICIENCY
     """Divides the FFN GEMM time of a pruned FFN (ffn_sparsity > 0): see SPARSE_GEMM_EFFICIENCY."""
+    moe: MoESpec | None = None
+    """Mixture-of-experts FFNs after the first moe.first_dense blocks (planner/specs/moe.py,
+    docs/moe.md); None: every block has the dense FFN of ffn_hidden."""
 
     def __post_init__(self) -> None:
         for field in ("hidden", "layers", "heads", "ffn_hidden", "vocab", "max_seq"):
@@ -142,6 +146,19 @@ class ModelSpec:
                 raise SpecError(f"model.{field}", f"unknown value {getattr(self, field)!r}",
                                 f"use one of {', '.join(allowed)}")
         self._check_variants()
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if self.moe is None:
+            return
+        if not isinstance(self.moe, MoESpec):
+            raise SpecError("model.moe", f"must be a MoESpec, got {type(self.moe).__name__}", "use MoESpec.from_dict")
+        if self.moe.first_dense > self.layers:
+            raise SpecError("model.moe.first_dense", f"{self.moe.first_dense} exceeds the {self.layers} layers",
+                            f"use at most {self.layers} dense layers")
+        if self.share_layers > 1 or self.ffn_sparsity:
+            raise SpecError("--variant", "share-layers and ffn-sparsity are not modelled for MoE models",
+                            "drop the variant for a mixture-of-experts model")
 
     def _check_variants(self) -> None:
         f, k, g = self.ffn_sparsity, self.share_layers, self.sparse_gemm_efficiency
@@ -273,13 +290,50 @@ class ModelSpec:
         """Final norm and (untied) output projection."""
         return self.norm_params + (0 if self.tied_embeddings else self.vocab * self.hidden)
 
+    # --- mixture of experts (planner/specs/moe.py) -------------------------------------
+    @property
+    def moe_layers(self) -> int:
+        """Blocks whose FFN is a MoE layer (0 for a dense model)."""
+        return self.layers - self.moe.first_dense if self.moe else 0
+
+    def _ffn_of(self, f: int) -> int:
+        """One FFN of inner size f with the model's activation and biases."""
+        h, k = self.hidden, self.ffn_in_matrices
+        return k * h * f + f * h + ((k * f + h) if self.linear_bias else 0)
+
+    @property
+    def expert_params(self) -> int:
+        """One routed expert's FFN."""
+        return self._ffn_of(self.moe.expert_ffn) if self.moe else 0
+
+    @property
+    def moe_dense_params(self) -> int:
+        """The parts of one MoE block every rank holds (not sharded over expert parallelism):
+        attention, two norms, the router (h x E; a sigmoid router's E-wide balancing bias is a
+        buffer, not a parameter) and the shared experts."""
+        m = self.moe
+        return (self.attention_params + 2 * self.norm_params + self.hidden * m.experts
+                + m.shared_experts * self._ffn_of(m.shared_size))
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token runs through (routed experts: top_k of them)."""
+        if not self.moe:
+            return self.params
+        dense = self.moe.first_dense * self.layer_params + self.embedding_params + self.output_params
+        return dense + self.moe_layers * (self.moe_dense_params + self.moe.top_k * self.expert_params)
+
     @property
     def params(self) -> int:
-        """Total parameters Psi (shared blocks counted once: unique_layers)."""
+        """Total parameters Psi (shared blocks counted once: unique_layers; MoE blocks with
+        every routed expert)."""
+        if self.moe:
+            moe = self.moe_layers * (self.moe_dense_params + self.moe.experts * self.expert_params)
+            return self.moe.first_dense * self.layer_params + moe + self.embedding_params + self.output_params
         return self.unique_layers * self.layer_params + self.embedding_params + self.output_params
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return dataclasses.asdict(self)  # moe: a nested dict (or None)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ModelSpec":
@@ -289,8 +343,11 @@ class ModelSpec:
         unknown = set(data) - names
         if unknown:
             raise SpecError("model", f"unknown field(s) {sorted(unknown)}", f"use only {sorted(names)}")
+        kw = dict(data)
+        if kw.get("moe") is not None:
+            kw["moe"] = MoESpec.from_dict(kw["moe"])
         try:
-            return cls(**dict(data))
+            return cls(**kw)
         except TypeError as exc:
             raise SpecError("model", str(exc), "give every required field") from None
 
@@ -322,11 +379,33 @@ PRESETS: dict[str, ModelSpec] = {
         name="glm-4-9b", model_type="glm4", hidden=4096, layers=40, heads=32, kv_groups=2,
         ffn_hidden=13696, activation="swiglu", vocab=151552, max_seq=131072, norm="rmsnorm",
         norm_position="pre", position="rotary", qkv_bias=True, linear_bias=False),
+    # GLM-4.5 and GLM-4.5-Air (Zeng et al. 2025, "GLM-4.5", arXiv 2508.06471, Table 1; the
+    # config.json of zai-org/GLM-4.5 and zai-org/GLM-4.5-Air; the same shapes as Megatron
+    # arguments in THUDM/slime scripts/models/glm4.5-355B-A32B.sh and glm4.5-106B-A12B.sh).
+    # Air's shape is also transformers 5.24's Glm4MoeConfig default. Rotary on half of each
+    # head with rotate_half pairs (transformers glm4_moe apply_rotary_pos_emb), theta 1e6; a QKV
+    # bias (--add-qkv-bias), no other bias; sigmoid router with a balancing bias, one shared
+    # expert of the routed size, dropless. Left out: GLM-4.5's QK-norm (2 x 128 weights per
+    # layer) and the multi-token-prediction layer (num_nextn_predict_layers 1), which is why the
+    # totals here (352.8B, 106.9B; active without embeddings 32.1B, 12.2B, published 32B and
+    # 12B: tests/unit/test_moe_spec.py) sit under the published 355B / 106B totals.
+    "glm-4.5": ModelSpec(
+        name="glm-4.5", model_type="glm4_moe", hidden=5120, layers=92, heads=96, kv_groups=8, head_dim=128,
+        ffn_hidden=12288, activation="swiglu", vocab=151552, max_seq=131072, norm="rmsnorm", norm_position="pre",
+        position="rotary", qkv_bias=True, linear_bias=False, rope_theta=1e6, rope_interleaved=False,
+        moe=MoESpec(experts=160, top_k=8, expert_ffn=1536, shared_experts=1, first_dense=3, router="sigmoid")),
+    "glm-4.5-air": ModelSpec(
+        name="glm-4.5-air", model_type="glm4_moe", hidden=4096, layers=46, heads=96, kv_groups=8, head_dim=128,
+        ffn_hidden=10944, activation="swiglu", vocab=151552, max_seq=131072, norm="rmsnorm", norm_position="pre",
+        position="rotary", qkv_bias=True, linear_bias=False, rope_theta=1e6, rope_interleaved=False,
+        moe=MoESpec(experts=128, top_k=8, expert_ffn=1408, shared_experts=1, first_dense=1, router="sigmoid")),
 }
 
 # --scale shrinks a preset to run on a CPU machine: fewer layers, smaller hidden, same
 # shape family (norm, activation, GQA ratio, biases, position scheme).
 SCALES: dict[str, dict[str, int]] = {
+    # MoE presets also shrink their experts (scale_moe): 4 routed experts (top-2) at tiny,
+    # 8 (top-2) at small, one dense block first where the original has any
     "tiny": {"hidden": 128, "layers": 4, "heads": 4, "vocab": 1024, "max_seq": 256},
     "small": {"hidden": 512, "layers": 8, "heads": 8, "vocab": 8192, "max_seq": 1024},
 }
@@ -349,7 +428,21 @@ def scale(spec: ModelSpec, size: str | None) -> ModelSpec:
     return dataclasses.replace(
         spec, name=f"{spec.name}-{size}", hidden=s["hidden"], layers=s["layers"], heads=s["heads"],
         kv_groups=kv, ffn_hidden=int(round(s["hidden"] * ratio / 8)) * 8, vocab=s["vocab"],
-        max_seq=min(spec.max_seq, s["max_seq"]), head_dim=None)
+        max_seq=min(spec.max_seq, s["max_seq"]), head_dim=None, moe=scale_moe(spec, size))
+
+
+def scale_moe(spec: ModelSpec, size: str) -> MoESpec | None:
+    """The MoE part at a CPU scale: experts 4 (tiny) or 8 (small), top-k min(2, k), expert FFN
+    shrunk by the hidden size's ratio (multiple of 8), at most one dense block first."""
+    m = spec.moe
+    if m is None:
+        return None
+    ratio = SCALES[size]["hidden"] / spec.hidden
+    experts = 4 if size == "tiny" else 8
+    return dataclasses.replace(
+        m, experts=experts, top_k=min(2, m.top_k), expert_ffn=max(8, int(round(m.expert_ffn * ratio / 8)) * 8),
+        shared_ffn=max(8, int(round(m.shared_ffn * ratio / 8)) * 8) if m.shared_ffn else 0,
+        first_dense=min(1, m.first_dense))
 
 
 def preset(name: str) -> ModelSpec:

@@ -1,8 +1,11 @@
 """Plan: the decisions the planner makes. Nothing here is derived from hardware.
 
-Rank layout (one vocabulary, said once): global rank = (pp_index * dp + dp_index) * tp + tp_index,
-i.e. torch.arange(world).view(pp, dp, tp) -- tensor parallel fastest, pipeline slowest,
-the order of DeepSpeed's PipeModelDataParallelTopology (axes pipe, data, model).
+Rank layout (one vocabulary, said once): global rank = ((pp_index * dp + dp_index) * cp + cp_index)
+* tp + tp_index, i.e. torch.arange(world).view(pp, dp, cp, tp) -- tensor parallel fastest, pipeline
+slowest, the order of DeepSpeed's PipeModelDataParallelTopology (axes pipe, data, model) with the
+context-parallel axis between data and model (Megatron-Core's order tp-cp-dp-pp; DeepSpeed-Ulysses
+carves its sequence groups from consecutive data-parallel ranks). Expert parallelism (ep) groups
+ep consecutive data-parallel indices: it adds no processes.
 Checkpointed layers: in each stage the first `recompute_layers[i]` blocks are checkpointed.
 """
 from __future__ import annotations
@@ -19,6 +22,7 @@ OFFLOAD = ("none", "cpu", "nvme")
 DEFAULT_BUCKET = 50_000_000
 """reduce_bucket_size of the Megatron-DeepSpeed recipes (elements)."""
 SCHEDULES = ("1f1b", "interleaved")
+CP_KINDS = ("ulysses", "ring")
 RUNTIMES = ("deepspeed", "megatron-core", "fsdp")
 """The runtimes a plan may run on (profiles/runtimes/<name>.json; planner.cost.runtime); the
 first is the default and the only one `planner run` executes."""
@@ -46,6 +50,17 @@ class Plan:
     """Full recompute: checkpointed blocks per stage (the first k of each stage)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism in the TP group (norms/dropout sharded by sequence)."""
+    ep: int = 1
+    """Expert-parallel size: the routed experts of a MoE layer are split over ep data-parallel
+    ranks (DeepSpeed-MoE ep_size, Megatron-Core expert_model_parallel_size); ep divides dp and
+    the experts. 1 means every rank holds every expert."""
+    cp: int = 1
+    """Context-parallel degree: ranks that split each sequence (processes = dp x tp x pp x cp).
+    1 means disabled."""
+    cp_kind: str = "ulysses"
+    """ulysses (DeepSpeed-Ulysses: all-to-all to heads / cp around attention; cp divides the
+    heads and KV groups) or ring (Megatron-Core context parallelism: KV passed around the cp
+    ranks; the sequence divisible by 2 cp)."""
     schedule: str = "1f1b"
     """1f1b or interleaved (virtual stages)."""
     interleave: int = 1
@@ -85,7 +100,7 @@ class Plan:
     (Megatron-LM / NeMo) or fsdp (PyTorch FSDP); see docs/runtimes.md."""
 
     def __post_init__(self) -> None:
-        for f in ("dp", "tp", "pp", "micro_batch", "grad_accum", "interleave", "bucket_elements", "hpz"):
+        for f in ("dp", "tp", "pp", "micro_batch", "grad_accum", "interleave", "bucket_elements", "hpz", "ep", "cp"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise SpecError(f"plan.{f}", f"must be a positive integer, got {v!r}", "give a positive integer")
@@ -149,6 +164,11 @@ class Plan:
                 r < 0 or r > n for r, n in zip(self.recompute_layers, self.stage_layers)):
             raise SpecError("plan.recompute_layers", "must be between 0 and the stage's layer count",
                             "checkpoint at most every layer of a stage")
+        if self.cp_kind not in CP_KINDS:
+            raise SpecError("plan.cp_kind", f"unknown value {self.cp_kind!r}", f"use one of {', '.join(CP_KINDS)}")
+        if self.dp % self.ep:
+            raise SpecError("plan.ep", f"{self.ep} does not divide the data-parallel size {self.dp}",
+                            f"use an expert-parallel size dividing {self.dp}")
         if self.sequence_parallel and self.tp == 1:
             raise SpecError("plan.sequence_parallel", "needs tp > 1", "drop --sequence-parallel or raise --tp")
 
@@ -192,7 +212,15 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks holding the same experts (expert data parallelism): dp x cp / ep. Expert
+        gradients are reduced, and ZeRO partitions their states, over this group (DeepSpeed
+        moe/utils.py split_params_into_different_moe_groups_for_optimizer; Megatron-Core
+        expert_data_parallel_size)."""
+        return self.dp * self.cp // self.ep
 
     @property
     def global_batch(self) -> int:
@@ -224,6 +252,10 @@ class Plan:
                  f"micro-batch {self.micro_batch}", f"accumulation {self.grad_accum}", rc, self.precision]
         if self.sequence_parallel:
             parts.append("sequence parallel")
+        if self.cp > 1:
+            parts.append(f"{'Ulysses SP' if self.cp_kind == 'ulysses' else 'ring CP'} {self.cp}")
+        if self.ep > 1:
+            parts.append(f"EP {self.ep}")
         if self.schedule == "interleaved":
             parts.append(f"interleaved x{self.interleave}")
         parts += self.variants

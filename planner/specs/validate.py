@@ -17,7 +17,8 @@ def plan_problems(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan
     """Everything that makes `plan` impossible to launch as written (empty list: legal)."""
     out: list[str] = []
     if plan.world_size != cluster.world_size:
-        out.append(f"dp {plan.dp} x tp {plan.tp} x pp {plan.pp} = {plan.world_size} processes, "
+        cp = f" x cp {plan.cp}" if plan.cp > 1 else ""
+        out.append(f"dp {plan.dp} x tp {plan.tp} x pp {plan.pp}{cp} = {plan.world_size} processes, "
                    f"but the cluster has {cluster.world_size} devices: choose degrees whose product is {cluster.world_size}")
     if plan.tp > cluster.gpus_per_node or cluster.gpus_per_node % plan.tp:
         out.append(f"tp {plan.tp} must divide the {cluster.gpus_per_node} devices of a node "
@@ -61,6 +62,54 @@ def plan_problems(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan
     if cluster.device.kind == "cpu" and plan.precision == "fp16":
         out.append("fp16 does not train on CPU under DeepSpeed: use bf16 or fp32")
     out += variant_problems(cluster, plan)
+    out += moe_problems(model, plan) + context_problems(model, cluster, train, plan)
+    return out
+
+
+def moe_problems(model: ModelSpec, plan: Plan) -> list[str]:
+    """Expert parallelism (docs/moe.md): EP needs routed experts and divides them (each EP
+    rank holds experts / ep whole experts); it divides dp (checked when the Plan is built:
+    DeepSpeed-MoE carves EP groups from the data-parallel ranks)."""
+    if model.moe is not None and plan.zero == 3:
+        return ["ZeRO-3 with mixture-of-experts layers is not modelled (expert parameter groups under stage 3): "
+                "use ZeRO 0-2"]
+    if plan.ep == 1:
+        return []
+    if model.moe is None:
+        return [f"plan.ep {plan.ep} needs a mixture-of-experts model ({model.name} is dense): use ep 1"]
+    if model.moe.experts % plan.ep:
+        return [f"plan.ep {plan.ep} does not divide the {model.moe.experts} experts: use an expert-parallel "
+                f"size dividing {math.gcd(model.moe.experts, plan.dp)}"]
+    return []
+
+
+def context_problems(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan) -> list[str]:
+    """Context parallelism (docs/long-context.md). Ulysses moves heads: cp x tp divides the
+    heads and the KV groups (DeepSpeed sequence/layer.py scatters the head dimension) and cp the
+    sequence; ring attention (Megatron-Core) splits each sequence into 2 cp chunks for causal
+    load balance, so the sequence must be divisible by 2 cp. Both are modelled with the flash
+    kernel only (no s x s scores kept)."""
+    c = plan.cp
+    if c == 1:
+        return []
+    out = []
+    if plan.cp_kind == "ulysses":
+        for what, n in (("attention heads", model.heads), ("KV groups", model.kv_heads)):
+            if n % (c * plan.tp):
+                g = math.gcd(model.heads, model.kv_heads)
+                out.append(f"Ulysses cp {c} x tp {plan.tp} does not divide the {n} {what}: use a cp dividing "
+                           f"{g // plan.tp if g % plan.tp == 0 else 1}, or ring cp")
+                break
+        if train.seq_len % c:
+            out.append(f"Ulysses cp {c} needs seq_len {train.seq_len} divisible by {c}")
+    elif train.seq_len % (2 * c):
+        out.append(f"ring cp {c} needs seq_len {train.seq_len} divisible by 2 x cp = {2 * c} "
+                   f"(use a multiple of {2 * c})")
+    if model.linear_attention:
+        out.append("context parallelism is modelled for softmax attention only: drop --variant linear-attention or use cp 1")
+    elif train.attention == "eager" or (cluster.device.kind == "cpu" and model.attention_dropout > 0):
+        out.append("context parallelism is modelled with the flash kernel only: use --attention flash "
+                   "(and no attention dropout on a CPU)")
     return out
 
 
@@ -101,6 +150,9 @@ def runtime_problems(plan: Plan) -> list[str]:
     if plan.schedule == "interleaved":
         out.append("DeepSpeed's PipelineEngine has no interleaved schedule (Megatron-LM only; "
                    "--megatron-features allows it)")
+    if plan.cp > 1 and plan.cp_kind == "ring":
+        out.append("ring context parallelism is Megatron-Core's (DeepSpeed has Ulysses only; --megatron-features "
+                   "allows it)")
     if plan.mics_shard:
         out.append("MiCS was removed from DeepSpeed (0.19.8 rejects zero_optimization.mics_shard_size, "
                    "deepspeedai/DeepSpeed#8489): estimated for comparison, never chosen")

@@ -118,7 +118,8 @@ def test_nan_is_caught_and_rolled_back(tmp_path: Path) -> None:
     assert "nan" in kinds and "rollback" in kinds
     assert m["status"] == "ok" and len(m["loss"]) == 5 and all(x == x for x in m["loss"])
     assert m["skipped_batches"] == [3]
-    assert (d / "debug" / "nan_step3.json").exists()
+    assert (d / "debug" / "nan_step4.json").exists()      # --inject-nan 3 is the 4th step, "step 4/5"
+    assert [e["step"] for e in m["events"] if e["kind"] == "nan"] == [4]
 
 
 def test_rejected_plan_and_timeout_name_the_rank(tmp_path: Path) -> None:
@@ -168,6 +169,11 @@ def test_kill_a_rank_then_resume_continues_the_same_curve(tmp_path: Path) -> Non
     assert not any(_pid_alive(p) for p in pids)  # the other rank was cleaned up
     done = [json.loads(x) for x in progress.read_text().splitlines()]
     last_ckpt = max(r["step"] for r in done if r["kind"] == "checkpoint")
-    resumed = run_plan(d, steps=8, warmup=1, resume=True, checkpoint_every=1)
+    seen: list[str] = []
+    resumed = run_plan(d, steps=8, warmup=1, resume=True, checkpoint_every=1, echo=seen.append)
     assert resumed["resumed_at"] == last_ckpt  # no completed (checkpointed) step lost
+    # it reads as a resume: where it continues, then only the new run's steps (not the killed run's)
+    assert f"resuming from step {last_ckpt} (checkpoint {d.resolve() / 'checkpoints' / f'step{last_ckpt}'})" in seen
+    steps_seen = [ln.split(" | ")[0] for ln in seen if ln.startswith("step ")]
+    assert steps_seen == [f"step {s}/8" for s in range(last_ckpt + 1, 9)], seen
     assert resumed["loss"] == pytest.approx(ref["loss"], rel=1e-5)

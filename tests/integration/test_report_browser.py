@@ -33,7 +33,8 @@ SHOTS = Path(__file__).resolve().parents[2] / "reports" / "screenshots"
 # Runs after load: image status, page size, and a sort by the "memory" column both ways.
 CHECK_JS = """
 window.addEventListener("load", function () {
-  var out = {images: [], height: document.documentElement.scrollHeight, sort: null};
+  var out = {images: [], height: document.documentElement.scrollHeight, sort: null,
+             tables: Array.prototype.map.call(document.querySelectorAll("table"), function (tb) { return tb.id; })};
   Array.prototype.forEach.call(document.images, function (i) {
     out.images.push({id: i.id, ok: i.complete && i.naturalWidth > 0, width: i.naturalWidth});
   });
@@ -46,6 +47,13 @@ window.addEventListener("load", function () {
     button.click(); var asc = col(); button.click(); var desc = col();
     out.sort = {asc: asc, desc: desc, aria: t.tHead.rows[0].cells[5].getAttribute("aria-sort")};
   }
+  // tables wider than their section at this window width (the ladder's measured columns were cut off)
+  out.overflow = [];
+  document.querySelectorAll("table").forEach(function (tb) {
+    var box = tb.closest(".scroll") || tb.parentElement, sec = tb.closest("section");
+    if (box.scrollWidth > box.clientWidth + 1 || tb.getBoundingClientRect().right > sec.getBoundingClientRect().right + 1)
+      out.overflow.push({table: tb.id, width: box.scrollWidth, room: box.clientWidth});
+  });
   var pre = document.createElement("pre");
   pre.id = "report-check";
   pre.textContent = JSON.stringify(out);
@@ -79,15 +87,29 @@ def console_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if ":CONSOLE" in line]
 
 
-def load_in_chromium(page: Path, work: Path) -> tuple[dict, list[str]]:
+def load_in_chromium(page: Path, work: Path, width: int = 1400) -> tuple[dict, list[str]]:
     probe = work / "probe.html"
     probe.write_text(with_checker(page.read_text()))
-    res = _chromium(["--enable-logging=stderr", "--v=0", "--virtual-time-budget=15000", "--dump-dom",
-                     probe.as_uri()], work / "profile-dom")
+    res = _chromium(["--enable-logging=stderr", "--v=0", "--virtual-time-budget=15000", f"--window-size={width},900",
+                     "--dump-dom", probe.as_uri()], work / f"profile-dom-{width}")
     m = re.search(r'<pre id="report-check">(.*?)</pre>', res.stdout, re.S)
     assert m, f"the checker did not run; chromium said: {res.stderr[-3000:]}"
     text = m.group(1).replace("&quot;", '"').replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&")
     return json.loads(text), console_lines(res.stderr)
+
+
+def _measured_ladder(run: Path) -> None:
+    """ladder.json of `planner ladder RUN`, with a measured part on each rung so that the table
+    has all its columns (test data in the measured fields' shape, planner/ladder/measure.py)."""
+    from planner.cli import main
+    assert main(["ladder", str(run)]) == 0
+    lad = json.loads((run / "ladder.json").read_text())
+    for r in lad["rungs"]:
+        if "illegal" not in r:
+            r["measured"] = {"tokens_per_s": r["tokens_per_s"] * 0.9, "gain": r.get("gain") or 1.0,
+                             "peak_memory_gb": r["peak_memory_gb"] * 1.1,
+                             "claim": f"{(r.get('gain') or 1.0):.2f}x tokens/s (whole step)"}
+    (run / "ladder.json").write_text(json.dumps(lad))
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +117,7 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, list
     run = tmp_path_factory.mktemp("run") / "glm-130b"
     write_sample_run(run, model="glm-130b", gpus="8x8xA100-80GB", global_batch=512, seq_len=2048,
                      study_trials=60, metrics=True, verify=True)
+    _measured_ladder(run)
     page = write_report(run, price_per_gpu_hour=2.5)
     work = Path(tempfile.mkdtemp(prefix="report-browser-"))
     try:
@@ -116,6 +139,14 @@ def test_every_image_loaded(rendered) -> None:
             "img-cluster", "img-measured", "img-loss"} <= ids
     bad = [i for i in check["images"] if not i["ok"]]
     assert not bad, f"images that did not load: {bad}"
+
+
+def test_every_table_fits_at_1400_px(rendered) -> None:
+    """At a 1400 px window no table is wider than its section (the ladder's measured columns and
+    the top plans' last column were cut off)."""
+    _, check, _, _ = rendered
+    assert "ladder-table" in check["tables"] and "top-table" in check["tables"]
+    assert check["overflow"] == [], check["overflow"]
 
 
 def test_table_sorts_both_ways(rendered) -> None:
@@ -155,5 +186,5 @@ def test_screenshot(rendered) -> None:
     SHOTS.mkdir(parents=True, exist_ok=True)
     shot = SHOTS / "report.png"
     height = max(800, min(int(check["height"]) + 20, 16000))
-    _chromium([f"--window-size=1280,{height}", f"--screenshot={shot}", page.as_uri()], work / "profile-shot")
+    _chromium([f"--window-size=1400,{height}", f"--screenshot={shot}", page.as_uri()], work / "profile-shot")
     assert shot.exists() and shot.stat().st_size > 50_000, "no screenshot written"

@@ -134,3 +134,9 @@ def test_nvme_capacity_makes_a_plan_infeasible():
     assert any("NVMe per node" in r and "--nvme-gb" in r for r in est.reasons) and not est.feasible
     big = parse_cluster("1xRTX-4090", nvme_gb=need * 1.01)
     assert not any("NVMe" in r for r in estimate(model, big, train, _nvme_plan(big, train)).reasons)
+
+
+def test_a_year_is_365_days():
+    tps = 400e9 / (365.0 * 86400)                       # exactly 365 days: not flagged; a little slower: flagged
+    assert not bill.train_bill(_spec(), tps * 1.001, 8, nodes=1, checkpoint_s=1.0).over_a_year
+    assert bill.train_bill(_spec(), tps * 0.999, 8, nodes=1, checkpoint_s=1.0).over_a_year

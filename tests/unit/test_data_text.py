@@ -97,3 +97,14 @@ def test_prepare_data_errors_are_one_line(tmp_path, capsys) -> None:
     with pytest.raises(SpecError, match="at least 257"):
         train_tokenizer([f], 256, tmp_path / "t")
     assert not list(tmp_path.glob("o.*"))
+
+
+def test_an_empty_input_writes_nothing_not_even_the_tokenizer(tmp_path, capsys) -> None:
+    """The inputs are read before a tokenizer is trained: an empty corpus left
+    PREFIX-tokenizer/{tokenizer.json,tokenizer_config.json} behind its error (issue 25)."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n   \n")
+    out = tmp_path / "out" / "c"
+    assert main(["prepare-data", str(empty), "--train-tokenizer", "300", "--out", str(out), "--no-progress"]) == 2
+    assert "the inputs hold no document" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

@@ -180,6 +180,7 @@ MEGATRON_ARGS = {
     "--lr": FLOAT, "--min-lr": FLOAT,          # 1017, 1048
     "--lr-decay-style": ["constant", "linear", "cosine", "inverse-square-root"],  # 1021
     "--lr-warmup-iters": INT, "--train-iters": INT,  # 1036, 873
+    "--use-flash-attn-v2": TRUE,               # 930
     "--adam-beta1": FLOAT, "--adam-beta2": FLOAT, "--adam-eps": FLOAT,  # 783, 786, 789
     "--weight-decay": FLOAT, "--clip-grad": FLOAT,  # 772, 781
     "--data-path": "*",                        # 1238 (nargs='*')
@@ -207,6 +208,12 @@ def megatron_parser() -> argparse.ArgumentParser:
     return deepspeed.add_config_arguments(ap)
 
 
+def _filled(args_json: Path) -> list[str]:
+    """pretrain_gpt_args.json with the ${VAR} placeholders filled, as the script fills them."""
+    fill = {"${DATA_PATH}": "/d/corpus_text_document", "${TOKENIZER}": "/m/tok", "${TRAIN_ITERS}": "100"}
+    return [fill.get(a, a) for a in json.loads(args_json.read_text())]
+
+
 def _printargs(tmp: Path) -> Path:
     """A stand-in launcher that prints its arguments as JSON."""
     exe = tmp / "printargs"
@@ -220,8 +227,8 @@ def test_megatron_deepspeed_arguments_parse_and_match_the_plan(capsys, glm_run: 
     assert rc == 0 and "GeGLU" in out                       # GLM-130B's FFN has no Megatron-DeepSpeed flag
     d = tmp_path / "m"
     env = dict(os.environ, DEEPSPEED=str(_printargs(tmp_path)), DATA_PATH="/d/corpus_text_document",
-               TOKENIZER="/m/tok", MEGATRON_DS="/src/Megatron-DeepSpeed")
-    proc = subprocess.run(["bash", str(d / "pretrain_gpt.sh"), "--train-iters", "10"], env=env,
+               TOKENIZER="/m/tok", MEGATRON_DS="/src/Megatron-DeepSpeed", TRAIN_ITERS="10")
+    proc = subprocess.run(["bash", str(d / "pretrain_gpt.sh")], env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     argv = json.loads(proc.stdout)
@@ -234,7 +241,13 @@ def test_megatron_deepspeed_arguments_parse_and_match_the_plan(capsys, glm_run: 
     assert (a.num_layers, a.hidden_size, a.ffn_hidden_size, a.num_attention_heads) == (70, 12288, 32768, 96)
     assert (a.seq_length, a.vocab_size, a.attention_dropout) == (2048, 150528, 0.1)
     assert (a.recompute_granularity, a.recompute_method, a.recompute_num_layers) == ("full", "uniform", 1)
-    assert a.checkpoint_activations and a.zero_stage == 1 and a.bf16 and not a.fp16
+    # the --recompute-* form only, not the legacy --checkpoint-activations beside it
+    assert "--checkpoint-activations" not in margs and "--checkpoint-num-layers" not in margs
+    assert a.deepspeed_activation_checkpointing and a.zero_stage == 1 and a.bf16 and not a.fp16
+    # the schedule is stated (Megatron's default decay is "linear"); its length comes from TRAIN_ITERS
+    assert a.lr_decay_style == "constant" and a.train_iters == 10
+    assert a.use_flash_attn_v2 == (json.loads((glm_run / "plan.json").read_text())["inputs"]["train"]["attention"]
+                                   == "flash")
     assert a.deepspeed and a.deepspeed_config == "ds_config.json" and a.distributed_backend == "nccl"
     assert a.data_path == ["/d/corpus_text_document"] and a.tokenizer_model == "/m/tok" and a.train_iters == 10
     assert json.loads((d / "pretrain_gpt_args.json").read_text())[:4] == margs[:4]
@@ -246,6 +259,9 @@ def test_megatron_deepspeed_arguments_parse_and_match_the_plan(capsys, glm_run: 
     missing = subprocess.run(["bash", str(d / "pretrain_gpt.sh")], env=dict(env, DATA_PATH=""),
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode != 0 and "set DATA_PATH" in missing.stderr
+    no_iters = subprocess.run(["bash", str(d / "pretrain_gpt.sh")], env=dict(env, TRAIN_ITERS=""),
+                              capture_output=True, text=True, timeout=60)
+    assert no_iters.returncode != 0 and "set TRAIN_ITERS" in no_iters.stderr
 
 
 def test_megatron_deepspeed_zero_only_and_uneven_stages(capsys, tmp_path: Path) -> None:
@@ -253,7 +269,7 @@ def test_megatron_deepspeed_zero_only_and_uneven_stages(capsys, tmp_path: Path) 
     assert main(["estimate", *TINY, "--zero", "2", "--recompute", "full", "--recompute-layers", "1",
                  "--write", str(d)]) == 0
     assert run(capsys, "export", d, "--to", "megatron-deepspeed")[0] == 0
-    a = megatron_parser().parse_args(json.loads((d / "export/megatron-deepspeed/pretrain_gpt_args.json").read_text()))
+    a = megatron_parser().parse_args(_filled(d / "export/megatron-deepspeed/pretrain_gpt_args.json"))
     # no pipeline: Megatron's own blocks, block recompute of the first 1 of 4 blocks, rmsnorm, GQA, swiglu
     assert a.no_pipeline_parallel and (a.recompute_method, a.recompute_num_layers) == ("block", 1)
     assert a.normalization == "rmsnorm" and a.swiglu and a.num_key_value_heads is not None
@@ -266,6 +282,34 @@ def test_megatron_deepspeed_zero_only_and_uneven_stages(capsys, tmp_path: Path) 
     assert main(["estimate", *GLM130, "--recompute-layers", "7,7,7,7,7,7,7,7", "--write", str(p)]) == 0
     rc, _, err = run(capsys, "export", p, "--to", "megatron-deepspeed")
     assert rc == 2 and "checkpoints every block or none" in err and not (p / "export").exists()
+
+
+@pytest.mark.parametrize("attention", ["flash", "eager"])
+def test_megatron_deepspeed_uses_flash_attention_when_the_estimate_does(capsys, tmp_path: Path, attention) -> None:
+    d = tmp_path / attention
+    assert main(["estimate", *TINY, "--zero", "1", "--attention", attention, "--write", str(d)]) == 0
+    assert json.loads((d / "plan.json").read_text())["inputs"]["train"]["attention"] == attention
+    assert run(capsys, "export", d, "--to", "megatron-deepspeed")[0] == 0
+    a = megatron_parser().parse_args(_filled(d / "export/megatron-deepspeed/pretrain_gpt_args.json"))
+    assert a.use_flash_attn_v2 == (attention == "flash")
+
+
+def test_hf_trainer_two_node_export_writes_the_hostfile_its_command_names(capsys, tmp_path: Path) -> None:
+    """`deepspeed --hostfile hostfile ...` needs the file: DeepSpeed's own launcher parser reads
+    the command and its fetch_hostfile reads the file (2 nodes x 8 slots)."""
+    from deepspeed.launcher.runner import fetch_hostfile, parse_args
+    d = tmp_path / "two"
+    assert main(["estimate", "--model", "glm-10b", "--gpus", "2x8xH100", "--zero", "2", "--write", str(d)]) == 0
+    rc, out, _ = run(capsys, "export", d, "--to", "hf-trainer")
+    assert rc == 0, out
+    e = d / "export" / "hf-trainer"
+    launch = next(ln.split("start: ", 1)[1].split(" (from ")[0] for ln in out.splitlines() if ln.startswith("start: "))
+    argv = shlex.split(launch.replace("$(cat train.args)", ""))
+    assert argv[0] == "deepspeed"
+    a = parse_args(argv[1:])
+    assert (a.hostfile, a.num_nodes, a.num_gpus) == ("hostfile", 2, 8)
+    hosts = fetch_hostfile(str(e / a.hostfile))
+    assert list(hosts.values()) == [8, 8]
 
 
 # --- torchrun -------------------------------------------------------------------------------

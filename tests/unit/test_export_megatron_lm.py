@@ -55,3 +55,21 @@ def test_megatron_lm_refuses_what_it_cannot_run(tmp_path: Path, capsys) -> None:
     rc = main(["export", str(d), "--to", "megatron-lm", "--out", str(d / "x")])
     err = capsys.readouterr().err
     assert rc == 2 and "no ZeRO-2" in err and not (d / "x").exists()
+
+
+def test_megatron_lm_spells_the_model_in_megatron_core_flags(tmp_path: Path) -> None:
+    """ChatGLM3-6B: 2 KV groups, RMSNorm, rotary on half the head, SwiGLU, a QKV-only bias."""
+    d = tmp_path / "glm3"
+    assert main(["estimate", "--model", "chatglm3-6b", "--gpus", "8xA100", "--global-batch", "64", "--tp", "2",
+                 "--zero", "1", "--write", str(d)]) == 0
+    doc = json.loads((d / "plan.json").read_text())
+    doc["plan"]["runtime"] = "megatron-core"
+    (d / "plan.json").write_text(json.dumps(doc))
+    assert main(["export", str(d), "--to", "megatron-lm", "--out", str(d / "x")]) == 0
+    args = json.loads((d / "x" / "pretrain_gpt_args.json").read_text())
+    flag = {a: args[i + 1] for i, a in enumerate(args[:-1]) if a.startswith("--") and not args[i + 1].startswith("--")}
+    assert flag["--num-query-groups"] == "2" and "--group-query-attention" in args
+    assert flag["--normalization"] == "RMSNorm" and flag["--position-embedding-type"] == "rope"
+    assert flag["--rotary-percent"] == "0.5" and "--norm-epsilon" in flag
+    assert {"--swiglu", "--disable-bias-linear", "--add-qkv-bias", "--untie-embeddings-and-output-weights"} <= set(args)
+    assert "--num-key-value-heads" not in args and "--layernorm-epsilon" not in args  # Megatron-DeepSpeed's spelling

@@ -233,19 +233,42 @@ def test_waterfall_labels_are_short():
 
 
 def test_measured_optimizer_states_leave_out_buckets():
-    """The zero rung's measured figure: Adam's moments and the fp32 master only, as the executor's
-    buffer labels name them (a tiny ZeRO-3 run's labels), not ZeRO-3's 100 MB reduce bucket."""
+    """The zero rung's measured figure: the optimizer class of metrics.json's model states (a
+    tiny ZeRO-3 run's figures), device plus host, not ZeRO-3's 100 MB reduce bucket (buckets)."""
     from planner.ladder.measure import optimizer_gb
-    zero3 = {"device.params:module.ds_tensor": 1124480, "device.optimizer:optimizer.grad_partitions_flat_buffer": 1124480,
-             "device.optimizer:optimizer.fp32_partitioned_groups_flat[i]": 2248960,
-             "device.optimizer:optimizer.ipg_buckets[torch.bfloat16].buffer": 100000000,
-             "device.optimizer:optimizer.optimizer.state[p][step]": 4,
-             "device.optimizer:optimizer.optimizer.state[p][exp_avg]": 2248960,
-             "device.optimizer:optimizer.optimizer.state[p][exp_avg_sq]": 2248960}
-    bf16 = {"device.params:module.param": 2248960, "device.grads:module.grad": 2248960,
-            "device.optimizer:optimizer.optimizer.state[key]": 4497920,
-            "device.optimizer:optimizer.optimizer.state[p][exp_avg]": 4497920,
-            "device.optimizer:optimizer.optimizer.state[p][exp_avg_sq]": 4497920}
-    assert optimizer_gb({"model_state_buffers_bytes_per_rank": [zero3, zero3]}) * 1e9 == 6746884
-    assert optimizer_gb({"model_state_buffers_bytes_per_rank": [bf16]}) * 1e9 == 13493760
+    zero3 = {"params": 0.00112448, "grads": 0.00112448, "optimizer": 0.006746884, "buckets": 0.1, "other": 0.0}
+    offload = {"params": 0.0022, "grads": 0.0, "optimizer": 0.000001, "buckets": 0.0, "other": 0.0}
+    assert optimizer_gb({"model_state_breakdown_gb_per_rank": [zero3, zero3]}) == 0.006746884
+    assert optimizer_gb({"model_state_breakdown_gb_per_rank": [offload],
+                         "host_model_state_breakdown_gb_per_rank": [{"optimizer": 0.0135}]}) == pytest.approx(0.013501)
     assert optimizer_gb({}) is None
+    from planner.ladder.measure import states_gb
+    assert states_gb({"model_state_breakdown_gb_per_rank": [zero3, {**zero3, "grads": 0.002}],
+                      "host_model_state_breakdown_gb_per_rank": [{"optimizer": 0.01}, {}]}) == {
+        "params": 0.00112448, "grads": 0.002, "optimizer": pytest.approx(0.016746884), "buckets": 0.1, "other": 0.0}
+
+
+def test_measured_rungs_print_the_prediction_error_and_allocated_peak():
+    """Each measured rung: its gain's error against the measurement ((predicted - measured) /
+    measured) and the allocated peak beside peak RSS; the whole ladder's too."""
+    from planner.ladder.text import _err, rung_lines
+    assert (_err(2.3, 2.0), _err(1.7, 2.0), _err(None, 2.0), _err(1.5, None)) == ("+15%", "-15%", "-", "-")
+    rung = {"index": 1, "technique": "precision", "tokens_per_s": 2300.0, "gain": 2.3, "step_time_s": 0.5,
+            "comm_share": 0.0, "padding_share": 0.0, "peak_memory_gb": 0.3, "feasible": True, "memory_ratio": 0.8,
+            "measured": {"tokens_per_s": 2000.0, "gain": 2.0, "peak_memory_gb": 0.45, "allocated_peak_gb": 0.025}}
+    line = rung_lines([rung], measured=True)[1]
+    assert line.endswith("|     2,000  2.00x   +15%    0.025    0.450")
+
+
+def test_ours_names_its_metric_so_it_is_not_a_second_gain() -> None:
+    """precision's gain column (tokens/s, 14.88x on glm-10b 8xA100) and our figure beside the
+    article (compute per token, 15.17x) were two unlabelled "x" figures for one rung."""
+    from planner.ladder.claims import CLAIMS, ours_text
+    c = {"ours": 15.17, "unit": "x", "short": "compute/token"}
+    assert ours_text(c) == "15.17x compute/token"
+    assert ours_text({"ours": 0.97, "before": 0.43, "unit": "%", "metric": CLAIMS["batching"].metric}) == \
+        "43% -> 97% real tokens"                     # a ladder.json without "short": named by its metric
+    assert ours_text({"ours": 0.08, "unit": "x", "short": "activations/seq", "compute_ratio": 1.3}) == \
+        "0.08x activations/seq, compute +30%"
+    assert ours_text({"ours": None, "unit": "x"}) == "-"
+    assert len({v.short for v in CLAIMS.values()}) == len(CLAIMS)

@@ -36,6 +36,11 @@ def test_reason_classes() -> None:
         "out of memory (optimizer states)"
     assert analysis.reason_category("tp 8 does not divide the 12 attention heads") == "tp # does not divide the # attention heads"
     assert analysis.reason_category("") == "infeasible (no reason given)"
+    # whole words, no "..." (the legend read "MiCS was removed from DeepSpeed (#.# rejects zero_optimiz...")
+    assert analysis.reason_category("MiCS was removed from DeepSpeed (0.19.8 rejects zero_optimization.mics_shard_size, "
+                                    "runtime/zero/config.py)") == "MiCS was removed from DeepSpeed"
+    long = "a reason that states at length why this plan cannot run on the runtime it was written for"
+    assert analysis.reason_category(long) == long
 
 
 def test_1f1b_balanced_schedule_matches_the_closed_form() -> None:
@@ -111,6 +116,8 @@ def test_train_cost_and_formatting() -> None:
     assert fmt.si(143750) == "144k" and fmt.si(2.61e12, "tokens") == "2.61T tokens" and fmt.si(None) == "n/a"
     assert fmt.duration(86400 * 5) == "5 days" and fmt.duration(3600 * 30) == "30 h" and fmt.duration(0.0123) == "12.3 ms"
     assert fmt.money(16) == "$16.00" and fmt.money(8.31e6) == "$8.31M" and fmt.pct(0.425) == "42.5%"
+    # a memory increase reads as one: "12.3% more", never "-12.3% less"
+    assert fmt.less(0.123) == "12.3% less" and fmt.less(-0.123) == "12.3% more" and fmt.less(None) == "n/a"
 
 
 def test_knobs_name_the_deepspeed_settings() -> None:

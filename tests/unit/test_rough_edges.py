@@ -95,13 +95,26 @@ def test_verify_says_where_the_targets_come_from(monkeypatch, tmp_path: Path) ->
     from planner.executor import verify as v
     d = tmp_path / "t"
     assert main(["estimate", *TINY, "--zero", "1", "--write", str(d)]) == 0
-    fake = {"baseline": {"tokens_per_s": 1000.0, "peak_memory_gb": 3.0, "model_state_gb_per_rank": [1.0, 1.0]},
-            "planned": {"tokens_per_s": 1500.0, "peak_memory_gb": 2.4, "model_state_gb_per_rank": [0.6, 0.6]}}
+    states = {"params": 0.5, "grads": 0.5, "optimizer": 0.0, "buckets": 0.0, "other": 0.0}
+    fake = {"baseline": {"tokens_per_s": 1000.0, "allocated_peak_gb": 3.0, "peak_memory_gb": 3.5, "device": "cpu",
+                         "model_state_gb_per_rank": [1.0, 1.0], "model_state_breakdown_gb_per_rank": [states] * 2},
+            "planned": {"tokens_per_s": 1500.0, "allocated_peak_gb": 2.4, "peak_memory_gb": 3.4, "device": "cpu",
+                        "model_state_gb_per_rank": [0.6, 0.6],
+                        "model_state_breakdown_gb_per_rank": [{**states, "params": 0.25, "grads": 0.35}] * 2}}
     monkeypatch.setattr(v, "run_plan", lambda path, **kw: fake[Path(path).name])
     lines: list[str] = []
     out = v.verify(d, steps=4, warmup=1, echo=lines.append)
     assert "target 3x (the article's 12,000 -> 36,000 tokens/s): MISSED by 1.50x" in out["summary"]
-    assert "-33% (the article's 48 -> 32 GB per GPU): MISSED by 13 percentage points" in out["summary"]
+    # judged on allocated bytes (what a GPU counts), RSS shown beside it, model states class by class
+    assert ("peak allocated memory (what a GPU counts; the target is judged on it): measured 0.80x of baseline, 20% "
+            "less") in out["summary"]          # was "+20% reduction"
+    assert "target 33% less (the article's 48 -> 32 GB per GPU): MISSED by 13 percentage points" in out["summary"]
+    assert (v.memory_change(1.12), v.memory_change(0.88), v.memory_change(1.001)) == \
+        ("12% more", "12% less", "about the same")          # an increase reads as one, not "-12% reduction"
+    assert "peak RSS (shown, not judged: the process's own memory does not shrink): measured 0.97x" in out["summary"]
+    assert out["met"] == {"throughput_ratio": False, "memory_reduction": False, "rss_reduction": False}
+    assert out["measured"]["model_states_by_class"] == {"params": 0.5, "grads": 0.7}
+    assert "model states by class, planned / baseline: params 0.50x, grads 0.70x" in out["summary"]
     assert lines[-1] == ("targets from the source article's table: 12,000 -> 36,000 tokens/s (3x) and 48 -> 32 GB "
                          "per GPU (one third less) against a baseline of fp32, plain DP, ZeRO-0, padded static "
                          "batches; baseline here: ZeRO-0, TP 1 x PP 1 x DP 2, micro-batch 4, accumulation 1, "

@@ -41,12 +41,14 @@ def tiny(d: Path, **kw) -> Path:
 
 
 @pytest.fixture
-def no_launch(monkeypatch):
-    """Fail the test if the launcher tries to start a rank; the host is a 2-core CPU host."""
+def no_launch(monkeypatch, tmp_path_factory):
+    """Fail the test if the launcher tries to start a rank; the host is a 2-core CPU host, and
+    its torch-extensions cache an empty one (no build lock of this machine's decides a test)."""
     def popen(*a, **k):
         raise AssertionError("a rank was started")
     monkeypatch.setattr(launch.subprocess, "Popen", popen)
     monkeypatch.setattr(preflight, "probe_host", lambda gpu: CPU_HOST)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path_factory.mktemp("torch-extensions")))
 
 
 def untouched(d: Path, before: dict[str, str]) -> None:

@@ -189,12 +189,14 @@ def test_one_stage_partition_carries_its_time_and_memory():
 
 
 def test_partition_stage_memory_and_checkpoints_come_with_the_split():
+    # sequence 512: ZeRO-1's two reduce buffers under a pipeline leave 1024 40 MB short; at 512 the
+    # split still needs checkpoints on both stages
     m, c = preset("glm-10b"), parse_cluster("8xA100-40GB")
-    t = TrainSpec(global_batch=64, seq_len=1024)
+    t = TrainSpec(global_batch=64, seq_len=512)
     sm = _stage_model(m, c, t, Outer(tp=1, pp=2, dp=4, zero=1, micro_batch=1, grad_accum=16, recompute="full",
                                      sequence_parallel=False, interleave=1))
     got = solve(sm, 48, True)
-    assert isinstance(got, Partition) and sum(got.stage_layers) == 48
+    assert isinstance(got, Partition) and sum(got.stage_layers) == 48 and all(got.checkpointed)
     assert got.checkpointed == tuple(sm.fewest_checkpointed(i, n, True) for i, n in enumerate(got.stage_layers))
     assert got.stage_bytes == tuple(sm.bytes(i, n, k) for i, (n, k) in enumerate(zip(got.stage_layers,
                                                                                        got.checkpointed)))

@@ -1,0 +1,52 @@
+"""EP size and context-parallel degree are searched axes, with each runtime's rules."""
+import pytest
+
+from planner.cli import main
+from planner.search.space import Space
+from planner.specs.hardware import parse_cluster
+from planner.specs.model import preset, scale
+from planner.specs.train import TrainSpec
+from planner.specs.validate import plan_problems
+
+
+def test_ep_is_searched_for_moe_only():
+    c, tr = parse_cluster("8xH100"), TrainSpec(global_batch=16, seq_len=4096)
+    eps = {o.ep for o in Space(model=preset("glm-4.5-air"), cluster=c, train=tr).points()}
+    assert eps == {1, 2, 4, 8}
+    assert {o.ep for o in Space(model=preset("glm-4-9b"), cluster=c, train=tr).points()} == {1}
+
+
+def test_cp_offered_for_long_sequences_and_every_point_is_legal():
+    m, c = preset("glm-4-9b"), parse_cluster("8xA100-80GB")
+    long = TrainSpec(global_batch=16, seq_len=65536)
+    space = Space(model=m, cluster=c, train=long)
+    points = list(space.points())
+    kinds = {(o.cp, o.cp_kind) for o in points}
+    assert (2, "ulysses") in kinds and (8, "ring") in kinds and (4, "ulysses") not in kinds  # 2 KV groups
+    for o in points[::7]:
+        assert not plan_problems(m, c, long, o.plan(long.precision)), o
+    short = TrainSpec(global_batch=16, seq_len=4096)
+    assert {o.cp for o in Space(model=m, cluster=c, train=short).points()} == {1}
+    assert {o.cp for o in Space(model=m, cluster=c, train=short, context_parallel="on").points()} > {1}
+
+
+def test_tiny_moe_space_is_legal():
+    m = scale(preset("glm-4.5-air"), "tiny")
+    c, tr = parse_cluster("4xcpu"), TrainSpec(global_batch=8, seq_len=128, precision="fp32")
+    for o in Space(model=m, cluster=c, train=tr).points():
+        assert not plan_problems(m, c, tr, o.plan(tr.precision)), o
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--model", "glm-4.5-air", "--gpus", "4x8xH100", "--ep", "3", "--pp", "4"], "--ep: 3 does not divide"),
+    (["--model", "glm-4.5-air", "--gpus", "4x8xH100", "--ep", "3", "--pp", "4", "--cp", "3"], "--tp/--pp/--cp"),
+    (["--model", "glm-4-9b", "--gpus", "8xA100-80GB", "--cp", "4", "--seq-len", "65536", "--zero", "3",
+      "--global-batch", "16"], "does not divide the 2 KV groups"),
+    (["--model", "glm-4-9b", "--gpus", "8xA100-80GB", "--cp", "4", "--cp-kind", "ring", "--seq-len", "65532",
+      "--zero", "3", "--global-batch", "16"], "divisible by 2 x cp = 8"),
+    (["--model", "glm-4-9b", "--gpus", "8xA100-80GB", "--ep", "2", "--global-batch", "16"], "mixture-of-experts"),
+])
+def test_bad_ep_cp_is_one_line_exit_2(capsys, flags, words):
+    rc = main(["estimate", *flags])
+    _, err = capsys.readouterr()
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and words in err, err
