@@ -176,14 +176,8 @@ class Scheduler:
         while k < len(self.running) and budget >= 1:
             i = self.running[k]
             n = int(min(self.target[i] - self.computed[i], budget)) if self._prefilling(i) else 1
-            need = self._blocks(i, n)
-            while need > self.free and self.running:
-                if self._preempt(step) == i:
-                    break
-            if step.preempted and step.preempted[-1] == i:
+            if not self._hold(step, i, n):
                 break
-            self.free -= need
-            self.held[i] += need
             if self._prefilling(i):
                 step.chunks.append((i, n, self.computed[i]))
             else:
@@ -192,6 +186,19 @@ class Scheduler:
             k += 1
         if not step.preempted:
             self._take_waiting(step, budget)
+
+    def _hold(self, step: Step, i: int, n: int) -> bool:
+        """Hold the KV blocks running request i needs for n more tokens, preempting the newest
+        running requests until they fit; False when i itself had to be preempted."""
+        need = self._blocks(i, n)
+        while need > self.free and self.running:
+            if self._preempt(step) == i:
+                break
+        if step.preempted and step.preempted[-1] == i:
+            return False
+        self.free -= need
+        self.held[i] += need
+        return True
 
     def _separate(self, step: Step) -> None:
         budget = self.cfg.max_num_batched_tokens
@@ -211,14 +218,8 @@ class Scheduler:
         k = 0
         while k < len(self.running):
             i = self.running[k]
-            need = self._blocks(i, 1)
-            while need > self.free and self.running:
-                if self._preempt(step) == i:
-                    break
-            if step.preempted and step.preempted[-1] == i:
+            if not self._hold(step, i, 1):
                 break
-            self.free -= need
-            self.held[i] += need
             step.decodes.append(i)
             k += 1
 
