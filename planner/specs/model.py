@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from planner.errors import SpecError
+from planner.specs.strict import check_fields
 from planner.specs.moe import MoESpec
 
 NORMS = ("layernorm", "rmsnorm")
@@ -337,12 +338,7 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ModelSpec":
-        if not isinstance(data, Mapping):
-            raise SpecError("model", "must be a JSON object", "pass the model section of a plan.json")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - names
-        if unknown:
-            raise SpecError("model", f"unknown field(s) {sorted(unknown)}", f"use only {sorted(names)}")
+        check_fields(cls, data, "model", "pass the model section of a plan.json")
         kw = dict(data)
         if kw.get("moe") is not None:
             kw["moe"] = MoESpec.from_dict(kw["moe"])

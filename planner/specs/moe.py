@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from planner.errors import SpecError
+from planner.specs.strict import check_fields
 
 ROUTERS = ("softmax", "sigmoid")
 IMBALANCE = 1.0
@@ -98,12 +99,7 @@ class MoESpec:
 
     @classmethod
     def from_dict(cls, data: Any) -> "MoESpec":
-        if not isinstance(data, Mapping):
-            raise SpecError("model.moe", "must be a JSON object", "give experts, top_k and expert_ffn")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - names
-        if unknown:
-            raise SpecError("model.moe", f"unknown field(s) {sorted(unknown)}", f"use only {sorted(names)}")
+        check_fields(cls, data, "model.moe", "give experts, top_k and expert_ffn")
         missing = [f for f in ("experts", "top_k", "expert_ffn") if f not in data]
         if missing:
             raise SpecError(f"model.moe.{missing[0]}", "missing", "a MoE model needs experts, top_k and expert_ffn")

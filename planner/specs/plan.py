@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from planner.errors import SpecError
+from planner.specs.strict import check_fields
 from planner.specs.hardware import TRAIN_PRECISIONS
 
 RECOMPUTE = ("none", "selective", "full")
@@ -273,12 +274,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
-        if not isinstance(data, Mapping):
-            raise SpecError("plan", "must be a JSON object", "pass the plan section of plan.json")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - names
-        if unknown:
-            raise SpecError("plan", f"unknown field(s) {sorted(unknown)}", f"use only {sorted(names)}")
+        check_fields(cls, data, "plan", "pass the plan section of plan.json")
         kw = dict(data)
         for f in ("stage_layers", "recompute_layers"):
             if f in kw:
