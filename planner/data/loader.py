@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from planner.executor.data import Layout, Rows
+from planner.data.batching import Layout, Rows
 
 LOADER_SHARE = 0.1
 """Production below this share of a micro-batch's compute time stays in the rank's own process."""
@@ -61,8 +61,9 @@ class LoaderSettings:
 class MicroBatches:
     """Item i = the i-th micro-batch this rank reads: (ids, pos, segments, labels) tensors.
     The rows are packed here (lengths only); their tokens are produced when the item is read,
-    in the rank's process or in a worker (the Rows pickles small). A map-style dataset for
-    torch's DataLoader (no torch import here: `planner search` can choose settings without it)."""
+    in the rank's process or in a worker (the Rows pickles small). `arrays(k)` gives numpy arrays;
+    the training runtime's map-style dataset for torch's DataLoader (planner/runtime/train/build.py
+    TensorMicroBatches) adds the tensors. No torch here: `planner search` chooses settings without it."""
 
     def __init__(self, rows: Rows, layout: Layout, batch_ids: list[int], dp_rank: int) -> None:
         self.index = [(b, m) for b in batch_ids for m in range(layout.grad_accum)]
@@ -77,22 +78,6 @@ class MicroBatches:
     def arrays(self, k: int) -> tuple[np.ndarray, ...]:
         parts = [self.rows.tensors(i) for i in self.rows_of[k]]
         return tuple(np.stack(col) for col in zip(*parts))
-
-    def __getitem__(self, k: int):
-        import torch
-        return tuple(torch.from_numpy(a) for a in self.arrays(k))
-
-
-def loader(rows: Rows, layout: Layout, batch_ids: list[int], dp_rank: int, device: str,
-           settings: LoaderSettings):
-    """The rank's torch DataLoader over its micro-batches of `batch_ids`, in order."""
-    from torch.utils.data import DataLoader
-    ds = MicroBatches(rows, layout, batch_ids, dp_rank)
-    kw: dict[str, Any] = {"batch_size": None, "shuffle": False, "num_workers": settings.workers,
-                          "pin_memory": settings.pin_memory and device == "cuda"}
-    if settings.workers > 0:
-        kw.update(prefetch_factor=settings.prefetch_factor, persistent_workers=False)
-    return DataLoader(ds, **kw)
 
 
 def measure_production(rows: Rows, layout: Layout, *, micro_batches: int = 3, dp_rank: int = 0) -> float:
@@ -146,3 +131,18 @@ def choose_loader(rows: Rows, layout: Layout, *, device: str, step_time_s: float
 def loader_record(settings: LoaderSettings) -> dict[str, Any]:
     """What plan.json records under "loader"."""
     return settings.to_dict()
+
+
+def loader_settings(doc: dict, workers: int | None, device: str):
+    """The DataLoader settings of a run: --data-workers when given, else what plan.json records
+    under "loader" (choose_loader at search time), else one worker."""
+    rec = doc.get("loader") if isinstance(doc, dict) else None
+    if workers is None and isinstance(rec, dict):
+        try:
+            return LoaderSettings(int(rec["workers"]), bool(rec["pin_memory"]), int(rec["prefetch_factor"]),
+                                  rec.get("produce_s"), rec.get("compute_s"), str(rec.get("reason", "")))
+        except (KeyError, TypeError, ValueError):
+            pass
+    n = 1 if workers is None else workers
+    return LoaderSettings(n, device == "cuda", 2 if n else 0, reason="--data-workers" if workers is not None
+                          else "plan.json records no loader settings: one worker")

@@ -23,7 +23,7 @@ ChatGLM: interleaved pairs over the first half) and are carried by the ModelSpec
 Also here: the checkpoint directory (config.json and safetensors headers; tensors read lazily,
 slice by slice), its header-only check against the plan's model, the layout a save writes and
 the config.json it generates. Moving the values in and out of the sharded model (slices on
-load; ZeRO-3, TP and PP gathers and the atomic write on save) is planner/executor/weights.py.
+load; ZeRO-3, TP and PP gathers and the atomic write on save) is planner/hf/weights.py.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The families' layouts (tensor names, fused q|k|v and gate|up parts, shapes, config.json) and
 the header-only check of a checkpoint (check_checkpoint, which check_hf_checkpoint below runs
-alone) are planner/executor/hf_layout.py; its public names are re-exported here.
+alone) are planner/hf/layout.py; its public names are re-exported here.
 
 Loading runs on every rank before deepspeed.initialize (so ZeRO-3 partitions the loaded
 values): each rank checks the whole checkpoint (config against the plan's model, every
@@ -25,10 +25,10 @@ from typing import Any, Iterable
 import torch
 
 from planner.errors import ExecutionError
-from planner.executor.hf_layout import (COMPARED, FIELD, INDEX, LAYOUTS, Checkpoint, canonical_names,
-                                        check_checkpoint, check_supported, expected_tensors, full_shape,
-                                        hf_config, layout_for, save_layout, sources, to_hf)
-from planner.executor.parallel.groups import SINGLE, TPGroup
+from planner.hf.layout import (COMPARED, FIELD, INDEX, LAYOUTS, Checkpoint, canonical_names, check_checkpoint,
+                               check_supported, expected_tensors, full_shape, hf_config, layout_for, save_layout,
+                               sources, to_hf)
+from planner.model.parallel.groups import SINGLE, TPGroup
 from planner.specs.model import ModelSpec
 
 __all__ = ["COMPARED", "COPIED_SUFFIXES", "FIELD", "INDEX", "LAYOUTS", "Checkpoint", "canonical_names",
@@ -113,7 +113,7 @@ def local_tensor(ckpt: Checkpoint, p: torch.nn.Parameter, spec: ModelSpec, layou
 
 def load_hf_weights(module: torch.nn.Module, path: str | Path, spec: ModelSpec, groups=None) -> None:
     """Load the checkpoint at `path` into this rank's module (before deepspeed.initialize).
-    `groups` (planner.executor.parallel.groups.Groups) may be None: the TP rank is then read
+    `groups` (planner.model.parallel.groups.Groups) may be None: the TP rank is then read
     from the module's layers."""
     tp = groups.tp if groups is not None else module_tp(module)
     ckpt = Checkpoint(path)

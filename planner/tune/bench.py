@@ -67,7 +67,7 @@ Runner = Callable[[Path, int, int], dict[str, Any]]
 
 
 def _run_plan(run_dir: Path, steps: int, warmup: int) -> dict[str, Any]:
-    from planner.executor.launch import run_plan
+    from planner.runtime.train.launch import run_plan
     return run_plan(run_dir, steps=steps, warmup=warmup)
 
 

@@ -69,7 +69,7 @@ def top_plans(trials_csv: Path, k: int) -> list[tuple[int, Plan, float]]:
 
 
 def _executor_run(run_dir: Path, steps: int, warmup: int) -> dict[str, Any]:
-    from planner.executor.launch import run_plan
+    from planner.runtime.train.launch import run_plan
     return run_plan(run_dir, steps=steps, warmup=warmup)
 
 

@@ -30,7 +30,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-from planner.calibrate.refine import finish, prepare_plan_dir, top_plans, with_device
+from planner.tune.refine import finish, prepare_plan_dir, top_plans, with_device
 from planner.calibrate.runs import MeasuredRun
 from planner.errors import PlannerError, SpecError
 from planner.rundir import load_run

@@ -1,6 +1,6 @@
 """Pipeline parallelism: DeepSpeed's PipelineModule cut at the plan's explicit stage boundaries.
 
-The model is a flat layer list (planner/executor/model.py):
+The model is a flat layer list (planner/model/glm.py):
 
     WordEmbedding, [PositionEmbedding], Block x L, FinalNorm, OutputLayer | tied WordEmbedding
 
@@ -13,9 +13,9 @@ layer on the first stage, so the last stage holds no unused copy.
 """
 from __future__ import annotations
 
-from planner.executor.model import (Block, FinalNorm, LMLoss, OutputLayer, PositionEmbedding, StageCache,
-                                    WordEmbedding, tied_logits)
-from planner.executor.parallel.groups import Groups
+from planner.model.glm import Block, FinalNorm, LMLoss, OutputLayer, PositionEmbedding, WordEmbedding, tied_logits
+from planner.model.attention import StageCache
+from planner.model.parallel.groups import Groups
 from planner.specs.model import ModelSpec
 
 TIE = {"tied_weight_attr": ["word_embeddings.weight"]}

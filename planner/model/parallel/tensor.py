@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from planner.executor.parallel.groups import SINGLE, TPGroup
+from planner.model.parallel.groups import SINGLE, TPGroup
 
 # --- collectives as autograd functions ------------------------------------------------------
 

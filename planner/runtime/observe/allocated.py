@@ -21,7 +21,7 @@ class AllocatedMeter:
     reset() marks the post-init point (like torch.cuda.reset_peak_memory_stats: the peak starts
     from what is live then), stop() returns the peak since the mark. The profiler costs time
     per operator, so the executor runs it over the warm-up steps (their times are not averaged;
-    at least two steps, planner.executor.train.ALLOCATED_STEPS) and measures peak RSS after it."""
+    at least two steps, planner.runtime.train.loop.ALLOCATED_STEPS) and measures peak RSS after it."""
 
     MARK = "planner::allocated_reset"
 

@@ -6,7 +6,7 @@ peak resident set size, VmHWM from /proc/self/status, reset after initialisation
 freed buffers and the high-water mark tracks live memory. It includes the interpreter and
 libraries (reported separately as the RSS before the model was built).
 GPU: torch.cuda.max_memory_allocated after torch.cuda.reset_peak_memory_stats.
-The allocated peak on CPU (live tensor bytes, what a GPU counts): planner/executor/allocated.py.
+The allocated peak on CPU (live tensor bytes, what a GPU counts): planner/runtime/observe/allocated.py.
 Model states (both): the bytes of parameters, gradients and optimizer state (fp32 masters,
 moments, ZeRO partitions and buckets) this rank holds, counted tensor by tensor with
 shared storage counted once -- exact and repeatable; what DeepSpeed offloads (ZeRO-Offload's
@@ -263,7 +263,7 @@ class ActivationRecorder:
     """What each layer of this rank keeps for backward during one micro-batch's forward (and
     its loss): saved-tensor hooks, plus the inputs DeepSpeed's activation checkpointing holds
     as ctx attributes, which the hooks do not see (recorded where the executor's model calls
-    the checkpoint, as planner.executor.model.saved_for_backward does). Storages count once;
+    the checkpoint, as planner.model.glm.saved_for_backward does). Storages count once;
     parameters are left out (also ZeRO-3's gathered weights and the Parameter objects its
     linear saves).
 
@@ -274,7 +274,7 @@ class ActivationRecorder:
     `result` after a window: {"blocks": {i: bytes}, "shared", "embedding", "head"}."""
 
     def __init__(self, module: torch.nn.Module) -> None:
-        from planner.executor import model as M
+        from planner.model import glm as M
         self._model = M
         self.params = list(module.parameters())
         self.result: dict | None = None

@@ -6,7 +6,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from planner.executor.files import RANKS_DIR
+from planner.runtime.files import RANKS_DIR
 from planner.specs.estimate import GB
 
 VERSION = 2
@@ -82,7 +82,7 @@ def build_metrics(result: dict, plan, model, warmup: int, steps: int, estimate_d
     alloc = [r.get("allocated_peak_bytes") for r in ranks]
     alloc = [a / GB for a in alloc] if all(a is not None for a in alloc) else None
     states = [sum(r["model_state"].values()) / GB for r in ranks]
-    host = [r.get("host_model_state") or {} for r in ranks]  # offloaded states (planner.executor.measure)
+    host = [r.get("host_model_state") or {} for r in ranks]  # offloaded states (planner.runtime.observe.measure)
     predicted = _predicted(estimate_doc)
     measured = {"step_time_s": step_time, "tokens_per_s": tokens_per_s, "peak_memory_gb": max(peaks),
                 "allocated_peak_gb": max(alloc) if alloc else None}
@@ -116,7 +116,7 @@ def build_metrics(result: dict, plan, model, warmup: int, steps: int, estimate_d
         "predicted": predicted,
         "relative_error": {k: relative_error(measured[k], predicted[k]) for k in measured},
         "events": result["events"],
-        # the trainer's figures (planner/executor/train.py): the rate each step used, the schedule
+        # the trainer's figures (planner/runtime/train/loop.py): the rate each step used, the schedule
         # DeepSpeed ran (its ds_config "scheduler" block), held-out losses, time in all-reduce
         "lr": result.get("lr", []), "lr_schedule": result.get("lr_schedule"),
         "eval_loss": result.get("eval_loss", []),
@@ -127,7 +127,7 @@ def build_metrics(result: dict, plan, model, warmup: int, steps: int, estimate_d
     if any(r.get("activations") is not None for r in ranks):
         # worker --measure-activations: per rank, the bytes each block ("activation_bytes_per_block",
         # keyed by global block index) and the stage's shared tensors, embedding and head keep for
-        # backward in one micro-batch (planner.executor.measure.ActivationRecorder)
+        # backward in one micro-batch (planner.runtime.observe.measure.ActivationRecorder)
         m["activations_per_rank"] = [
             None if r.get("activations") is None else
             {"activation_bytes_per_block": r["activations"]["blocks"],

@@ -1,12 +1,12 @@
 """The Prometheus endpoint of a run (`planner run --metrics-port P`): rank 0 serves the
-series of planner.executor.observability.SERIES on http://HOST:P/metrics (prometheus_client's
+series of planner.runtime.observe.watch.SERIES on http://HOST:P/metrics (prometheus_client's
 own HTTP server, a daemon thread), updated once per optimizer step."""
 from __future__ import annotations
 
 import socket
 from typing import Any
 
-from planner.executor.observability import SERIES
+from planner.runtime.observe.watch import SERIES
 
 LOCAL = "127.0.0.1"
 PER_RANK = ("planner_peak_memory_bytes", "planner_allreduce_seconds", "planner_allreduce_calls",

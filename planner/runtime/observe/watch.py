@@ -19,7 +19,7 @@ for 5 minutes; all-reduce latency above 50 ms."""
 ALERTS_FILE = "prometheus-alerts.yml"
 DASHBOARD_FILE = "grafana-dashboard.json"
 
-# Prometheus series (planner/executor/prom.py serves them; the rules and dashboard use them)
+# Prometheus series (planner/runtime/observe/prom.py serves them; the rules and dashboard use them)
 SERIES = {
     "planner_step": "Optimizer steps completed",
     "planner_tokens_per_second": "Real (non-padding) tokens per second in the last step",

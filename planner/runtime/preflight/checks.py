@@ -253,7 +253,7 @@ def check_config(cfg: Any, plan: Plan, model: ModelSpec, expected: dict[str, Any
     if "tensor_parallel" in cfg and "tensor_parallel" not in expected:
         raise SpecError("ds_config.json tensor_parallel",
                         "is a DeepSpeed AutoTP block, but AutoTP is not what the plan runs: tensor parallelism is "
-                        "the executor's own Megatron-style layers (planner/executor/parallel)",
+                        "the executor's own Megatron-style layers (planner/model/parallel)",
                         "delete the tensor_parallel block (or the whole ds_config.json: `planner run` writes it "
                         "again from plan.json)")
     tb, mb, ga = _batch_triple(cfg, plan.dp)
@@ -375,7 +375,7 @@ def check_trainer(run_dir: str | Path, plan: Plan, model: ModelSpec, train: Trai
                   metrics_host: str = "127.0.0.1", init_hf: str = "", save_hf: str = "",
                   data_workers: int | None = None) -> None:
     """The flags of `planner run` that the ranks would otherwise trip over after start-up: the
-    schedule's numbers, the corpus and tokenizer (planner.executor.data.check_data: corpus at
+    schedule's numbers, the corpus and tokenizer (planner.data.batching.check_data: corpus at
     least one global batch, tokenizer present and its vocabulary within the model's), the
     metrics port (a bind test on the address rank 0 will serve), and the Hugging Face
     directories. Raises the first problem; touches nothing."""
@@ -401,7 +401,7 @@ def check_trainer(run_dir: str | Path, plan: Plan, model: ModelSpec, train: Trai
         if not p.is_dir():
             raise SpecError("--init-hf", f"{p} is not a directory", "give a Hugging Face checkpoint directory "
                             "(config.json and *.safetensors)")
-        from planner.executor import weights
+        from planner.hf import weights
         check = getattr(weights, "check_hf_checkpoint", None)
         if check is not None:  # config against the model, every tensor's presence and shape (headers only)
             check(p, model, "--init-hf")
@@ -415,7 +415,7 @@ def check_trainer(run_dir: str | Path, plan: Plan, model: ModelSpec, train: Trai
         if not os.access(parent, os.W_OK):
             raise SpecError("--save-hf", f"cannot write under {parent}", "give a writable directory")
     if metrics_port:
-        from planner.executor.prom import port_problem
+        from planner.runtime.observe.prom import port_problem
         problem = port_problem(metrics_port, metrics_host)
         if problem:
             raise ExecutionError("--metrics-port", problem, "pick a free port (e.g. --metrics-port 9400) or stop "
@@ -425,8 +425,8 @@ def check_trainer(run_dir: str | Path, plan: Plan, model: ModelSpec, train: Trai
 def _check_data(data: str, tokenizer: str, seed: int, model: ModelSpec, train: TrainSpec, plan: Plan,
                 batching: str) -> None:
     """The corpus as the ranks will read it (data.check_data)."""
-    from planner.executor import data as datamod
-    from planner.executor.settings import data_spec
+    from planner.data import batching as datamod
+    from planner.data.corpus import data_spec
     # a Megatron indexed dataset is named by its prefix (PREFIX.bin + PREFIX.idx)
     if not Path(data).exists() and not Path(f"{data}.idx").exists():
         raise SpecError("--data", f"{data} does not exist", "give a corpus file (.txt, .jsonl, .npy, .bin/.idx "

@@ -9,7 +9,7 @@ machine's figures: each problem is one line naming what is missing and how to re
   measured.environment: CPU model and core count);
 - a measured profile must hold a GEMM curve for every precision the comparison predicts (the
   baseline's fp32 and the plan's): a missing one would silently borrow another precision's;
-- a metrics.json must be of this planner's version (planner.executor.metrics.VERSION).
+- a metrics.json must be of this planner's version (planner.runtime.observe.metrics.VERSION).
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def check_run_dir(run: Path, precisions: tuple[str, ...]) -> None:
 
 def check_metrics(metrics: dict[str, Any], where: str) -> dict[str, Any]:
     """`metrics` (a metrics.json) is of this planner's version; returns it."""
-    from planner.executor.metrics import VERSION
+    from planner.runtime.observe.metrics import VERSION
     got = metrics.get("version") if isinstance(metrics, dict) else None
     if got != VERSION:
         raise SpecError(where, f"is metrics.json version {got!r}, this planner reads {VERSION} (model states by "

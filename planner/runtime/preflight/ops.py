@@ -1,10 +1,10 @@
-"""Build DeepSpeed's CPU ops once, at install (`make` runs `python -m planner.executor.ops`), so
+"""Build DeepSpeed's CPU ops once, at install (`make` runs `python -m planner.runtime.preflight.ops`), so
 that no `planner run` compiles.
 
 Every CPU run loads DeepSpeed's shared-memory collective op (deepspeed/comm/torch.py
 `build_shm_op`: ShareMemCommBuilder), which DeepSpeed JIT-compiles into torch's extension cache
 on first use (19-22 s on this machine, /work/shared/notes/deepspeed-on-cpu.md), under a build
-lock every other rank waits on (planner/executor/buildlock.py). It is the only op the executor's
+lock every other rank waits on (planner/runtime/preflight/buildlock.py). It is the only op the executor's
 runs compile: the ds_config the planner writes gives offload plans torch's AdamW, not
 DeepSpeedCPUAdam (planner/dsconfig.py), and names no DeepSpeed optimizer otherwise. Loading an
 op that is built already only checks it (no compile).
@@ -21,7 +21,7 @@ OPS = ("ShareMemCommBuilder",)
 
 def build(echo=print) -> int:
     """Build (or find built) each op of OPS; 0, or 1 after one line per op that failed."""
-    from planner.executor.buildlock import stale_lock_problem
+    from planner.runtime.preflight.buildlock import stale_lock_problem
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     lock = stale_lock_problem()
     if lock is not None:

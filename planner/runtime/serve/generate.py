@@ -1,6 +1,6 @@
 """Greedy generation on the executor's GLM model: a KV cache and continuous batching.
 
-The model (planner/executor/model.py) is used as built for training, unchanged: this file
+The model (planner/model/glm.py) is used as built for training, unchanged: this file
 runs its layers' own modules (norms, the fused QKV and dense linears, the MLP, the vocab-
 parallel embedding and output layer) in a cached forward of its own, so the training forward
 stays bit-identical and the TP collectives are the layers' own (Megatron-style, on gloo).
@@ -37,8 +37,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from planner.errors import ExecutionError
-from planner.executor.model import GLMModel, alibi_slopes, linear_attention, rotary, rotary_dims, tied_logits
-from planner.executor.parallel.groups import SINGLE, TPGroup
+from planner.model.glm import GLMModel, tied_logits
+from planner.model.attention import alibi_slopes, linear_attention, rotary, rotary_dims
+from planner.model.parallel.groups import SINGLE, TPGroup
 from planner.serve.scheduler import Scheduler, SchedulerConfig
 from planner.specs.model import ModelSpec
 
@@ -70,7 +71,7 @@ class KVCache:
     A linear-attention model (ModelSpec.linear_attention, docs/variants.md) keeps no K and V:
     per layer and slot a fixed-size state instead, `state` [slots, kv_groups/TP, d, d] (the sum
     of phi(k) v^T) and `norm` [slots, kv_groups/TP, d] (the sum of phi(k)), in fp32 as the
-    training kernel (planner.executor.model.linear_attention) keeps them: what
+    training kernel (planner.model.glm.linear_attention) keeps them: what
     planner/serve/memory.py state_bytes_per_sequence counts, whatever the context length."""
 
     def __init__(self, spec: ModelSpec, tp: TPGroup, slots: int, max_len: int, dtype: torch.dtype) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from planner.errors import SpecError
-from planner.executor.generate import Request
+from planner.runtime.serve.generate import Request
 from planner.serve.queue import draw_requests
 from planner.serve.spec import Workload
 

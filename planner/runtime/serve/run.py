@@ -1,7 +1,7 @@
 """Measure serving on this machine: the generation engine driven by the load generator.
 
 `run_serving(...)` builds the executor's GLM model (TP 1 in this process; TP > 1 as TP
-ranks in separate gloo processes, started like planner/executor/launch.py: one new process
+ranks in separate gloo processes, started like planner/runtime/train/launch.py: one new process
 group, killed on timeout), serves seeded requests with Poisson arrivals under continuous
 batching, and writes serve_metrics.json atomically (the contract of issue 11):
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +32,7 @@ import numpy as np
 
 from planner.errors import ExecutionError, SpecError
 from planner.rundir import atomic_write_json, load_run
+from planner.runtime.procs import RankGroup, rank_env
 from planner.specs.model import ModelSpec
 
 METRICS_FILE = "serve_metrics.json"
@@ -81,7 +81,7 @@ def run_serving(run_dir_or_model: Any, *, tp: int = 1, max_batch: int = 1, workl
     out_dir/serve_metrics.json (default: the run directory). Requests still running at
     `timeout_s` are dropped (timed_out: true). `threads`: torch threads per rank (default: the
     cores over the TP ranks; 1 keeps runs comparable on a machine shared with other work)."""
-    from planner.executor.loadgen import as_workload, make_requests
+    from planner.runtime.serve.loadgen import as_workload, make_requests
     spec, out = _resolve(run_dir_or_model, out_dir)
     w = as_workload(workload)
     if tp < 1 or spec.heads % tp or spec.kv_heads % tp or spec.ffn_hidden % tp:
@@ -133,9 +133,9 @@ def serve(cfg: dict[str, Any], tp_group: Any = None) -> dict[str, Any]:
     """One rank's part: build the TP slice, warm up, serve; rank 0 returns the measurements."""
     import torch
 
-    from planner.executor.generate import CachedForward, Engine, build_model
-    from planner.executor.loadgen import make_requests
-    from planner.executor.parallel.groups import SINGLE
+    from planner.runtime.serve.generate import CachedForward, Engine, build_model
+    from planner.runtime.serve.loadgen import make_requests
+    from planner.model.parallel.groups import SINGLE
     spec = ModelSpec.from_dict(cfg["model"])
     tp = tp_group or SINGLE
     dtype = getattr(torch, PRECISIONS[cfg["precision"]])
@@ -162,7 +162,7 @@ def warm_up_requests(reqs: list, max_batch: int, max_len: int) -> list:
     `reqs`, all at time 0, with 2, 3, ... max_batch + 1 output tokens, so every prefill shape
     and every decode batch size the run will meet has been executed once (the CPU kernels
     build per shape on first use, as vLLM captures a CUDA graph per batch size at start-up)."""
-    from planner.executor.generate import Request
+    from planner.runtime.serve.generate import Request
     lengths = sorted({len(r.prompt) for r in reqs})
     return [Request(rid=-1 - i, prompt=[1] * p, output_len=max(1, min(2 + i % max_batch, max_len - p)))
             for i, p in enumerate(lengths)]
@@ -170,30 +170,26 @@ def warm_up_requests(reqs: list, max_batch: int, max_len: int) -> list:
 
 def _spawn(cfg: dict[str, Any]) -> dict[str, Any]:
     """TP ranks as processes (torchrun's env, gloo), in one new process group killed on timeout."""
-    from planner.executor.launch import _cleanup, _free_port
     tp = cfg["tp"]
     with tempfile.TemporaryDirectory(prefix="planner-serve-") as tmp:
         cfg_file, result_file = Path(tmp) / "config.json", Path(tmp) / "result.json"
         atomic_write_json(cfg_file, cfg)
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(tp),
-                   OMP_NUM_THREADS=str(cfg.get("threads", 1)), PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "-m", "planner.executor.serve_run", "--config", str(cfg_file),
+        env = rank_env(tp, OMP_NUM_THREADS=str(cfg.get("threads", 1)))
+        cmd = [sys.executable, "-m", "planner.runtime.serve.run", "--config", str(cfg_file),
                "--result", str(result_file)]
-        procs: list[subprocess.Popen] = []
+        group = RankGroup()
+        procs = group.procs
         logs = [open(Path(tmp) / f"rank{r}.log", "w+") for r in range(tp)]
-        pgid = 0
         try:
             for r in range(tp):
-                procs.append(subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=logs[r],
-                                              stderr=subprocess.STDOUT, process_group=0 if r == 0 else pgid))
-                pgid = pgid or procs[0].pid
+                group.start(cmd, r, env, logs[r])
             deadline = time.monotonic() + cfg["timeout_s"] + 120  # build and warm-up come on top
             while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
                 if any(p.poll() not in (None, 0) for p in procs):
                     break
                 time.sleep(0.1)
         finally:
-            _cleanup(procs, pgid)
+            group.stop()
         codes = [p.poll() for p in procs]
         if codes != [0] * tp or not result_file.exists():
             bad = next((r for r, c in enumerate(codes) if c != 0), 0)
@@ -212,7 +208,7 @@ def _worker(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from planner.errors import PlannerError
-    from planner.executor.parallel.groups import TPGroup
+    from planner.model.parallel.groups import TPGroup
     p = argparse.ArgumentParser()
     p.add_argument("--config", required=True)
     p.add_argument("--result", required=True)

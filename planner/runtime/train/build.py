@@ -6,15 +6,16 @@ import traceback
 from typing import Any, Callable
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from planner import dsconfig
 from planner.errors import ExecutionError
-from planner.executor.data import Layout, Rows
-from planner.executor.model import GLMModel, WordEmbedding, block_flags
-from planner.executor.parallel.groups import Groups
-from planner.executor.parallel.pipeline import build_pipeline
-from planner.executor.parallel.tensor import seed_dropout
+from planner.data.batching import Layout, Rows
+from planner.data.loader import LoaderSettings, MicroBatches
+from planner.model.glm import GLMModel, WordEmbedding, block_flags
+from planner.model.parallel.groups import Groups
+from planner.model.parallel.pipeline import build_pipeline
+from planner.model.parallel.tensor import seed_dropout
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
 
@@ -64,7 +65,7 @@ def build_engine(plan: Plan, spec: ModelSpec, cfg: dict[str, Any], *, attention:
     """deepspeed.initialize with the saved config; a client torch AdamW when the config names
     no optimizer (CPU; planner/dsconfig.py explains why). `init_weights(module)` runs on the
     built (TP- and PP-sharded) module before deepspeed.initialize, so ZeRO-3 partitions what it
-    loaded (planner/executor/weights.py load_hf_weights). Returns (engine, groups)."""
+    loaded (planner/hf/weights.py load_hf_weights). Returns (engine, groups)."""
     import deepspeed
     ac = cfg.get("activation_checkpointing", {})
     deepspeed.checkpointing.configure(None, partition_activations=ac.get("partition_activations", False),
@@ -147,26 +148,21 @@ def set_poison(engine, on: bool) -> None:
             m.poison = on
 
 
-class MicroBatches(Dataset):
-    """Item i = the i-th micro-batch this rank reads: (ids, pos, segments, labels) tensors."""
-
-    def __init__(self, rows: Rows, layout: Layout, batch_ids: list[int], dp_rank: int) -> None:
-        self.index = [(b, m) for b in batch_ids for m in range(layout.grad_accum)]
-        self.rows_of = [list(layout.rows(b, m, dp_rank)) for b, m in self.index]
-        self.data = {i: rows.tensors(i) for r in self.rows_of for i in r}  # materialised once, picklable
-
-    def __len__(self) -> int:
-        return len(self.index)
+class TensorMicroBatches(MicroBatches):
+    """MicroBatches (planner/data/loader.py) as torch's map-style dataset: item k is the k-th
+    micro-batch's (ids, pos, segments, labels) tensors."""
 
     def __getitem__(self, k: int):
-        parts = [self.data[i] for i in self.rows_of[k]]
-        return tuple(torch.from_numpy(__import__("numpy").stack(col)) for col in zip(*parts))
+        return tuple(torch.from_numpy(a) for a in self.arrays(k))
 
 
-def loader(rows: Rows, layout: Layout, batch_ids: list[int], dp_rank: int, device: str, workers: int) -> DataLoader:
-    ds = MicroBatches(rows, layout, batch_ids, dp_rank)
-    kw: dict[str, Any] = {"batch_size": None, "shuffle": False, "num_workers": workers,
-                          "pin_memory": device == "cuda"}
-    if workers > 0:
-        kw.update(prefetch_factor=2, persistent_workers=False)
+def loader(rows: Rows, layout: Layout, batch_ids: list[int], dp_rank: int, device: str,
+           settings: LoaderSettings) -> DataLoader:
+    """The rank's torch DataLoader over its micro-batches of `batch_ids`, in order, with the
+    workers, pinned memory and prefetch of `settings` (planner/data/loader.py choose_loader)."""
+    ds = TensorMicroBatches(rows, layout, batch_ids, dp_rank)
+    kw: dict[str, Any] = {"batch_size": None, "shuffle": False, "num_workers": settings.workers,
+                          "pin_memory": settings.pin_memory and device == "cuda"}
+    if settings.workers > 0:
+        kw.update(prefetch_factor=settings.prefetch_factor, persistent_workers=False)
     return DataLoader(ds, **kw)

@@ -7,8 +7,8 @@ import math
 import shutil
 from pathlib import Path
 
-from planner.executor.data import Layout
-from planner.executor.files import progress
+from planner.data.batching import Layout
+from planner.runtime.files import progress
 from planner.rundir import atomic_write_json
 
 
@@ -28,7 +28,7 @@ def save(engine, ckpt: Path, run_dir: Path, rank: int, state: dict, step: int, s
     this), then name it in `latest`. `slow_save` is the switch of hooks.slow_saves (or {})."""
     import deepspeed.comm as dist
 
-    from planner.executor.observability import format_progress
+    from planner.runtime.observe.watch import format_progress
     from planner.rundir import atomic_write_text
     tag = f"step{step}"
     if rank == 0 and (ckpt / tag).exists() and latest_tag(ckpt) != tag:

@@ -24,19 +24,17 @@ import dataclasses
 import os
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from planner.dsconfig import ENTRY_MODULE
 from planner.errors import ExecutionError, SpecError
 from planner.rundir import read_json
-
-ENTRY_MODULE = "planner.executor.worker"
+from planner.runtime.procs import free_port, stop_group
 _LOCAL = ("localhost", "127.0.0.1")
 
 
@@ -157,26 +155,13 @@ def _read_hostfile(path: str) -> "OrderedDict[str, int]":
     return OrderedDict(pool)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _stop(proc: subprocess.Popen) -> None:
     """SIGTERM the launcher's session (the launcher stops its ranks), SIGKILL what is left."""
-    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.1)
+    stop_group(proc.pid, lambda: proc.poll() is None, (10.0, 5.0), sweep=True)
 
 
 def dry_run_line(cmd: list[str], run_dir: str | Path) -> str:
     return f"(cd {shlex.quote(str(Path(run_dir).resolve()))} && {shlex.join(cmd)})"
 
 
-__all__ = ["ENTRY_MODULE", "NodeGroup", "dry_run_line", "free_port"]
+__all__ = ["NodeGroup", "dry_run_line"]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from planner.executor.measure import ActivationRecorder
+from planner.runtime.observe.measure import ActivationRecorder
 
 
 def slow_saves(engine, seconds: float) -> dict:

@@ -1,13 +1,11 @@
 """Launch the ranks of a plan on this machine, watch them, and write metrics.json.
 
-Processes: one `python -m planner.executor.worker` per rank with torchrun's standalone
-environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT on a free port, OMP threads
-split between ranks). We start them ourselves rather than through torchrun because torchrun
-puts each worker in its own session: if torchrun itself is killed, its workers cannot be
-reached through our process group. Here every rank is a direct child in one new process
-group, so we know each rank's pid and exit status (the failing rank is named with its
-signal or error) and cleanup signals only that group. Multi-node runs use launch.sh (the
-deepspeed launcher), which runs the same worker.
+Processes: one `python -m planner.runtime.train.worker` per rank (dsconfig.ENTRY_MODULE), each
+a direct child in one new process group with torchrun's standalone environment and OMP threads
+split between ranks (planner/runtime/procs.py RankGroup says why not torchrun), so we know each
+rank's pid and exit status (the failing rank is named with its signal or error) and cleanup
+signals only that group. Multi-node runs use launch.sh (the deepspeed launcher), which runs the
+same worker.
 """
 from __future__ import annotations
 
@@ -15,27 +13,22 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+from planner import dsconfig
 from planner.errors import ExecutionError
-from planner.executor import preflight
-from planner.executor.metrics import build_metrics, failure_metrics
-from planner.executor.buildlock import stale_lock_problem
-from planner.executor.checkpoints import latest_tag
-from planner.executor.files import CKPT_DIR, RANKS_DIR
-from planner.executor.observability import ALERTS_FILE, DASHBOARD_FILE, format_progress
+from planner.runtime.preflight import checks as preflight
+from planner.runtime.observe.metrics import build_metrics, failure_metrics
+from planner.runtime.preflight.buildlock import stale_lock_problem
+from planner.runtime.train.checkpoints import latest_tag
+from planner.runtime.files import CKPT_DIR, RANKS_DIR
+from planner.runtime.procs import RankGroup, rank_env
+from planner.runtime.observe.watch import ALERTS_FILE, DASHBOARD_FILE, format_progress
 from planner.rundir import atomic_write_json, check_writable, load_run, read_json
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _read(path: Path) -> dict:
@@ -91,7 +84,7 @@ def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: b
              echo: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Run the plan in `run_dir` for `steps` optimizer steps; returns (and writes) metrics.json.
 
-    Refuses first, starting nothing, what cannot run here (planner.executor.preflight): bad
+    Refuses first, starting nothing, what cannot run here (planner.runtime.preflight.checks): bad
     plan.json, a ds_config.json that disagrees with it, unless `ignore_host_checks` a plan this
     host lacks the GPUs, memory or cores for, and bad trainer input (the corpus and tokenizer,
     a busy metrics port, a missing Hugging Face directory, bad schedule values). While the ranks
@@ -110,7 +103,7 @@ def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: b
                                  "resume when a checkpoint exists and start fresh otherwise")
         echo(f"no checkpoint in {run / CKPT_DIR}: starting at step 1 (--resume-if-present)")
         resume = False
-    # every refusal comes before the run directory is touched (planner/executor/preflight.py)
+    # every refusal comes before the run directory is touched (planner/runtime/preflight/checks.py)
     missing_cfg = preflight.check(run, plan, model, cluster, train, doc, ignore_host=ignore_host_checks)
     preflight.check_trainer(run, plan, model, train, data=data, tokenizer=tokenizer, seed=seed, batching=batching,
                             eval_every=eval_every, eval_batches=eval_batches, checkpoint_every=checkpoint_every,
@@ -139,13 +132,11 @@ def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: b
     (run / "metrics.json").unlink(missing_ok=True)  # rank 0 writes this run's at the end
     world = plan.world_size
     cpu = cluster.device.kind == "cpu"
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
-               LOCAL_WORLD_SIZE=str(world), PYTHONUNBUFFERED="1",
-               DEEPSPEED_TIMEOUT=str(max(1, int(timeout // 60) + 1)))
+    env = rank_env(world, LOCAL_WORLD_SIZE=str(world), DEEPSPEED_TIMEOUT=str(max(1, int(timeout // 60) + 1)))
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
     if cpu:
         env.update(DS_ACCELERATOR="cpu", MALLOC_MMAP_THRESHOLD_="65536")
-    cmd = [sys.executable, "-m", "planner.executor.worker", "--run-dir", str(run), "--steps", str(steps),
+    cmd = [sys.executable, "-m", dsconfig.ENTRY_MODULE, "--run-dir", str(run), "--steps", str(steps),
            "--batching", batching, "--checkpoint-every", str(checkpoint_every), "--inject-nan", str(inject_nan),
            "--seed", str(seed)]
     if data_workers is not None:
@@ -180,24 +171,19 @@ def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: b
     if threading.current_thread() is threading.main_thread():
         # SIGTERM to the launcher still runs the cleanup below (ranks are in their own group)
         signal.signal(signal.SIGTERM, _terminated)
-    procs: list[subprocess.Popen] = []
+    group = RankGroup()
     logs = []
-    pgid = 0
     start = time.monotonic()
     try:
         for r in range(world):
             log = open(ranks / f"rank{r}.log", "w")
             logs.append(log)
-            kw = {"process_group": 0 if r == 0 else pgid}  # one new group, same session
-            procs.append(subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), cwd=str(run),
-                                          stdout=log, stderr=subprocess.STDOUT, **kw))
-            if r == 0:
-                pgid = procs[0].pid
+            group.start(cmd, r, env, log, cwd=str(run))
         follow = _Follower(progress_file, echo, shown)
-        failure = _watch(run, procs, start, timeout, follow)
+        failure = _watch(run, group.procs, start, timeout, follow)
         follow()
     finally:
-        _cleanup(procs, pgid)
+        group.stop()
         for log in logs:
             log.close()
     estimate = _read(run / "estimate.json")
@@ -207,7 +193,7 @@ def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: b
         atomic_write_json(run / "metrics.json", metrics)
         raise ExecutionError(f"rank {rank}" if rank is not None else "run", cause,
                              f"see {ranks}/rank{rank if rank is not None else 0}.log; metrics.json records the failure")
-    if (run / "metrics.json").exists():  # written by rank 0 (planner/executor/train.py)
+    if (run / "metrics.json").exists():  # written by rank 0 (planner/runtime/train/loop.py)
         return read_json(run / "metrics.json", "metrics.json")
     result = read_json(ranks / "result.json", "result.json")
     metrics = build_metrics(result, plan, model, warmup, steps, estimate, run)
@@ -276,19 +262,3 @@ def _watch(run: Path, procs: list[subprocess.Popen], start: float, timeout: floa
             return r, (f"hung: no finish within --timeout {timeout:g} s; rank {r} stuck in phase "
                        f"{st.get('phase', 'start')} at step {st.get('step', 0)}")
         time.sleep(0.1)
-
-
-def _cleanup(procs: list[subprocess.Popen], pgid: int) -> None:
-    """Stop what is left of our own process group: SIGTERM, then SIGKILL after a grace period."""
-    if not procs or all(p.poll() is not None for p in procs):
-        return
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-            time.sleep(0.1)
-        if all(p.poll() is not None for p in procs):
-            return

@@ -1,6 +1,6 @@
 """The training loop of one rank: steps, measurement, stability monitor, checkpoints, rollback.
 
-Its parts: settings.py (data spec, DataLoader settings, learning-rate schedule), checkpoints.py
+Its parts: settings.py (learning-rate schedule; the data spec and DataLoader settings are planner/data), checkpoints.py
 (save with an atomic `latest`, resume, rollback), evaluate.py (held-out loss) and hooks.py (what
 is patched into the engine for tests and --measure-activations)."""
 from __future__ import annotations
@@ -13,19 +13,21 @@ from pathlib import Path
 
 import torch
 
-from planner.executor import checkpoints
-from planner.executor.build import build_engine, check_topology, rank_coords, set_poison
-from planner.executor.checkpoints import latest_tag
-from planner.executor.data import Layout, Rows
-from planner.executor.evaluate import evaluate
-from planner.executor.hooks import dump_first_grads, record_first_forward, slow_saves
-from planner.executor.allocated import ALLOCATED_METHOD, AllocatedMeter
-from planner.executor.measure import (CPU_METHOD, GPU_METHOD, ActivationRecorder, model_states, peak_bytes,
-                                      reset_peak, rss_bytes)
-from planner.executor.model import Block
-from planner.executor.monitor import StabilityMonitor
-from planner.executor.files import CKPT_DIR, RANKS_DIR, progress
-from planner.executor.settings import configure_lr, data_spec, loader_settings, make_loader
+from planner.runtime.train import checkpoints
+from planner.runtime.train.build import build_engine, check_topology, loader, rank_coords, set_poison
+from planner.runtime.train.checkpoints import latest_tag
+from planner.data.batching import Layout, Rows
+from planner.runtime.train.evaluate import evaluate
+from planner.runtime.train.hooks import dump_first_grads, record_first_forward, slow_saves
+from planner.runtime.observe.allocated import ALLOCATED_METHOD, AllocatedMeter
+from planner.runtime.observe.measure import (CPU_METHOD, GPU_METHOD, ActivationRecorder, model_states, peak_bytes,
+                                             reset_peak, rss_bytes)
+from planner.model.glm import Block
+from planner.runtime.observe.monitor import StabilityMonitor
+from planner.runtime.files import CKPT_DIR, RANKS_DIR, progress
+from planner.runtime.train.settings import configure_lr
+from planner.data.corpus import data_spec
+from planner.data.loader import loader_settings
 from planner.rundir import atomic_write_json, load_run, read_json
 
 
@@ -51,9 +53,9 @@ def train(args, run_dir: Path, rank: int, status) -> None:
     import deepspeed.comm as dist
 
     from planner.errors import ExecutionError
-    from planner.executor.metrics import build_metrics
-    from planner.executor.observability import ALERTS_FILE, DASHBOARD_FILE, AllReduceTimer, alert_rules, \
-        dashboard, format_progress
+    from planner.runtime.observe.metrics import build_metrics
+    from planner.runtime.observe.watch import (ALERTS_FILE, DASHBOARD_FILE, AllReduceTimer, alert_rules, dashboard,
+                                               format_progress)
     from planner.rundir import atomic_write_text
 
     if args.steps < 1 or args.warmup < 0 or args.warmup >= args.steps:
@@ -62,12 +64,12 @@ def train(args, run_dir: Path, rank: int, status) -> None:
     plan, spec, cluster, trainspec, doc = load_run(run_dir)
     cfg = read_json(run_dir / "ds_config.json", "ds_config.json")
     device = "cuda" if cluster.device.kind != "cpu" and torch.cuda.is_available() else "cpu"
-    # CPU: live tensor bytes counted from before the model is built (planner.executor.measure)
+    # CPU: live tensor bytes counted from before the model is built (planner.runtime.observe.measure)
     meter = AllocatedMeter() if device == "cpu" else None
     allocated, allocated_steps = None, None
     exporter = None
     if rank == 0 and args.metrics_port:
-        from planner.executor.prom import Exporter
+        from planner.runtime.observe.prom import Exporter
         try:  # first: a busy port fails before the model is built
             exporter = Exporter(args.metrics_port, args.metrics_host)
         except OSError as exc:
@@ -149,7 +151,7 @@ def train(args, run_dir: Path, rank: int, status) -> None:
                 c = _next_batch(c, set(state["skip"]))
                 ids_left.append(c)
                 c += 1
-            stream = iter(make_loader(rows, layout, ids_left, dp_i, device, loading))
+            stream = iter(loader(rows, layout, ids_left, dp_i, device, loading))
             pending = list(ids_left)
         b = pending.pop(0)
         micro = [next(stream) for _ in range(plan.grad_accum)]
@@ -234,7 +236,7 @@ def train(args, run_dir: Path, rank: int, status) -> None:
         eval_loss = None
         if args.eval_every and (step + 1) % args.eval_every == 0:
             if eval_loader is None:
-                eval_loader = make_loader(eval_rows, layout, eval_ids, dp_i, device,
+                eval_loader = loader(eval_rows, layout, eval_ids, dp_i, device,
                                           loader_settings({}, 0, device))
             eval_loss = evaluate(engine, eval_loader, plan, device, holds_loss, pipe)
             state["eval"] = [e for e in state.get("eval", []) if e["step"] <= step] + [
@@ -269,7 +271,7 @@ def train(args, run_dir: Path, rank: int, status) -> None:
         state["events"].append({"step": args.steps, "kind": "checkpoint", "message": f"saved step{args.steps}"})
     if args.save_hf:
         status.write(phase="save-hf")
-        from planner.executor.weights import save_hf_weights
+        from planner.hf.weights import save_hf_weights
         save_hf_weights(engine, args.save_hf, spec, plan, groups, source=args.init_hf or None)
     status.write(phase="measure")
     if states is None or pipe:  # pipeline: after the last step (train_batch has freed the gradients)
@@ -319,7 +321,7 @@ PER_RANK = 5
 """Values each rank contributes to the per-step collective (see the step loop)."""
 
 ALLOCATED_STEPS = 2
-"""Steps the CPU allocated-bytes profiler covers at least (planner.executor.allocated.AllocatedMeter):
+"""Steps the CPU allocated-bytes profiler covers at least (planner.runtime.observe.allocated.AllocatedMeter):
 the first allocates the optimizer's states, the second is a steady-state step. Steps past the
 warm-up that it covers are timed with its overhead (metrics.json allocated_steps says how many)."""
 
@@ -337,7 +339,7 @@ def _gpu_util(device: str) -> float:
 def _init_from_hf(path: Path, spec, plan):
     """init_weights for build_engine: load a Hugging Face checkpoint into this rank's shard
     (load_hf_weights reads the TP rank from the module's layers when given no groups)."""
-    from planner.executor.weights import load_hf_weights
+    from planner.hf.weights import load_hf_weights
 
     def init(module: torch.nn.Module) -> None:
         load_hf_weights(module, path, spec, None)

@@ -1,36 +1,6 @@
-"""What a run's flags and plan.json settle before the training loop starts: the data spec, the
-DataLoader settings and the learning-rate schedule."""
+"""What a run's flags settle before the training loop starts: the learning-rate schedule (the data
+spec and loader settings: planner/data/corpus.py data_spec, planner/data/loader.py loader_settings)."""
 from __future__ import annotations
-
-from planner.executor.data import DataSpec, Layout
-
-
-def loader_settings(doc: dict, workers: int | None, device: str):
-    """The DataLoader settings of a run: --data-workers when given, else what plan.json records
-    under "loader" (planner.executor.loading.choose_loader at search time), else one worker."""
-    from planner.executor.loading import LoaderSettings
-    rec = doc.get("loader") if isinstance(doc, dict) else None
-    if workers is None and isinstance(rec, dict):
-        try:
-            return LoaderSettings(int(rec["workers"]), bool(rec["pin_memory"]), int(rec["prefetch_factor"]),
-                                  rec.get("produce_s"), rec.get("compute_s"), str(rec.get("reason", "")))
-        except (KeyError, TypeError, ValueError):
-            pass
-    n = 1 if workers is None else workers
-    return LoaderSettings(n, device == "cuda", 2 if n else 0, reason="--data-workers" if workers is not None
-                          else "plan.json records no loader settings: one worker")
-
-
-def make_loader(rows, layout: Layout, batch_ids: list[int], dp_rank: int, device: str, settings):
-    """planner.executor.loading.loader, imported when first needed."""
-    from planner.executor.loading import loader as make
-    return make(rows, layout, batch_ids, dp_rank, device, settings)
-
-
-def data_spec(data: str, tokenizer: str, seed: int, trainspec, spec) -> DataSpec:
-    """The DataSpec of a run's --data / --tokenizer / --seed: the worker reads this corpus and
-    the launcher's preflight checks the same one (planner/executor/preflight.py)."""
-    return DataSpec(seq_len=trainspec.seq_len, vocab=spec.vocab, seed=seed, token_file=data, tokenizer=tokenizer)
 
 
 def configure_lr(cfg: dict, args, steps: int) -> dict:
@@ -42,7 +12,7 @@ def configure_lr(cfg: dict, args, steps: int) -> dict:
                                              or dsconfig.OPTIMIZER["lr"])
     if "optimizer" in cfg:
         cfg["optimizer"].setdefault("params", {})["lr"] = lr
-    else:  # the client torch AdamW (planner/executor/build.py) reads dsconfig.OPTIMIZER in this process
+    else:  # the client torch AdamW (planner/runtime/train/build.py) reads dsconfig.OPTIMIZER in this process
         dsconfig.OPTIMIZER = {**dsconfig.OPTIMIZER, "lr": lr}
     if args.lr_schedule is None and isinstance(cfg.get("scheduler"), dict):
         source = "ds_config.json"

@@ -16,9 +16,10 @@ from typing import Any, Callable
 
 from planner import dsconfig
 from planner.errors import ExecutionError
-from planner.executor.data import DataSpec, Layout, Rows, batches_for_tokens, padding_stats
-from planner.executor.lab_inputs import check_run_dir
-from planner.executor.launch import check_counts, run_plan
+from planner.data.corpus import DataSpec
+from planner.data.batching import Layout, Rows, batches_for_tokens, padding_stats
+from planner.runtime.preflight.lab import check_run_dir
+from planner.runtime.train.launch import check_counts, run_plan
 from planner.rundir import atomic_write_json, load_run, plan_document, read_json
 
 TARGET_THROUGHPUT = 3.0
@@ -126,7 +127,7 @@ def verify(run_dir: str | Path, *, steps: int = 12, warmup: int = 2, timeout: fl
 
 
 def check_inputs(run: Path) -> None:
-    """The run directory's profile serves both predictions (planner.executor.lab_inputs): before
+    """The run directory's profile serves both predictions (planner.runtime.preflight.lab): before
     load_run, which falls back to a built-in profile when the named one is not here."""
     check_run_dir(Path(run), ("fp32", _precision(Path(run))))  # the baseline runs in fp32
 

@@ -1,6 +1,6 @@
-"""One training rank: `python -m planner.executor.worker --run-dir DIR [...]`.
+"""One training rank: `python -m planner.runtime.train.worker --run-dir DIR [...]`.
 
-Started by planner.executor.launch (or by launch.sh through the deepspeed launcher). Reads
+Started by planner.runtime.train.launch (or by launch.sh through the deepspeed launcher). Reads
 plan.json and ds_config.json from the run directory, trains, and writes per-rank state under
 DIR/.ranks/: rank<r>.json (pid, phase, step, error; the launcher reads it to name a failing
 rank), progress.jsonl (rank 0: one line per step and event) and result.json (rank 0: every
@@ -17,11 +17,11 @@ import time
 import traceback
 from pathlib import Path
 
-from planner.executor.files import RANKS_DIR
+from planner.runtime.files import RANKS_DIR
 from planner.rundir import atomic_write_json
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="planner.executor.worker")
+    ap = argparse.ArgumentParser(prog="planner.runtime.train.worker")
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm(status))
     _exit_with_parent()
     try:
-        from planner.executor.train import train
+        from planner.runtime.train.loop import train
         train(args, run_dir, rank, status)
     except Terminated:  # the stack has unwound (finally blocks ran): leave now
         os._exit(143)
@@ -108,7 +108,7 @@ UNWIND_GRACE_S = 3.0
 def _on_sigterm(status: Status):
     """SIGTERM unwinds the main thread instead of exiting on the spot, so that the `finally` of
     whatever holds a resource runs: torch's FileBaton removes its torch-extensions build lock
-    there (planner/executor/buildlock.py; an os._exit inside DeepSpeed's op build left it behind
+    there (planner/runtime/preflight/buildlock.py; an os._exit inside DeepSpeed's op build left it behind
     and every later run waited on it). A timer exits anyway if unwinding hangs."""
     import threading
 
