@@ -62,11 +62,11 @@ def test_the_fast_path_is_the_cost_models_stage(model, gpus, plan) -> None:
         for i in range(plan.pp):
             for n in (1, 2, model.layers // plan.pp):
                 for k in sorted({0, n // 2, n}) if plan.recompute == "full" else (0,):
-                    want = sum(stage_bytes(fp, plan, lc, i, n, k, f["memory_fragmentation"]))
+                    want = sum(stage_bytes(fp, plan, lc, i, n, k, f.memory_fragmentation))
                     assert sm.bytes(i, n, k) == pytest.approx(want, rel=1e-12, abs=0), (factors, i, n, k)
             ks = (0,) * plan.pp
             assert [sm.time(j, 2, 0) for j in range(plan.pp)] == pytest.approx(
-                stage_times(lc, (2,) * plan.pp, ks, f["microbatch_overhead_s"]), rel=1e-12, abs=0), factors
+                stage_times(lc, (2,) * plan.pp, ks, f.microbatch_overhead_s), rel=1e-12, abs=0), factors
 
 
 def test_the_factor_sets_move_what_they_name() -> None:
