@@ -44,10 +44,11 @@ PADDED = dataclasses.replace(GLM10B, name="glm-10b-tiny-v1023", vocab=1023)
 DROPOUT = dataclasses.replace(GLM10B, name="glm-10b-tiny-dropout", hidden_dropout=0.1, attention_dropout=0.1)
 MODELS = {"chatglm3": CHATGLM, "glm10b": GLM10B, "glm10b-v1023": PADDED, "glm10b-dropout": DROPOUT}
 
-# (id, model, plan fields, attention); global batch 4 everywhere, micro-batch 2
+# (id, model, plan fields, attention); global batch 4 everywhere, micro-batch 2. A layout whose
+# mechanism a larger case here already runs is left out (each launch costs ~10 s of CI): DP2 ZeRO-3
+# (TP2xDP2 ZeRO-3 and the tied DP2 ZeRO-3), PP2 tied (TP2xPP2 SP tied), TP2 padded vocab (TP2xPP2 padded)
 CASES = [
     ("DP2 ZeRO-2", "chatglm3", dict(dp=2, zero=2), "flash"),
-    ("DP2 ZeRO-3", "chatglm3", dict(dp=2, zero=3), "flash"),
     ("TP2 ZeRO-0", "chatglm3", dict(tp=2, zero=0), "flash"),
     ("PP2 ZeRO-0 partial recompute", "chatglm3", dict(pp=2, zero=0, stage_layers=(3, 1), recompute="full",
                                                      recompute_layers=(2, 0)), "flash"),
@@ -58,10 +59,8 @@ CASES = [
     ("TP2xPP2xDP2 ZeRO-1", "chatglm3", dict(tp=2, pp=2, dp=2, zero=1), "flash"),
     ("TP2 SP ZeRO-1", "chatglm3", dict(tp=2, zero=1, sequence_parallel=True), "flash"),
     ("TP2 ZeRO-1 tied selective", "glm10b", dict(tp=2, zero=1, recompute="selective"), "flash"),
-    ("PP2 ZeRO-0 tied", "glm10b", dict(pp=2, zero=0), "flash"),
     ("TP2xPP2 SP ZeRO-1 tied", "glm10b", dict(tp=2, pp=2, zero=1, sequence_parallel=True), "eager"),
     ("DP2 ZeRO-3 tied", "glm10b", dict(dp=2, zero=3), "flash"),
-    ("TP2 ZeRO-0 padded vocab", "glm10b-v1023", dict(tp=2, zero=0), "flash"),
     ("TP2xPP2 ZeRO-1 padded vocab", "glm10b-v1023", dict(tp=2, pp=2, zero=1), "flash"),
 ]
 
