@@ -101,6 +101,7 @@ def refine(run_dir: str | Path, k: int, steps: int = 5, *, warmup: int = 1, prof
             m = runner(sub, steps, warmup)
         except PlannerError as exc:
             failures.append({"trial": trial, "plan": plan.describe(), "error": exc.line()})
+            echo(f"refine {i + 1}/{len(top)} failed: {exc.line()}")
             continue
         runs.append(MeasuredRun(path=str(sub), model=model, cluster=c, train=train, plan=plan,
                                 step_time_s=float(m["step_time_s"]), peak_memory_gb=float(m["peak_memory_gb"])))
@@ -127,7 +128,9 @@ def finish(run: Path, runs: list[MeasuredRun], failures: list[dict[str, Any]], *
            device: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Refit the factors to `runs`, re-rank trials.csv, write profile-calibrated.json and refine.json."""
     if not runs:
-        raise SpecError("--refine", "no plan ran successfully", "see refine.json and each plan's metrics.json")
+        first = f"; the first: {failures[0]['plan']}: {failures[0]['error']}" if failures else ""
+        raise SpecError("--refine", f"no plan ran successfully{first}",
+                        "see each plan's launcher.log and metrics.json under refine/")
     _, model, cluster, train, _ = load_run(run)
     cal = calibrate(device, runs)
     ranking = _rerank(run, model, cluster, train, device, cal.device)
