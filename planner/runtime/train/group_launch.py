@@ -183,7 +183,6 @@ class NodeGroup:
                                  f"see {run / log_name} and {run}/metrics.json")
         return metrics
 
-
     def _stage(self, run: Path) -> str:
         """For a group reached over ssh: the run directory (and .deepspeed_env) on each host
         that does not share it; returns the first host when metrics.json must be fetched from it."""
