@@ -129,6 +129,11 @@ def refine_step(run_dir: Path, kw: dict[str, Any], t: Tuning, err: Console, out:
             prepare_plan_dir(sub, plan, model, c, train, doc, run_dir)
             out.print(f"# plan {i + 1}: {plan.describe()}", soft_wrap=True)
             click.echo(describe(sub, steps, 1))
+        if t.group is not None and not t.group.local:
+            first = t.group.hosts[0]
+            out.print(f"# before each launch the run directory is copied over ssh to the hosts of "
+                      f"{t.group.describe()} that do not share it; after it metrics.json is read back from "
+                      f"{first} (ssh {first} cat RUN_DIR/metrics.json) unless {first} shares it", soft_wrap=True)
         out.print("dry run: nothing launched, nothing written to a study")
         return
     if t.runs_storage is not None:

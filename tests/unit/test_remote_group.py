@@ -147,3 +147,15 @@ def test_bad_cores_are_one_line(tmp_path: Path, text: str, cores: str, words: st
     assert info.value.field == "--cores" and words in info.value.line()
     with pytest.raises(SpecError, match="--cores: pins a node group's ranks, and no --hostfile"):
         NodeGroup.parse(None, cores="0")
+
+
+def test_dry_run_of_a_remote_group_says_what_goes_over_ssh(tmp_path: Path, capsys) -> None:
+    from planner.cli import main
+    hosts = tmp_path / "hosts"
+    hosts.write_text("node-b slots=1\nnode-c slots=1\n")
+    assert main(["search", "--model", "chatglm3-6b", "--scale", "tiny", "--gpus", "2x1xcpu", "--global-batch", "8",
+                 "--seq-len", "64", "--trials", "8", "--out-dir", str(tmp_path), "--name", "d", "--refine", "1",
+                 "--hostfile", str(hosts), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"--hostfile {hosts.resolve()} --master_port" in out and "--no_ssh_check" not in out
+    assert "metrics.json is read back from node-b (ssh node-b cat RUN_DIR/metrics.json)" in out.replace("\n", " ")
