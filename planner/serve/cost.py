@@ -79,12 +79,29 @@ SERVE_DEFAULTS: dict[str, float] = {
 }
 
 
+GPU_STEP_OVERHEAD_S = 160e-6
+"""Seconds a GPU sits idle between two engine steps while the engine's CPU side schedules the
+next one (serve_step_overhead_s on GPUs until calibrated). vLLM's async scheduling, on by default
+since v0.14.0 (release notes: "Async scheduling is now enabled by default"; --async-scheduling,
+vLLM PR #19970), schedules step n+1 while step n runs: the gap left between two decode steps
+measured 150-170 us with CUDA graphs at batch 256 (vLLM PR #11133, the V1 async-scheduling
+prototype, against 5-6 ms for the synchronous V1 loop of the time, issue #10634, Llama-2-7B;
+4.6 ms between execute_model calls at batch 10, PR #24174). SGLang's overlap scheduler shows no
+idle gap in its Nsight profile (SGLang v0.4 blog, 2024-12-04); the vLLM figure is used for both.
+An engine run without async scheduling (vLLM < 0.14, --no-async-scheduling) pays the synchronous
+gap: set serve_step_overhead_s in the profile's factors."""
+
+
 def serve_factor(cluster: ClusterSpec, name: str) -> float:
     """The profile's fitted value of a serving factor, or its default: decode_bw_efficiency
     defaults to the share of the bandwidth measured memory-bound kernels reach on this GPU
-    (planner/serve/measured.py bandwidth_share) where it was measured, else 0.8 (assumed)."""
+    (planner/serve/measured.py bandwidth_share) where it was measured, else 0.8 (assumed);
+    serve_step_overhead_s on a GPU to GPU_STEP_OVERHEAD_S (measured), on a CPU to 0 (fitted by
+    planner calibrate)."""
     if name in cluster.device.factors:
         return float(cluster.device.factors[name])
+    if name == "serve_step_overhead_s" and cluster.device.kind != "cpu":
+        return GPU_STEP_OVERHEAD_S
     if name == "decode_bw_efficiency":
         share = measured.bandwidth_share(cluster.device)
         if share is not None:
@@ -297,6 +314,24 @@ def engine_budget(cluster: ClusterSpec, dep: Deployment) -> float:
     if dep.engine == "sglang":
         return 2048.0 if gib < 35 else 8192.0 if gib < 160 else 16384.0
     return math.inf
+
+
+REQUEST_OVERHEAD_S = 0.004
+"""Seconds a request spends outside the engine's steps when it is served through the engine's
+OpenAI-compatible HTTP server: the request's HTTP handling, tokenization and hand-over to the
+engine process (ZeroMQ), and the first token's way back. Measured: vLLM's online (API server)
+TTFT was 4 ms above its offline LLM-engine TTFT, 235 vs 231 ms average, batch 32
+("HTTP server + ZMQ latency": tenstorrent/tt-inference-server issue #190, 2025-05-08).
+Assumed the same for SGLang's server."""
+
+
+def request_overhead_s(cluster: ClusterSpec, dep: Deployment) -> float:
+    """Per-request seconds outside the engine steps (REQUEST_OVERHEAD_S) for vLLM and SGLang,
+    the profile's `serve_request_overhead_s` where set; 0 for the CPU executor, whose load
+    generator hands requests to the engine in-process."""
+    if dep.engine == "executor":
+        return 0.0
+    return float(cluster.device.factors.get("serve_request_overhead_s", REQUEST_OVERHEAD_S))
 
 
 def prompt_time_s(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, prompt: int) -> float:

@@ -54,7 +54,9 @@ def test_step_uses_the_measured_layers_on_a_measured_gpu():
     assert analytic["fixed_s"] == 0.0 and analytic["memory_s"] > t["memory_s"]
     step = cost.decode_step_time_s(m, A100, Deployment(), 1, 600)
     f = cost.serve_factors(A100)
-    assert step == pytest.approx(t["fixed_s"] + max(t["compute_s"], t["memory_s"] / f["decode_bw_efficiency"]))
+    # the measured layers, the roofline max, and the 160 us gap between steps (cost.GPU_STEP_OVERHEAD_S)
+    assert f["serve_step_overhead_s"] == 160e-6
+    assert step == pytest.approx(t["fixed_s"] + max(t["compute_s"], t["memory_s"] / f["decode_bw_efficiency"]) + 160e-6)
 
 
 def test_quantized_weights_scale_the_measured_time_by_their_roofline():
