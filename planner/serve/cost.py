@@ -143,15 +143,19 @@ def _gemm_s(cluster: ClusterSpec, dep: Deployment, flops: float, one_gemm: float
 
 def _tp_comm_s(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, tokens: int, sampled: int) -> float:
     """TP traffic of one forward of `tokens` tokens [P22 sec. 3.2; Megatron]: two all-reduces of
-    tokens x hidden activations per layer, and the all-gather of the vocab-parallel logits of
-    the `sampled` rows; on the intra-node link (TP stays in a node). 0 at tp 1."""
+    tokens x hidden activations per layer, at their measured time where the GPU and TP degree
+    were measured (measured.allreduce_s: vidur's NCCL timings), else at the intra-node link's
+    busbw and latency, and the all-gather of the vocab-parallel logits of the `sampled` rows on
+    the link (TP stays in a node). 0 at tp 1."""
     t = dep.tp
     if t == 1:
         return 0.0
     link = cluster.intra_node
     bw, lat = link.busbw_gbps * 1e9, link.latency_us * 1e-6
     e = 4.0 if dep.weight_precision == "fp32" else ACT_BYTES
-    ar = allreduce_time(tokens * model.hidden * e, t, bw, lat, 1.0)
+    ar = measured.allreduce_s(cluster.device, t, tokens * model.hidden) if e == ACT_BYTES else None
+    if ar is None:  # no measured all-reduce on this GPU / TP degree: the link's bandwidth and latency
+        ar = allreduce_time(tokens * model.hidden * e, t, bw, lat, 1.0)
     ag = allgather_time(sampled * model.padded_vocab(t) * e, t, bw, lat, 1.0)
     return 2 * model.layers * ar + ag
 

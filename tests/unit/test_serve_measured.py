@@ -70,3 +70,23 @@ def test_quantized_weights_scale_the_measured_time_by_their_roofline():
     big_bf = cost.prefill_terms(m, A100, Deployment(), 4096)["fixed_s"]
     big_q = cost.prefill_terms(m, A100, Deployment(weight_precision="int4"), 4096)["fixed_s"]
     assert big_q > big_bf
+
+
+def test_tp_all_reduce_is_vidurs_measured_nccl_time():
+    c = measured._data()["devices"]["A100-80GB"]["all_reduce"]["2"]
+    assert "all_reduce.csv" in measured._data()["all_reduce_source"]
+    assert c["elements"][:3] == [4096, 8192, 16384] and all(b >= a for a, b in zip(c["ms"], c["ms"][1:]))
+    assert measured.allreduce_s(A100.device, 2, 8192) == pytest.approx(c["ms"][1] * 1e-3)
+    # log-log between two measured sizes, in proportion above the largest
+    mid = math.exp(0.5 * (math.log(c["ms"][1]) + math.log(c["ms"][2]))) * 1e-3
+    assert measured.allreduce_s(A100.device, 2, math.sqrt(8192 * 16384)) == pytest.approx(mid)
+    assert measured.allreduce_s(A100.device, 2, 2 * c["elements"][-1]) == pytest.approx(2e-3 * c["ms"][-1])
+    assert measured.allreduce_s(parse_cluster("2xL40S").device, 2, 8192) is None
+    assert measured.allreduce_s(A100.device, 3, 8192) is None
+    # a TP 2 step of 2 tokens: 2 all-reduces of 2 x 4096 elements per layer, plus the logits all-gather on the link
+    from planner.cost.comm import allgather_time
+    m, two = preset("chatglm3-6b"), parse_cluster("2xA100")
+    link = two.intra_node
+    gather = allgather_time(2 * m.padded_vocab(2) * 2.0, 2, link.busbw_gbps * 1e9, link.latency_us * 1e-6, 1.0)
+    t = cost.decode_terms(m, two, Deployment(tp=2), 2, 4)
+    assert t["comm_s"] == pytest.approx(2 * m.layers * measured.allreduce_s(two.device, 2, 2 * m.hidden) + gather)
