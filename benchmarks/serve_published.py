@@ -24,6 +24,7 @@ predicted / published - 1; MAPE per metric kind over the rows marked in_mape.
     .venv/bin/python benchmarks/serve_published.py --json    # the same as JSON on stdout
     .venv/bin/python benchmarks/serve_published.py --rows T1,N1
     .venv/bin/python benchmarks/serve_published.py --factor decode_bw_efficiency=0.7   # a what-if
+    .venv/bin/python benchmarks/serve_published.py --factor serve_request_overhead_s=0 # no HTTP overhead
 
 Nothing is fitted to these rows: they are the validation set (the rows file's calibration_rows
 is empty). Closed-loop rows (`concurrency` N) are predicted by the queueing simulation of N users.
@@ -322,15 +323,15 @@ def parse_factors(items: Sequence[str]) -> dict[str, float]:
     for item in items:
         name, _, value = item.partition("=")
         name = name.strip()
-        if name not in cost.SERVE_DEFAULTS:
-            raise SpecError("--factor", f"unknown serving factor {name!r}",
-                            f"use one of {', '.join(cost.SERVE_DEFAULTS)}")
+        known = (*cost.SERVE_DEFAULTS, "serve_request_overhead_s")
+        if name not in known:
+            raise SpecError("--factor", f"unknown serving factor {name!r}", f"use one of {', '.join(known)}")
         try:
             v = float(value)
         except ValueError:
             raise SpecError("--factor", f"{item!r} has no number",
                             "write NAME=VALUE, e.g. decode_bw_efficiency=0.7") from None
-        if not v >= 0 or v != v or v == float("inf") or (v == 0 and name != "serve_step_overhead_s"):
+        if not v >= 0 or v != v or v == float("inf") or (v == 0 and not name.endswith("overhead_s")):
             raise SpecError("--factor", f"{name} must be a positive finite number, got {value!r}", "e.g. 0.7")
         out[name] = v
     return out
