@@ -84,9 +84,54 @@ def model_flops_per_sequence(model: ModelSpec, s: int) -> float:
 
 
 def gemm_time(device: DeviceProfile, flops: float, precision: str, scale: float) -> float:
-    """Seconds for one GEMM of `flops`, at the device's achievable efficiency for that size."""
+    """Seconds for one GEMM of `flops`, at the device's achievable efficiency for that size
+    (the FLOPs-only curve: profiles without kernel curves, and a GEMM whose shape is unknown)."""
     peak = device.peak_flops(precision)
     return flops / (peak * device.gemm_eff(flops, precision)) * scale
+
+
+ELEMENT_BYTES = {"fp8": 1.0, "bf16": 2.0, "fp16": 2.0, "fp32": 4.0}
+
+
+def wave_efficiency(m: int, n: int, tile: tuple[int, int], sms: int, batch: int = 1) -> float:
+    """Share of the SMs' tile slots a GEMM's output [m, n] (x batch) fills with useful work:
+    tile quantization (the last row / column of tiles is partly padding) times wave
+    quantization (the tiles run in waves of `sms`, one per SM; the last wave is partly idle).
+    NVIDIA, "Matrix Multiplication Background User's Guide" (Deep Learning Performance
+    documentation), sections "Tile Quantization" and "Wave Quantization"."""
+    tm, tn = tile
+    tiles = -(-m // tm) * -(-n // tn) * batch
+    waves = -(-tiles // sms)
+    return m * n * batch / (waves * sms * tm * tn)
+
+
+def shape_time(device: DeviceProfile, m: float, n: float, k: float, precision: str, batch: int = 1) -> float:
+    """Seconds of `batch` GEMMs [m, k] x [k, n] from their shape (planner/specs/kernels.py):
+
+        max(2 m n k batch / (peak x ceiling x q),  bytes / achievable HBM bandwidth)
+
+    q = wave_efficiency of the candidate tile that fills its waves best (the library's heuristic
+    picks per shape); the ceiling is the measured fraction of the dense peak a full wave reaches;
+    the memory bound reads A and B and writes C once. A device or precision without a tile
+    model or ceiling falls back to the FLOPs-only curve (gemm_time)."""
+    kc = device.kernels
+    flops = 2.0 * m * n * k * batch
+    ceiling = kc.gemm_ceiling.get(precision)
+    if not kc.tiled or ceiling is None or flops <= 0:
+        return gemm_time(device, flops / batch, precision, 1.0) * batch if flops > 0 else 0.0
+    mi, ni = max(1, round(m)), max(1, round(n))
+    q = max(wave_efficiency(mi, ni, tile, kc.sms, batch) for tile in kc.gemm_tiles)
+    compute = flops / (device.peak_flops(precision) * ceiling * q)
+    memory = ELEMENT_BYTES.get(precision, 2.0) * (m * k + k * n + m * n) * batch / device.hbm_bytes_per_s
+    return max(compute, memory)
+
+
+def linear_times(device: DeviceProfile, tokens: float, k: float, n: float, precision: str) -> tuple[float, float]:
+    """(forward, backward) seconds of a linear layer Y[T, n] = X[T, k] W[k, n]: forward one GEMM
+    (T, n, k); backward the input gradient dX = dY W^T (T, k, n) and the weight gradient
+    dW = X^T dY (k, n, T), each timed from its own shape."""
+    return (shape_time(device, tokens, n, k, precision),
+            shape_time(device, tokens, k, n, precision) + shape_time(device, k, n, tokens, precision))
 
 
 def block_compute_times(model: ModelSpec, device: DeviceProfile, s: int, b: int, t: int, precision: str,

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from planner.errors import ProfileError, SpecError
+from planner.specs.kernels import KernelCurves, kernels_from_dict
 
 SCHEMA_VERSION = 1
 PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
@@ -112,6 +113,9 @@ class DeviceProfile:
     fp8: bool = False
     """Hardware FP8 (E4M3/E5M2) tensor cores: Ada (SM 8.9) and Hopper (SM 9.0) yes, Ampere and
     older no. Serving (planner/serve) offers an fp8 KV cache only where this is true."""
+    kernels: KernelCurves = field(default_factory=KernelCurves)
+    """Measured kernel curves (planner/specs/kernels.py): SMs, GEMM tiles and ceiling, achievable
+    HBM bandwidth, attention kernels' throughput. Empty: GEMMs from gemm_efficiency alone."""
     path: str = ""
 
     @property
@@ -139,6 +143,12 @@ class DeviceProfile:
                 w = (x - math.log(f0)) / (math.log(f1) - math.log(f0))
                 return e0 + w * (e1 - e0)
         return pts[-1][1]
+
+    @property
+    def hbm_bytes_per_s(self) -> float:
+        """Achievable memory bandwidth, bytes/s: the datasheet figure x the measured streaming
+        efficiency (kernels.hbm_efficiency; 1 where not measured)."""
+        return self.hbm_bandwidth_gbps * 1e9 * self.kernels.hbm_efficiency
 
     def factor(self, name: str, default: float) -> float:
         return float(self.factors.get(name, default))
@@ -232,7 +242,8 @@ def profile_from_dict(data: Any, path: str = "") -> DeviceProfile:
         gemm_efficiency=points, gemm_efficiency_by_precision=curves, gpus_per_node=gpn,
         intra_node=links["intra_node"], inter_node=links["inter_node"],
         factors={k: float(v) for k, v in factors.items()}, host=host,
-        sources=dict(data.get("sources", {})), measured=dict(data.get("measured", {})), fp8=fp8, path=path)
+        sources=dict(data.get("sources", {})), measured=dict(data.get("measured", {})), fp8=fp8,
+        kernels=kernels_from_dict(data.get("kernels"), TRAIN_PRECISIONS), path=path)
 
 
 def load_profile(path: str | Path) -> DeviceProfile:
