@@ -184,6 +184,25 @@ def causal_core_flops(model: ModelSpec, tokens: int, context: int, t: int) -> fl
     return 4.0 * (tokens * context + tokens * (tokens + 1) / 2.0) * model.q_size / t
 
 
+def _prefill_attention_s(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, tokens: int, context: int) -> float:
+    """Seconds of one layer's causal attention core for a prefill chunk on one TP rank
+    (causal_core_flops). Where the profile holds the flash kernels' measured throughput
+    (planner/specs/kernels.py, from the FlashAttention-2/-3 papers' figures: benchmarks/
+    kernel_curves.py) at the chunk's whole sequence (context + tokens), causal, forward: FA3 where
+    measured (vLLM V1's kernel on Hopper: the V1 release post, "FlashAttention 3"), else FA2 (a
+    profile with FA2's forward+backward curve only uses it for the forward: KernelCurves'
+    rule); elsewhere (and fp32, linear attention) at the GEMM efficiency of one head's
+    QK^T."""
+    flops = causal_core_flops(model, tokens, context, dep.tp)
+    curves = cluster.device.kernels
+    if dep.weight_precision != "fp32" and curves.attention:
+        kernel = "fa3" if "fa3" in curves.attention else "fa2"
+        tflops = curves.attention_tflops(kernel, "fwd", model.dim_per_head, context + tokens, True)
+        if tflops:
+            return flops / (tflops * 1e12) * _slowdown(cluster, dep)
+    return _gemm_s(cluster, dep, flops, 2.0 * tokens * (context + tokens) * model.dim_per_head)
+
+
 def step_terms(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, chunks: list[tuple[int, int]],
                batch: int = 0, context_tokens: int = 0, *, curves: bool = True) -> dict[str, float]:
     """Factor-free seconds of one engine step on one TP rank: prefill chunks [(tokens, cached
@@ -233,8 +252,7 @@ def step_terms(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, chunks: 
             w = min(LINEAR_CHUNK, n)
             per_layer += _gemm_s(cluster, dep, linear_core_flops(model, n, 1, t), 2.0 * w * w * model.dim_per_head)
         else:
-            per_layer += _gemm_s(cluster, dep, causal_core_flops(model, n, c, t),
-                                 2.0 * n * (c + n) * model.dim_per_head)
+            per_layer += _prefill_attention_s(model, cluster, dep, n, c)
     core = 0.0
     if batch and model.linear_attention:  # each sequence's new token against its d x d state
         core = _gemm_s(cluster, dep, linear_core_flops(model, 1, batch, t), 2.0 * model.dim_per_head ** 2)

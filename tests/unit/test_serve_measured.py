@@ -90,3 +90,23 @@ def test_tp_all_reduce_is_vidurs_measured_nccl_time():
     gather = allgather_time(2 * m.padded_vocab(2) * 2.0, 2, link.busbw_gbps * 1e9, link.latency_us * 1e-6, 1.0)
     t = cost.decode_terms(m, two, Deployment(tp=2), 2, 4)
     assert t["comm_s"] == pytest.approx(2 * m.layers * measured.allreduce_s(two.device, 2, 2 * m.hidden) + gather)
+
+
+def test_prefill_attention_runs_at_the_flash_kernels_published_throughput():
+    m = preset("chatglm3-6b")
+    h100, a100 = parse_cluster("1xH100"), A100
+    flops = cost.causal_core_flops(m, 2048, 0, 1)
+    # H100: FlashAttention-3's forward, causal, head dim 128, at sequence 2048 (the profile's curve)
+    fa3 = h100.device.kernels.attention_tflops("fa3", "fwd", 128, 2048, True)
+    assert fa3 and cost._prefill_attention_s(m, h100, Deployment(), 2048, 0) == pytest.approx(flops / (fa3 * 1e12))
+    # a later chunk: its queries against the cached context, at the whole sequence's throughput
+    fa3_4k = h100.device.kernels.attention_tflops("fa3", "fwd", 128, 4096, True)
+    assert cost._prefill_attention_s(m, h100, Deployment(), 2048, 2048) == pytest.approx(
+        cost.causal_core_flops(m, 2048, 2048, 1) / (fa3_4k * 1e12))
+    # A100: FA2 (its forward+backward curve stands for the forward)
+    fa2 = a100.device.kernels.attention_tflops("fa2", "fwd_bwd", 128, 2048, True)
+    assert cost._prefill_attention_s(m, a100, Deployment(), 2048, 0) == pytest.approx(flops / (fa2 * 1e12))
+    # no curves (the CPU): one head's QK^T at the GEMM efficiency
+    cpu = parse_cluster("1xcpu")
+    assert cost._prefill_attention_s(m, cpu, Deployment(), 64, 0) == pytest.approx(
+        cost._gemm_s(cpu, Deployment(), cost.causal_core_flops(m, 64, 0, 1), 2.0 * 64 * 64 * 128))
