@@ -3,8 +3,8 @@
 Imports only planner.specs and the standard library (never torch, deepspeed or optuna).
 """
 from planner.cost.estimate import estimate
-from planner.cost.factors import DEFAULTS as FACTOR_DEFAULTS
+from planner.cost.factors import Factors
 from planner.cost.layers import LayerCosts
 from planner.cost.model import layer_costs, stage_memory, stage_times
 
-__all__ = ["FACTOR_DEFAULTS", "LayerCosts", "estimate", "layer_costs", "stage_memory", "stage_times"]
+__all__ = ["Factors", "LayerCosts", "estimate", "layer_costs", "stage_memory", "stage_times"]

@@ -7,7 +7,7 @@ import math
 from planner.cost import comm, compute, engines, longctx, moe, params, pipeline, runtime, zero
 from planner.cost.attention import recomputes_scores
 from planner.cost.engines import Engine
-from planner.cost.factors import cluster_factors
+from planner.cost.factors import Factors, cluster_factors
 from planner.cost.layers import LayerCosts
 from planner.cost.model import (_act_bytes, _block_times, _kernel, _layer_costs, resident_memory, runtime_train,
                                  stage_memory, stage_times)
@@ -33,7 +33,7 @@ weight (8), both fp32 moments (16), read the fp32 gradient (4); mixed precision 
 the 16-bit copy of the weight (2)."""
 
 
-def dp_comm(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[int, ...], f: dict[str, float],
+def dp_comm(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[int, ...], f: Factors,
             mb_compute: tuple[float, ...], backward: tuple[float, ...]) -> float:
     """Exposed gradient-sync seconds per step of ZeRO 0-2 (ZeRO-3: zero3_comm): the slowest
     stage's, from the engine's data-parallel collectives (planner.cost.engines) over each
@@ -50,8 +50,8 @@ def dp_comm(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[int, ..
     if d <= 1 and not offload:
         return 0.0
     links = comm.group_links(cluster, plan, "dp")
-    eff, m, ls = f["comm_efficiency"], plan.grad_accum, f["latency_scale"]
-    hide = f["dp_overlap"]  # the engine's collectives say whether they overlap (overlap_comm)
+    eff, m, ls = f.comm_efficiency, plan.grad_accum, f.latency_scale
+    hide = f.dp_overlap  # the engine's collectives say whether they overlap (overlap_comm)
     # ZeRO-0 flattens up to FALLBACK_BUCKET elements per all-reduce; ZeRO-1/2 reduce and gather
     # reduce_bucket_size / allgather_bucket_size elements per collective
     bucket = engines.FALLBACK_BUCKET if plan.zero == 0 else plan.bucket_elements
@@ -78,7 +78,7 @@ def dp_comm(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[int, ..
 
 
 def optimizer_time(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[int, ...],
-                   f: dict[str, float]) -> float:
+                   f: Factors) -> float:
     """Adam is memory-bound (ADAM_BYTES per parameter it updates); the engine updates all of
     the stage's parameters or, when it shards the optimizer, 1/dp (MiCS: 1/mics_shard) of
     them. Offloaded: DeepSpeedCPUAdam on the host (planner.cost.zero.offload_step_time)."""
@@ -86,10 +86,10 @@ def optimizer_time(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[
         return zero.offload_step_time(cluster, plan, max(psi), _act_bytes(plan.precision), f)
     n = max(psi) / (plan.zero_shard if engine.optimizer_sharded else 1)
     per_param = ADAM_BYTES["fp32" if plan.precision == "fp32" else "mixed"]
-    return n * per_param / (cluster.device.hbm_bandwidth_gbps * 1e9) * f["optimizer_scale"]
+    return n * per_param / (cluster.device.hbm_bandwidth_gbps * 1e9) * f.optimizer_scale
 
 
-def zero3_comm(model: ModelSpec, cluster: ClusterSpec, plan: Plan, f: dict[str, float], lc: LayerCosts, bt,
+def zero3_comm(model: ModelSpec, cluster: ClusterSpec, plan: Plan, f: Factors, lc: LayerCosts, bt,
                recomputed: int) -> zero.Zero3Time:
     """ZeRO-3's exposed gathers and reductions per step (planner.cost.zero): the blocks'
     forward / backward compute and the embedding's and output layer's (1/3 forward, 2/3
@@ -104,7 +104,7 @@ def zero3_comm(model: ModelSpec, cluster: ClusterSpec, plan: Plan, f: dict[str, 
 
 
 def p2p_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan,
-              f: dict[str, float]) -> tuple[float, ...]:
+              f: Factors) -> tuple[float, ...]:
     """Seconds of one micro-batch's point-to-point traffic at each pipeline boundary: the
     activations forward and their gradient back, b s h each (b s h / t under sequence
     parallelism), sent by every rank of the stage (DeepSpeed sends each TP rank's full tensor).
@@ -113,7 +113,7 @@ def p2p_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pl
     e = _act_bytes(plan.precision)
     nbytes = train.seq_len * plan.micro_batch * model.hidden * e / (plan.tp if plan.sequence_parallel else 1)
     cross = comm.cross_node_boundaries(cluster.gpus_per_node, plan.dp, plan.tp, plan.pp)
-    return tuple(2.0 * comm.p2p_time(nbytes, cluster, x, f["comm_efficiency"]) for x in cross)
+    return tuple(2.0 * comm.p2p_time(nbytes, cluster, x, f.comm_efficiency) for x in cross)
 
 
 def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan) -> Estimate:
@@ -133,7 +133,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
     layers = plan.layers_per_stage(model.layers)
     ckpt = plan.checkpointed_per_stage(model.layers)
     m, v, p = plan.grad_accum, plan.interleave, plan.pp
-    mb_overhead = f["microbatch_overhead_s"]
+    mb_overhead = f.microbatch_overhead_s
 
     times = stage_times(lc, layers, ckpt, mb_overhead)
     slow = max(range(p), key=lambda i: times[i])
@@ -164,10 +164,10 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
     time = _breakdown(lc, bt, plan, layers[slow], ckpt[slow], slow == 0, slow == p - 1, m)
     time = TimeBreakdown(**{**time, "pp_comm": pp_comm, "bubble": bubble, "dp_sync": dp_sync,
                             "zero_gather": zero_gather, "optimizer": opt,
-                            "overhead": f["step_overhead_s"] + m * mb_overhead})
+                            "overhead": f.step_overhead_s + m * mb_overhead})
     step = time.total
 
-    mem = stage_memory(plan, lc, layers, ckpt, f["memory_fragmentation"], resident_memory(cluster.device.kind))
+    mem = stage_memory(plan, lc, layers, ckpt, f.memory_fragmentation, resident_memory(cluster.device.kind))
     # live tensor bytes as an allocator counts them: whole buffers, no allowance (Estimate.allocated_memory)
     allocated = tuple(dataclasses.replace(mb, overhead=0.0)
                       for mb in stage_memory(plan, lc, layers, ckpt, 0.0, resident=False))
@@ -214,7 +214,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
         hfu=hw_flops / (denom * peak), stage_memory=tuple(mem), capacity_bytes=cap,
         bubble_fraction=pipeline.bubble_fraction(p, m, v), model_flops_per_step=model_flops,
         hardware_flops_per_step=hw_flops, stage_times=tuple(fwd_share), host_memory_bytes=host,
-        nvme_bytes=nvme, headroom_bytes=f["memory_overhead_gb"] * GB, allocated_memory=allocated)
+        nvme_bytes=nvme, headroom_bytes=f.memory_overhead_gb * GB, allocated_memory=allocated)
 
 
 def _breakdown(lc: LayerCosts, bt, plan: Plan, n: int, r: int, first: bool, last: bool, m: int) -> dict[str, float]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from planner.cost import comm, compute, engines, longctx, memory, moe, params, pipeline
 from planner.cost.attention import attention_kernel, recomputes_scores
-from planner.cost.factors import cluster_factors
+from planner.cost.factors import Factors, cluster_factors
 from planner.cost.layers import LayerCosts
 from planner.cost.runtime import get_runtime
 from planner.specs.estimate import GB, MemoryBreakdown
@@ -50,7 +50,7 @@ def _tp_link(cluster: ClusterSpec, plan: Plan) -> tuple[float, float]:
 
 
 def _block_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan,
-                 f: dict[str, float], ctx: tuple[int, str] = (1, "ulysses")) -> _BlockTimes:
+                 f: Factors, ctx: tuple[int, str] = (1, "ulysses")) -> _BlockTimes:
     """One block's times for a cp-free plan (planner.cost.longctx.local); `ctx` = the original
     plan's (cp, cp_kind): its attention core is cp times a block's at s/cp, plus the
     context-parallel communication. MoE blocks' FFN, router and all-to-alls are weighted in by
@@ -59,34 +59,34 @@ def _block_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
     prec = plan.precision if dev.supports(plan.precision) else "fp32"
     s, b, t, e = train.seq_len, plan.micro_batch, plan.tp, _act_bytes(plan.precision)
     kernel = _kernel(model, cluster, train)
-    gemm_f, core_f = compute.block_compute_times(model, dev, s, b, t, prec, compute_scale=f["compute_scale"],
-                                                 attention_scale=f["attention_scale"])
+    gemm_f, core_f = compute.block_compute_times(model, dev, s, b, t, prec, compute_scale=f.compute_scale,
+                                                 attention_scale=f.attention_scale)
     hbm = dev.hbm_bandwidth_gbps * 1e9
     elem = compute.block_elementwise_bytes(model, s, b, t, e, plan.sequence_parallel, kernel)
     no_scores = compute.block_elementwise_bytes(model, s, b, t, e, plan.sequence_parallel, "flash")
-    elem_f = elem / hbm * f["elementwise_scale"]
-    scores_f = (elem - no_scores) / hbm * f["elementwise_scale"]
+    elem_f = elem / hbm * f.elementwise_scale
+    scores_f = (elem - no_scores) / hbm * f.elementwise_scale
     # flash's backward recomputes QK^T (one of the core's two GEMMs)
     rec_f = compute.core_time(model, dev, compute.flash_recompute_flops(model, s, b, t), s, compute.bf16_part(prec),
-                              f["attention_scale"]) if recomputes_scores(kernel) else 0.0
+                              f.attention_scale) if recomputes_scores(kernel) else 0.0
     tp_fwd, tp_bwd = tp_block_comm(model, s, b, t, e, plan.sequence_parallel, _tp_link(cluster, plan),
-                                   f["comm_efficiency"])
+                                   f.comm_efficiency)
     if plan.sequence_parallel and get_runtime(plan.runtime).tp_comm_overlap:
         tp_fwd, tp_bwd = overlapped_tp(tp_fwd, tp_bwd, gemm_f)
     cp, kind = ctx
     a2a_f = a2a_b = 0.0
     if cp > 1:  # a rank's share of the s x s core: cp x a block's at s/cp (flash only: validate)
         core_f, rec_f = core_f * longctx.core_factor(cp), rec_f * longctx.core_factor(cp)
-        cf, cb = longctx.block_comm(model, cluster, t, b, cp, kind, s, e, f["comm_efficiency"], core_f,
+        cf, cb = longctx.block_comm(model, cluster, t, b, cp, kind, s, e, f.comm_efficiency, core_f,
                                     2.0 * core_f + rec_f)
         a2a_f, a2a_b = cf, cb
     w = moe.share(model)
     if w:
-        gemm_f += w * (moe.ffn_time(model, dev, s, b, t, plan.ep, prec, f["compute_scale"])
-                       - moe.dense_ffn_time(model, dev, s, b, t, prec, f["compute_scale"]))
+        gemm_f += w * (moe.ffn_time(model, dev, s, b, t, plan.ep, prec, f.compute_scale)
+                       - moe.dense_ffn_time(model, dev, s, b, t, prec, f.compute_scale))
         moe_e, dense_e = moe.ffn_elementwise_bytes(model, s, b, t, e)
-        elem_f += w * (moe_e - dense_e) / hbm * f["elementwise_scale"]
-        af, ab = moe.alltoall_comm(model, cluster, plan, s, e, f["comm_efficiency"])
+        elem_f += w * (moe_e - dense_e) / hbm * f.elementwise_scale
+        af, ab = moe.alltoall_comm(model, cluster, plan, s, e, f.comm_efficiency)
         a2a_f, a2a_b = a2a_f + w * af, a2a_b + w * ab
     fwd = gemm_f + core_f + elem_f
     return _BlockTimes(forward=fwd, backward=2.0 * (gemm_f + core_f) + rec_f + 2.0 * elem_f, tp_fwd=tp_fwd + a2a_f,
@@ -175,7 +175,7 @@ def layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: 
     return _layer_costs(model, cluster, train, plan, f, _block_times(model, cluster, train, plan, f, ctx))
 
 
-def _layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan, f: dict[str, float],
+def _layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan, f: Factors,
                  bt: _BlockTimes) -> LayerCosts:
     dev = cluster.device
     s, b, t, e = train.seq_len, plan.micro_batch, plan.tp, _act_bytes(plan.precision)
@@ -188,17 +188,17 @@ def _layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
     block_time = base + (bt.selective if plan.recompute == "selective" else 0.0)
     block_full = base + bt.forward + bt.tp_fwd
     first_tp, last_tp = tp_stage_comm(model, s, b, t, e, plan.sequence_parallel, _tp_link(cluster, plan),
-                                      f["comm_efficiency"])
+                                      f.comm_efficiency)
     # first stage: embedding lookup and its gradient (memory-bound)
-    first = 3.0 * 2.0 * sbh * e / hbm * f["elementwise_scale"]
+    first = 3.0 * 2.0 * sbh * e / hbm * f.elementwise_scale
     # last stage: final norm, output GEMM (2 b s h V_pad / t, backward 2x), cross-entropy in fp32
     logits_f = compute.logits_forward_flops(model, s, b, t)
-    last = 3.0 * compute.gemm_time(dev, logits_f, compute.bf16_part(prec), f["compute_scale"])
-    last += (3.0 * s * b * v_local * (e + 8.0) + 6.0 * sbh * e) / hbm * f["elementwise_scale"]
+    last = 3.0 * compute.gemm_time(dev, logits_f, compute.bf16_part(prec), f.compute_scale)
+    last += (3.0 * s * b * v_local * (e + 8.0) + 6.0 * sbh * e) / hbm * f.elementwise_scale
     act_mode = "selective" if plan.recompute == "selective" else "none"
     kw = dict(sequence_parallel=plan.sequence_parallel, act_bytes=e, kernel=kernel)
-    act = memory.block_activation_bytes(model, s, b, t, recompute=act_mode, **kw) * f["activation_scale"]
-    act_none = memory.block_activation_bytes(model, s, b, t, recompute="none", **kw) * f["activation_scale"]
+    act = memory.block_activation_bytes(model, s, b, t, recompute=act_mode, **kw) * f.activation_scale
+    act_none = memory.block_activation_bytes(model, s, b, t, recompute="none", **kw) * f.activation_scale
     if rebuilds_shared_per_block(plan):
         own = memory.shared_bytes(model, s, b, t, act_bytes=e, kernel=kernel, plain=True, recomputed=False)
         act += own if plan.recompute != "selective" else 0.0
@@ -207,8 +207,8 @@ def _layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
     w = moe.share(model)
     if w:  # MoE blocks keep their router scores and dispatched tokens instead of the dense FFN's
         moe_a, dense_a = moe.ffn_activation_bytes(model, s, b, t, e)
-        act += w * (moe_a - dense_a) * f["activation_scale"]
-        act_none += w * (moe_a - dense_a) * f["activation_scale"]
+        act += w * (moe_a - dense_a) * f.activation_scale
+        act_none += w * (moe_a - dense_a) * f.activation_scale
     in_flight = pipeline.in_flight(plan.pp, plan.grad_accum, plan.interleave)
     first_act, last_act, work = stage_extras(model, s, b, t, plan, e, kernel, in_flight[0])
     # the recomputed block (or attention core) rebuilds what it dropped, next to what it kept
@@ -232,7 +232,7 @@ def _layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
         block_psi=blk_psi, first_stage_psi=fst.total, last_stage_psi=lst.total,
         block_small=blk_small, first_stage_small=fst.small(thr),
         last_stage_small=lst.small(thr),
-        fixed_bytes=f["memory_overhead_gb"] * GB,
+        fixed_bytes=f.memory_overhead_gb * GB,
         in_flight=in_flight,
         block_numels=blk.numels, first_stage_numels=fst.numels, last_stage_numels=lst.numels,
         share_layers=model.share_layers, block_expert_bytes=experts,

@@ -28,6 +28,7 @@ import dataclasses
 
 from planner.cost import compute
 from planner.cost.comm import allreduce_time as comm_allreduce
+from planner.cost.factors import Factors
 from planner.cost.longctx import alltoall_time, axis_link
 from planner.specs.hardware import ClusterSpec, DeviceProfile
 from planner.specs.model import ModelSpec
@@ -157,7 +158,7 @@ ADAM_BYTES = 30.0
 
 
 def expert_sync_and_step(model: ModelSpec, cluster: ClusterSpec, plan: Plan, layers: tuple[int, ...],
-                         f: dict[str, float], backward: tuple[float, ...], e: float,
+                         f: Factors, backward: tuple[float, ...], e: float,
                          sharded: bool) -> tuple[float, float]:
     """(exposed gradient sync, optimizer step) seconds per step of the routed experts, on the
     slowest stage: their gradients are all-reduced (ZeRO 1-2: reduce-scattered and gathered,
@@ -171,9 +172,9 @@ def expert_sync_and_step(model: ModelSpec, cluster: ClusterSpec, plan: Plan, lay
     sync = step = 0.0
     for n, back in zip(layers, backward):
         psi = n * per_block
-        t = comm_allreduce(psi * e, dp_e, bw, lat * f["latency_scale"], f["comm_efficiency"])
-        sync = max(sync, max(t - f["dp_overlap"] * min(t, back), 0.0) * (plan.grad_accum if plan.zero == 2 else 1))
+        t = comm_allreduce(psi * e, dp_e, bw, lat * f.latency_scale, f.comm_efficiency)
+        sync = max(sync, max(t - f.dp_overlap * min(t, back), 0.0) * (plan.grad_accum if plan.zero == 2 else 1))
         per = ADAM_BYTES if plan.precision != "fp32" else 28.0
         step = max(step, psi / (dp_e if sharded else 1) * per / (cluster.device.hbm_bandwidth_gbps * 1e9)
-                   * f["optimizer_scale"])
+                   * f.optimizer_scale)
     return sync, step

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from planner.cost import comm, params
+from planner.cost.factors import Factors
 from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
@@ -173,10 +174,10 @@ def reuse_gathers(tensors: tuple[int, ...], reuse_distance: int) -> tuple[int, .
     return tuple(reversed(out))
 
 
-def zero3_time(cluster: ClusterSpec, plan: Plan, us: tuple[Unit, ...], f: dict[str, float], e: float) -> Zero3Time:
+def zero3_time(cluster: ClusterSpec, plan: Plan, us: tuple[Unit, ...], f: Factors, e: float) -> Zero3Time:
     """Exposed gather and gradient-reduction seconds per step of a ZeRO-3 plan (module docstring)."""
-    eff, ls, hide = f["comm_efficiency"], f["latency_scale"], f["dp_overlap"]
-    overhead = f["zero3_fetch_overhead_s"]
+    eff, ls, hide = f.comm_efficiency, f.latency_scale, f.dp_overlap
+    overhead = f.zero3_fetch_overhead_s
     shard = plan.zero_shard
     g_node = max(1, cluster.gpus_per_node // plan.tp)
     main = _link(cluster, plan, shard)
@@ -247,7 +248,7 @@ def zero3_time(cluster: ClusterSpec, plan: Plan, us: tuple[Unit, ...], f: dict[s
     return Zero3Time(gather=gather, sync=sync, fetches=fetches, collectives=collectives)
 
 
-def offload_step_time(cluster: ClusterSpec, plan: Plan, psi: float, e: float, f: dict[str, float]) -> float:
+def offload_step_time(cluster: ClusterSpec, plan: Plan, psi: float, e: float, f: Factors) -> float:
     """Seconds of an optimizer step whose states are offloaded: DeepSpeedCPUAdam over this
     rank's partition (the node's ranks share its CPU), pipelined with the NVMe swap of the
     states (read and write fp32 master and moments, read the fp32 gradient: 28 bytes per
@@ -259,8 +260,8 @@ def offload_step_time(cluster: ClusterSpec, plan: Plan, psi: float, e: float, f:
     host = cluster.host
     if cluster.device.kind == "cpu":
         # no PCIe: Adam on the same cores, memory-bound like the device's own step
-        return part * 28.0 / (cluster.device.hbm_bandwidth_gbps * 1e9) * f["optimizer_scale"]
-    adam = part * g_node / (host.cpu_adam_gparams * 1e9) * f["cpu_adam_scale"]
+        return part * 28.0 / (cluster.device.hbm_bandwidth_gbps * 1e9) * f.optimizer_scale
+    adam = part * g_node / (host.cpu_adam_gparams * 1e9) * f.cpu_adam_scale
     if plan.offload_optimizer == "nvme":
         adam = max(adam, part * 28.0 * g_node / (host.nvme_gbps * 1e9))
     return adam + part * e / (host.pcie_gbps * 1e9)

@@ -40,11 +40,11 @@ class StageModel:
         self.fp8 = (plan.precision == "fp8", plan.zero == 3)
         self.lc = lc
         self.selective = plan.recompute == "selective"
-        self.frag = f["memory_fragmentation"]
+        self.frag = f.memory_fragmentation
         self.frag1 = 1.0 + self.frag
         self.saving = [self.frag1 * f_i * (lc.block_act_bytes - lc.block_act_bytes_full_recompute)
                        for f_i in lc.in_flight]
-        self.mb_overhead = f["microbatch_overhead_s"]
+        self.mb_overhead = f.microbatch_overhead_s
         self.capacity = cluster.memory_bytes
         self.fixed = lc.fixed_bytes
         fp = engines.footprint(plan, resident_memory(cluster.device.kind), lc.largest)

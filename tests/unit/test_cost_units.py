@@ -156,8 +156,8 @@ def test_cpu_processes_beyond_the_profile_stretch_compute_and_memory_bound_work(
     dev = dataclasses.replace(c.device, factors={**c.device.factors, "compute_scale": 1.5, "comm_efficiency": 0.8})
     f = factors.cluster_factors(dataclasses.replace(c, device=dev))
     assert factors.oversubscription(c) == 3
-    assert f["compute_scale"] == 4.5 and f["elementwise_scale"] == 3 and f["optimizer_scale"] == 3
-    assert f["comm_efficiency"] == 0.8                      # the network is not shared that way
+    assert f.compute_scale == 4.5 and f.elementwise_scale == 3 and f.optimizer_scale == 3
+    assert f.comm_efficiency == 0.8                      # the network is not shared that way
     assert factors.oversubscription(parse_cluster("8xA100")) == 1
 
 

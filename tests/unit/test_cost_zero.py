@@ -14,6 +14,7 @@ import math
 import pytest
 
 from planner.cost import engines, zero
+from planner.cost.factors import device_factors
 from planner.errors import SpecError
 from planner.specs import Plan
 from planner.specs.hardware import ClusterSpec, Host, Link
@@ -287,7 +288,7 @@ def cpu_cluster():
 
 def test_a_cpu_device_copies_and_steps_in_its_own_memory():
     c = cpu_cluster()
-    f = dict(c.device.factors, optimizer_scale=2.0)
+    f = device_factors(c.device).replace(optimizer_scale=2.0)
     hbm = c.device.hbm_bandwidth_gbps * 1e9
     assert zero.host_copy(c, 1e6) == pytest.approx(1e6 / hbm, rel=1e-12, abs=0)
     plan = Plan(dp=2, zero=2, offload_optimizer="cpu")
@@ -297,7 +298,7 @@ def test_a_cpu_device_copies_and_steps_in_its_own_memory():
 
 def test_offload_step_time_on_a_node_of_one_gpu_and_its_scales():
     one = cluster(nodes=1, per_node=1)
-    f = dict(DEV.factors, cpu_adam_scale=1.5, optimizer_scale=1.0)
+    f = device_factors(DEV).replace(cpu_adam_scale=1.5, optimizer_scale=1.0)
     plan = Plan(dp=1, zero=2, offload_optimizer="cpu")
     assert zero.offload_step_time(one, plan, 1e6, 2.0, f) == pytest.approx(1e6 / 1e9 * 1.5 + 1e6 * 2 / 10e9,
                                                                            rel=1e-12, abs=0)

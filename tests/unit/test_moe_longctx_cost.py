@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 from planner.cost import compute, engines, estimate, layer_costs, longctx, moe
+from planner.cost.factors import Factors
 from planner.cost.model import moe_state_bytes
 from planner.specs.hardware import parse_cluster
 from planner.specs.model import preset, scale
@@ -123,7 +124,7 @@ def test_ep_and_cp_rules():
 
 def test_expert_gradient_sync_and_step_by_hand():
     c = parse_cluster("2x8xH100")
-    f = {"latency_scale": 1.0, "comm_efficiency": 1.0, "dp_overlap": 0.0, "optimizer_scale": 1.0}
+    f = Factors(latency_scale=1.0, comm_efficiency=1.0, dp_overlap=0.0, optimizer_scale=1.0)
     p = Plan(dp=16, ep=4, zero=1, micro_batch=1, grad_accum=1)
     sync, step = moe.expert_sync_and_step(AIR, c, p, (46,), f, (0.0,), 2.0, True)
     psi = 46 * (45 / 46) * (128 // 4) * AIR.expert_params      # the mean block's experts on one rank
@@ -133,7 +134,7 @@ def test_expert_gradient_sync_and_step_by_hand():
     assert sync == pytest.approx(want)
     assert step == pytest.approx(psi / 4 * 30.0 / (c.device.hbm_bandwidth_gbps * 1e9))
     # half of it hidden behind a long backward
-    half = moe.expert_sync_and_step(AIR, c, p, (46,), {**f, "dp_overlap": 0.5}, (1e9,), 2.0, True)[0]
+    half = moe.expert_sync_and_step(AIR, c, p, (46,), f.replace(dp_overlap=0.5), (1e9,), 2.0, True)[0]
     assert half == pytest.approx(want / 2)
     assert moe.expert_sync_and_step(AIR, c, dataclasses.replace(p, ep=16), (46,), f, (0.0,), 2.0, True)[0] == 0.0
 
@@ -171,7 +172,7 @@ def test_cp_block_core_is_cp_times_the_local_one():
     plain = _block_times(m, c, ltr, lp, f)
     cp2 = _block_times(m, c, ltr, lp, f, (2, "ulysses"))
     core = compute.core_time(m, c.device, compute.block_gemms(m, 32768, 1, 1)[1], 32768, "bf16",
-                             f["attention_scale"])
+                             f.attention_scale)
     assert cp2.forward - plain.forward == pytest.approx(core)          # (2 - 1) x the local core
     assert cp2.selective - plain.selective == pytest.approx(core)
     assert cp2.a2a_fwd > 0 and plain.a2a_fwd == 0

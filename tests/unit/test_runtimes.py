@@ -41,19 +41,19 @@ def test_unknown_runtime_is_one_line_naming_the_flag() -> None:
 def test_deepspeed_takes_the_device_factors_the_others_their_own() -> None:
     dev = CLUSTER.device
     ds = cluster_factors(CLUSTER, "deepspeed")
-    assert ds["compute_scale"] == dev.factors["compute_scale"] and ds["dp_overlap"] == dev.factors["dp_overlap"]
+    assert ds.compute_scale == dev.factors["compute_scale"] and ds.dp_overlap == dev.factors["dp_overlap"]
     mc = cluster_factors(CLUSTER, "megatron-core")
     file = rtm.get_runtime("megatron-core").factors
-    assert mc["compute_scale"] == file["compute_scale"] and mc["dp_overlap"] == 1.0 and mc["latency_scale"] == 1.0
+    assert mc.compute_scale == file["compute_scale"] and mc.dp_overlap == 1.0 and mc.latency_scale == 1.0
     fs = cluster_factors(CLUSTER, "fsdp")
-    assert fs["compute_scale"] == mc["compute_scale"]  # one source of its own: borrowed from megatron-core
-    assert fs["zero3_fetch_overhead_s"] == 0.0
+    assert fs.compute_scale == mc.compute_scale  # one source of its own: borrowed from megatron-core
+    assert fs.zero3_fetch_overhead_s == 0.0
 
 
 def test_trial_factors_apply_inside_the_block_only() -> None:
     with rtm.trial_factors("fsdp", {"compute_scale": 2.0}):
-        assert cluster_factors(CLUSTER, "fsdp")["compute_scale"] == 2.0
-    assert cluster_factors(CLUSTER, "fsdp")["compute_scale"] == rtm.get_runtime("fsdp").factors["compute_scale"]
+        assert cluster_factors(CLUSTER, "fsdp").compute_scale == 2.0
+    assert cluster_factors(CLUSTER, "fsdp").compute_scale == rtm.get_runtime("fsdp").factors["compute_scale"]
 
 
 def test_overlapped_tp_by_hand() -> None:
@@ -69,8 +69,8 @@ def test_megatron_core_exposes_only_uncovered_tp_comm() -> None:
     train = cm.runtime_train(TRAIN, mc)
     f = cluster_factors(CLUSTER, "megatron-core")
     gemm, _ = cm.compute.block_compute_times(MODEL, CLUSTER.device, 2048, 1, 8, "bf16",
-                                              compute_scale=f["compute_scale"], attention_scale=f["attention_scale"])
-    raw = cm.tp_block_comm(MODEL, 2048, 1, 8, 2.0, True, cm._tp_link(CLUSTER, mc), f["comm_efficiency"])
+                                              compute_scale=f.compute_scale, attention_scale=f.attention_scale)
+    raw = cm.tp_block_comm(MODEL, 2048, 1, 8, 2.0, True, cm._tp_link(CLUSTER, mc), f.comm_efficiency)
     bt = cm._block_times(MODEL, CLUSTER, train, mc, f)
     assert bt.tp_fwd == pytest.approx(max(raw[0] - gemm, 0.0))
     assert bt.tp_bwd == pytest.approx(max(raw[1] - 2 * gemm, 0.0))

@@ -8,7 +8,7 @@ import optuna
 import pytest
 
 from planner.cost import estimate, layer_costs
-from planner.cost.factors import all_factors
+from planner.cost.factors import device_factors
 from planner.cost.model import stage_times
 from planner.errors import SpecError
 from planner.search import Evaluator, Space, conventional_baseline, rank
@@ -127,7 +127,7 @@ def test_solver_and_estimate_agree(args):
         est = trial.estimate
         for i, (n, k) in enumerate(zip(ns, ks)):
             assert sm.bytes(i, n, k) == pytest.approx(est.stage_memory[i].total, rel=1e-12)
-        times = stage_times(lc, ns, ks, all_factors(c.device)["microbatch_overhead_s"])
+        times = stage_times(lc, ns, ks, device_factors(c.device).microbatch_overhead_s)
         assert [sm.time(i, n, k) for i, (n, k) in enumerate(zip(ns, ks))] == pytest.approx(times, rel=1e-12)
         checked += 1
     assert checked > 20

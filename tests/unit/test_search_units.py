@@ -335,7 +335,7 @@ def test_evaluate_shape_stops_at_the_first_micro_batch_that_cannot_fit():
 def test_stage_model_matches_the_estimate_where_the_optimizer_step_sets_the_peak():
     """Short sequences: the engines' step-only copies outweigh the activations; every engine,
     every stage, a per-micro-batch overhead in the profile."""
-    from planner.cost.factors import all_factors
+    from planner.cost.factors import device_factors
     from planner.cost.model import stage_bytes, stage_times
     from planner.cost import engines
     m = scale(preset("glm-10b"), "small")
@@ -354,7 +354,7 @@ def test_stage_model_matches_the_estimate_where_the_optimizer_step_sets_the_peak
         lc = layer_costs(m, cl, t, plan)
         sm = StageModel(cl, plan, lc)
         fp = engines.footprint(plan, resident=cl is cpu)   # a CPU counts the bucket pages it touches
-        frag = all_factors(cl.device)["memory_fragmentation"]
+        frag = device_factors(cl.device).memory_fragmentation
         for i in range(plan.pp):
             for n in (1, 3, 8 // plan.pp):
                 for k in {0, n} if plan.recompute == "full" else {0}:
