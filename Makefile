@@ -11,9 +11,9 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps -e .
 	@$(PY) -c "import torch, sys; v = torch.__version__; print('torch', v); sys.exit(0 if '+cpu' in v or '+cu' not in v else 1)"
-	@# DeepSpeed's CPU ops, compiled once here so that no run compiles (planner/executor/ops.py);
+	@# DeepSpeed's CPU ops, compiled once here so that no run compiles (planner/runtime/preflight/ops.py);
 	@# a failure is a warning: the runs would compile (or fail) as before
-	-DS_ACCELERATOR=cpu $(PY) -m planner.executor.ops
+	-DS_ACCELERATOR=cpu $(PY) -m planner.runtime.preflight.ops
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -8,15 +8,15 @@ describes, per rank, on CPU processes of this machine (DeepSpeed, gloo).
 Every layout of the parity test (tests/integration/test_parity.py) and more with recompute,
 accumulation and fp32, on chatglm3-6b tiny and small (GQA, SwiGLU, RMSNorm, rotary) and a few on
 glm-10b tiny (LayerNorm, GELU, learned positions, tied embeddings, dropout 0.1), runs for real
-(planner.executor.launch.run_plan, worker --measure-activations), --rounds times round-robin
-(planner.calibrate.bench). Per layout, worst over its ranks:
+(planner.runtime.train.launch.run_plan, worker --measure-activations), --rounds times round-robin
+(planner.tune.bench). Per layout, worst over its ranks:
 - states: model-state bytes the executor counts tensor by tensor, by the estimate's classes
   (params, grads, optimizer, buckets, other; metrics.json model_state_breakdown_gb_per_rank)
   against the cost model's prediction of the same count (metrics.json predicted, from
   planner.cost.states: after backward, or after the step under a pipeline), worst class;
   target 1%;
 - allocated peak: the peak of live tensor bytes per rank during the warm-up steps
-  (planner.executor.allocated.AllocatedMeter; a GPU's max_memory_allocated) against the
+  (planner.runtime.observe.allocated.AllocatedMeter; a GPU's max_memory_allocated) against the
   estimate's allocated_memory of the rank's stage (no calibration); target 5%;
 - activations: the bytes each block keeps for backward in a real step (ActivationRecorder:
   saved-tensor hooks + the checkpoints' inputs) against planner.cost.memory, worst block;
@@ -43,19 +43,13 @@ from pathlib import Path
 from typing import Any
 
 from planner.calibrate import apply, calibrate
-from planner.calibrate.bench import (
-    Setup,
-    measured_run,
-    profile_machine,
-    round_robin,
-    step_time,
-)
+from planner.tune.bench import Setup, measured_run, profile_machine, round_robin, step_time
 from planner.cost import estimate, memory
 from planner.cost.attention import attention_kernel
 from planner.cost.model import rebuilds_shared_per_block
 from planner.cost.states import rank_coords
 from planner.errors import PlannerError
-from planner.executor.lab_inputs import check_metrics, check_profile
+from planner.runtime.preflight.lab import check_metrics, check_profile
 from planner.rundir import atomic_write_json
 from planner.search.driver import search
 from planner.specs import Plan, TrainSpec, load_profile, parse_cluster, preset, scale
@@ -191,7 +185,7 @@ def check(s: Setup, m: dict[str, Any]) -> dict[str, Any]:
 # --- running -----------------------------------------------------------------------------------
 def locked_runner(lock: str | None):
     def run(run_dir: Path, steps: int, warmup: int) -> dict[str, Any]:
-        from planner.executor.launch import run_plan
+        from planner.runtime.train.launch import run_plan
         with open(lock, "w") if lock else contextlib.nullcontext() as fh:
             if fh is not None:
                 fcntl.flock(fh, fcntl.LOCK_EX)

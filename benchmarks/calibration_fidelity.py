@@ -20,13 +20,7 @@ import time
 from pathlib import Path
 
 from planner.calibrate import apply, calibrate
-from planner.calibrate.bench import (
-    Setup,
-    measured_run,
-    profile_machine,
-    round_robin,
-    timed_steps,
-)
+from planner.tune.bench import Setup, measured_run, profile_machine, round_robin, timed_steps
 from planner.rundir import atomic_write_json
 from planner.specs import Plan, TrainSpec, load_profile, parse_cluster, preset, scale
 

@@ -20,7 +20,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from planner import dsconfig  # noqa: E402
 from planner.cost import estimate  # noqa: E402
-from planner.executor.launch import run_plan  # noqa: E402
+from planner.runtime.train.launch import run_plan  # noqa: E402
 from planner.rundir import atomic_write_json, plan_document  # noqa: E402
 from planner.specs import Plan, TrainSpec, load_profile, parse_cluster, preset, scale  # noqa: E402
 

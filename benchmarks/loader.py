@@ -2,7 +2,7 @@
 
 For the tiny and small GLM-10B shapes on 2xcpu: plan with `planner search`, run a few steps with
 `planner run` (the measured step time), then time the production of one micro-batch of the plan's
-layout (pack rows, produce tokens, stack; planner/executor/loading.py measure_production) from
+layout (pack rows, produce tokens, stack; planner/data/loader.py measure_production) from
 each source kind:
 - synthetic: the built-in corpus;
 - indexed: text tokenized once with `planner prepare-data --train-tokenizer <model vocab>`
@@ -62,8 +62,9 @@ def main() -> int:
     args = ap.parse_args()
     given = {k: float(v) for k, v in (s.split("=") for s in args.step_time)}
 
-    from planner.executor.data import DataSpec, Layout, Rows
-    from planner.executor.loading import choose_loader, measure_production
+    from planner.data.corpus import DataSpec
+    from planner.data.batching import Layout, Rows
+    from planner.data.loader import choose_loader, measure_production
     from planner.rundir import load_run
 
     with tempfile.TemporaryDirectory() as tmp:

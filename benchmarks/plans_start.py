@@ -6,7 +6,7 @@ search over its whole space (planner.search.driver.search, exhaustive: the same 
 Evaluator and exact inner solvers as `planner search`), writes each distinct feasible plan's
 run directory with `planner search`'s own writer (planner.search.outputs.write_outputs:
 plan.json, estimate.json, ds_config.json, launch.sh, trials.csv) and starts it for ONE
-optimizer step exactly as `planner run` does (planner.executor.launch.run_plan, default
+optimizer step exactly as `planner run` does (planner.runtime.train.launch.run_plan, default
 batching and data workers). A plan "started" when the run ends with status ok and a finite
 loss. Prints one row per plan (processes, started, wall seconds, the one-line cause of a
 failure) and the totals.
@@ -215,7 +215,7 @@ class Outcome:
 
 def start(case: Case, run_dir: Path, *, steps: int = 1, warmup: int = 0, timeout: float = 300.0) -> Outcome:
     """Write the run directory and run the plan as `planner run DIR --steps 1 --warmup 0` does."""
-    from planner.executor.launch import run_plan
+    from planner.runtime.train.launch import run_plan
     write_run(case, run_dir)
     t0 = time.perf_counter()
     try:

@@ -1,7 +1,7 @@
 """Measure serving deployments of ChatGLM3 tiny/small on this machine, beside the cost model.
 
 Each deployment (model scale, TP, max batch, arrival rate) is served for real by
-planner.executor.serve_run.run_serving (KV cache, continuous batching, TP ranks as gloo
+planner.runtime.serve.run.run_serving (KV cache, continuous batching, TP ranks as gloo
 processes, Poisson arrivals) and its serve_metrics.json saved under --out/<name>/. Printed per
 deployment: measured TTFT, TPOT (mean) and achieved QPS, and beside them the serving cost
 model's prediction at the same rate (planner/serve/queue.py simulate with cost.step_fns) on
@@ -38,7 +38,7 @@ from pathlib import Path
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from planner.executor.serve_run import METRICS_FILE, run_serving  # noqa: E402
+from planner.runtime.serve.run import METRICS_FILE, run_serving  # noqa: E402
 from planner.rundir import atomic_write_json  # noqa: E402
 from planner.specs import parse_cluster, preset, scale  # noqa: E402
 
@@ -111,7 +111,7 @@ def _fmt(factors: dict) -> str:
 
 def _runner(model, device, dep_tp: int, max_batch: int, workload: dict, requests: int, seed: int):
     """rate -> simulate() of the deployment with the device's step times, over the requests
-    the measured run serves (queue.draw_requests, as planner/executor/loadgen.py)."""
+    the measured run serves (queue.draw_requests, as planner/runtime/serve/loadgen.py)."""
     from planner.serve import queue
     from planner.serve.cost import serve_factor, step_fns
     from planner.serve.spec import Deployment, Workload

@@ -4,10 +4,10 @@ For each variant of ChatGLM3 small (--variant: linear-attention, ffn-sparsity=0.
 share-layers=2) and the base model, on this CPU:
 
 - training: the executor trains the same plan (DP 2, ZeRO-0, bf16, micro-batch 2 x 2, seq
-  SEQ; planner.executor.launch.run_plan, STEPS steps after a warm-up) and reports its step
+  SEQ; planner.runtime.train.launch.run_plan, STEPS steps after a warm-up) and reports its step
   time, peak memory and counted model states per rank; beside each, planner.cost.estimate for
   `2xcpu`. Printed: each figure's ratio to the base run, measured and predicted.
-- serving: the generation loop (planner.executor.serve_run.run_serving: KV cache, or linear
+- serving: the generation loop (planner.runtime.serve.run.run_serving: KV cache, or linear
   attention's fixed state; TP 1, max batch 4, Poisson arrivals) serves the same requests for
   each model; the serving cost model predicts TTFT and TPOT at the same rate (queue.simulate)
   with its factors fitted (planner/serve/calibrate.py) on the BASE model's runs only (this one,
@@ -48,7 +48,7 @@ GB = 1e9
 
 def train_row(root: Path, name: str) -> dict:
     from planner.cost import estimate
-    from planner.executor.launch import run_plan
+    from planner.runtime.train.launch import run_plan
     model = apply_variants(scale(preset("chatglm3-6b"), SIZE), VARIANTS[name])
     cluster = parse_cluster("2xcpu")
     train = TrainSpec(global_batch=PLAN.global_batch, seq_len=SEQ, precision="bf16")
@@ -72,7 +72,7 @@ def train_row(root: Path, name: str) -> dict:
 
 
 def serve_run(root: Path, name: str) -> dict:
-    from planner.executor.serve_run import run_serving
+    from planner.runtime.serve.run import run_serving
     model = apply_variants(scale(preset("chatglm3-6b"), SIZE), VARIANTS[name])
     t0 = time.perf_counter()
     m = run_serving(model, tp=1, max_batch=MAX_BATCH, workload=WORKLOAD, rate_qps=RATE, requests=REQUESTS, seed=0,
@@ -88,7 +88,7 @@ def calibration_runs(root: Path) -> list[dict]:
     cost per context token and the GEMMs' per row are one direction to the fit) and the tiny
     model (with one model size the weight read cannot be told from the fixed seconds per step,
     and decode_attention_scale stays unfitted: planner/serve/calibrate.py)."""
-    from planner.executor.serve_run import run_serving
+    from planner.runtime.serve.run import run_serving
     short = run_serving(scale(preset("chatglm3-6b"), SIZE), tp=1, max_batch=MAX_BATCH, workload=SHORT_WORKLOAD,
                         rate_qps=4 * RATE, requests=REQUESTS, seed=0, timeout_s=300, precision="bf16",
                         out_dir=root / "serve" / "base-short", threads=1)

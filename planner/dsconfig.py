@@ -11,7 +11,7 @@ Optimizer choice (measured, /work/shared/notes/deepspeed-on-cpu.md "One-time com
 Both use the same hyperparameters (`OPTIMIZER`).
 
 Tensor parallelism is not a DeepSpeed setting here: the executor's model is built from
-Megatron-style tensor-parallel layers (planner/executor/parallel/, Shoeybi et al. 2019,
+Megatron-style tensor-parallel layers (planner/model/parallel/, Shoeybi et al. 2019,
 sec. 3) on the groups of DeepSpeed's PipeModelDataParallelTopology, and DeepSpeed is handed
 those groups (an mpu, or the PipelineModule's topology). The config therefore has no
 "tensor_parallel" block: DeepSpeed must not run AutoTP over layers that are already split.
@@ -34,7 +34,7 @@ GRADIENT_CLIPPING = 1.0
 STEPS_PER_PRINT = 10
 MONITOR_DIR = "logs"
 """TensorBoard and CSV monitor output, relative to the run directory (the launch cwd)."""
-ENTRY_MODULE = "planner.executor.worker"
+ENTRY_MODULE = "planner.runtime.train.worker"
 """The training entry the launch script runs (one process per rank)."""
 
 
@@ -137,7 +137,7 @@ def lr_scheduler(schedule: str, lr: float, warmup_steps: int, total_steps: int) 
     0.19.8, deepspeed/runtime/lr_schedules.py). Both schedulers warm up linearly over
     max(2, warmup_steps) steps (DeepSpeed's own floor); with `warmup_steps` 0 the constant
     schedule starts and stays at `lr` (min = max). WarmupCosineLR scales the optimizer's own
-    learning rate, so the executor builds the optimizer with `lr` (planner/executor/settings.py configure_lr).
+    learning rate, so the executor builds the optimizer with `lr` (planner/runtime/train/settings.py configure_lr).
 
     DeepSpeed steps the scheduler after each optimizer step: the step with index k (from 0)
     uses the rate of scheduler iteration k - 1, and iteration -1 is the warmup's start (0 for

@@ -8,6 +8,7 @@ from typing import Any, Callable
 import click
 
 from planner.errors import SpecError
+from planner.specs.compare import comparison_rows
 from planner.specs.hardware import ClusterSpec, load_profile, parse_cluster
 from planner.specs.model import ModelSpec, preset, scale
 from planner.specs.train import ATTENTION, TrainSpec
@@ -195,34 +196,7 @@ def common_inputs(f: Callable) -> Callable:
 
 
 
-# --- --variant: the variant next to its base ----------------------------------------------------
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def _ratio(base: float | None, var: float | None) -> str:
-    return "-" if not base or var is None else f"{var / base:.2f}x"
-
-
-def training_comparison(base_model: ModelSpec, base: Any, model: ModelSpec, est: Any) -> list[tuple[str, str, str, str]]:
-    """(figure, base, variant, variant / base) rows of two training estimates of one plan."""
-    gb = 1e9
-    rows = [("parameters", base_model.params, model.params, ",.0f"),
-            ("step time s", base.step_time_s, est.step_time_s, ".4f"),
-            ("tokens/s", base.tokens_per_s, est.tokens_per_s, ",.0f"),
-            ("model TFLOPs per step", base.model_flops_per_step / 1e12, est.model_flops_per_step / 1e12, ",.2f"),
-            ("peak memory GB", base.peak_memory_gb, est.peak_memory_gb, ".3f"),
-            ("model states GB (peak stage)", _states(base) / gb, _states(est) / gb, ".3f"),
-            ("activations GB (peak stage)", base.stage_memory[base.peak_stage].activations / gb,
-             est.stage_memory[est.peak_stage].activations / gb, ".3f")]
-    return [(k, _fmt(a, f), _fmt(b, f), _ratio(a, b)) for k, a, b, f in rows]
-
-
-def _states(est: Any) -> float:
-    m = est.stage_memory[est.peak_stage]
-    return m.params + m.grads + m.optimizer
-
-
+# --- --variant: the variant next to its base (rows: planner/specs/compare.py) -------------------
 def serving_comparison(base_model: ModelSpec, base: Any, model: ModelSpec, est: Any,
                        dep: Any) -> list[tuple[str, str, str, str]]:
     """(figure, base, variant, variant / base) rows of two serving estimates of one deployment."""
@@ -230,25 +204,18 @@ def serving_comparison(base_model: ModelSpec, base: Any, model: ModelSpec, est: 
 
     def ms(x: float | None) -> float | None:
         return None if x is None else x * 1e3
-    rows = [("parameters", base_model.params, model.params, ",.0f"),
-            ("weights GB per GPU", base.memory_gb["weights"], est.memory_gb["weights"], ".3f"),
-            ("KV bytes per token", kv_bytes_per_token(base_model, dep), kv_bytes_per_token(model, dep), ",.0f"),
-            ("state bytes per sequence", state_bytes_per_sequence(base_model, dep),
-             state_bytes_per_sequence(model, dep), ",.0f"),
-            ("max batch (memory)", base.batch_limit, est.batch_limit, "d"),
-            ("TTFT ms (alone)", ms(base.ttft_alone_s), ms(est.ttft_alone_s), ",.2f"),
-            ("TPOT ms (alone)", ms(base.tpot_alone_s), ms(est.tpot_alone_s), ",.3f"),
-            ("TTFT ms (at rate)", ms(base.ttft_s), ms(est.ttft_s), ",.2f"),
-            ("TPOT ms (at rate)", ms(base.tpot_s), ms(est.tpot_s), ",.3f"),
-            ("max QPS", base.max_qps, est.max_qps, ",.2f")]
-    return [(k, _fmt(a, f), _fmt(b, f), _ratio(a, b)) for k, a, b, f in rows]
-
-
-def comparison_doc(model: ModelSpec, rows: list[tuple[str, str, str, str]], **extra: Any) -> dict[str, Any]:
-    """The "variant_comparison" object of estimate --json, estimate.json and serve_plan.json:
-    the base and variant names, `extra` fields, and the (figure, base, variant, ratio) rows."""
-    return {"base": model.base().name, "variant": model.name, **extra,
-            "rows": [dict(zip(("figure", "base", "variant", "ratio"), r)) for r in rows]}
+    return comparison_rows([
+        ("parameters", base_model.params, model.params, ",.0f"),
+        ("weights GB per GPU", base.memory_gb["weights"], est.memory_gb["weights"], ".3f"),
+        ("KV bytes per token", kv_bytes_per_token(base_model, dep), kv_bytes_per_token(model, dep), ",.0f"),
+        ("state bytes per sequence", state_bytes_per_sequence(base_model, dep),
+         state_bytes_per_sequence(model, dep), ",.0f"),
+        ("max batch (memory)", base.batch_limit, est.batch_limit, "d"),
+        ("TTFT ms (alone)", ms(base.ttft_alone_s), ms(est.ttft_alone_s), ",.2f"),
+        ("TPOT ms (alone)", ms(base.tpot_alone_s), ms(est.tpot_alone_s), ",.3f"),
+        ("TTFT ms (at rate)", ms(base.ttft_s), ms(est.ttft_s), ",.2f"),
+        ("TPOT ms (at rate)", ms(base.tpot_s), ms(est.tpot_s), ",.3f"),
+        ("max QPS", base.max_qps, est.max_qps, ",.2f")])
 
 
 def comparison_table(title: str, rows: list[tuple[str, str, str, str]], base_name: str, name: str) -> Any:

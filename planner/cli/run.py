@@ -1,4 +1,4 @@
-"""`planner run` and `planner verify`: thin wrappers over planner.executor."""
+"""`planner run` and `planner verify`: thin wrappers over planner.runtime.train (launch, verify)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -80,7 +80,7 @@ def _err(e) -> str:
 @_scale_option
 def run(run_dir: str, **kw) -> None:
     """Train the plan in RUN_DIR under DeepSpeed and write RUN_DIR/metrics.json."""
-    from planner.executor.launch import run_plan
+    from planner.runtime.train.launch import run_plan
     _check_scale(run_dir, kw.pop("scale"))
     if kw["resume_if_present"]:
         kw["resume"] = True
@@ -118,9 +118,9 @@ def run(run_dir: str, **kw) -> None:
 @_scale_option
 def verify(run_dir: str, **kw) -> None:
     """Run the conventional baseline and the plan; compare against the 3x / one-third-memory targets."""
-    from planner.executor.preflight import check_run
-    from planner.executor.launch import check_counts
-    from planner.executor.verify import check_inputs, verify as do_verify
+    from planner.runtime.preflight.checks import check_run
+    from planner.runtime.train.launch import check_counts
+    from planner.runtime.train.verify import check_inputs, verify as do_verify
     from planner.rundir import check_writable
     check_counts(kw["steps"], kw["warmup"], kw["timeout"])
     check_inputs(Path(run_dir))  # a profile from another machine, or missing a precision's probe

@@ -20,8 +20,8 @@ from rich.table import Table
 
 from planner.search.bill import OBJECTIVES, estimate_bill, search_bill
 from planner.cost.bill import tokens_text
-from planner.cli.common import (bill_options, common_inputs, comparison_doc, comparison_table, load_bill, load_inputs,
-                                 training_comparison, variant_option)
+from planner.cli.common import (bill_options, common_inputs, comparison_table, load_bill, load_inputs,
+                                 variant_option)
 from planner.cli.tuning import prepare as prepare_tuning
 from planner.cli.tuning import refine_step, tuning_options
 from planner.errors import SpecError
@@ -34,6 +34,7 @@ from planner.search.outputs import (MEASUREMENTS, SEARCH_FILES, set_aside, set_a
 from planner.specs.estimate import GB, Estimate
 from planner.specs.plan import CP_KINDS, OFFLOAD, RECOMPUTE, Plan
 from planner.specs.validate import plan_problems, runtime_problems
+from planner.specs.compare import comparison_doc, training_comparison
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$")
 _PLAN_DEFAULTS = Plan()

@@ -10,8 +10,8 @@ from typing import Any
 import click
 from rich.table import Table
 
-from planner.cli.common import (apply_variants, comparison_doc, comparison_table, load_cluster, load_model,
-                                 model_options, serving_comparison, variant_option)
+from planner.cli.common import (apply_variants, comparison_table, load_cluster, load_model, model_options,
+                                 serving_comparison, variant_option)
 from planner.cli.search import _command_line, _console
 from planner.errors import SpecError
 from planner.rundir import check_writable
@@ -20,6 +20,7 @@ from planner.serve.launch import launch_script
 from planner.serve.outputs import calibration_badge, latency_curve, render_report, write_serve_run
 from planner.serve.search import Space, distinct, require_target, search_deployments
 from planner.serve.spec import LATENCY_METRICS, SEARCH_KV, SEARCH_WEIGHTS, ServeEstimate, Target, Workload
+from planner.specs.compare import comparison_doc
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$")
 

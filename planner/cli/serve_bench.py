@@ -1,4 +1,4 @@
-"""`planner serve-bench`: measure one serving deployment on this machine (planner.executor.serve_run)."""
+"""`planner serve-bench`: measure one serving deployment on this machine (planner.runtime.serve.run)."""
 from __future__ import annotations
 
 import click
@@ -26,7 +26,7 @@ def serve_bench(model_arg, scale, tp, max_batch, prompt_len, output_len, prompt_
                 seed, timeout, precision, threads, out) -> None:
     """Serve seeded requests with Poisson arrivals on the executor's model (KV cache, continuous
     batching, TP across processes) and write OUT/serve_metrics.json."""
-    from planner.executor.serve_run import METRICS_FILE, run_serving
+    from planner.runtime.serve.run import METRICS_FILE, run_serving
     from planner.serve.spec import Workload
     spec = load_model(model_arg, scale)
     workload = Workload(prompt_len=prompt_len, output_len=output_len, prompt_sigma=prompt_sigma,

@@ -53,7 +53,7 @@ class Tuning:
     study: str | None
     storage: Any = None            # the search's study storage (no heartbeats)
     runs_storage: Any = None       # the real runs' storage (heartbeats, retries)
-    group: Any = None              # planner.executor.group_launch.NodeGroup or None
+    group: Any = None              # planner.runtime.train.group_launch.NodeGroup or None
     runs_key: str = ""
     label: str = ""
 
@@ -72,7 +72,7 @@ def prepare(kw: dict[str, Any], model: Any, cluster: Any, train: Any, runtime: s
         raise SpecError("--study", f"{study!r} is not a study name", "give a name of 1-256 characters, e.g. --study glm")
     t = Tuning(url=kw["storage"], study=study)
     if kw["refine_k"]:
-        from planner.executor.group_launch import NodeGroup
+        from planner.runtime.train.group_launch import NodeGroup
         t.group = NodeGroup.parse(kw["hostfile"], kw["include"], kw["exclude"])
         if t.group is not None:
             t.group.check(cluster)
@@ -88,7 +88,7 @@ def prepare(kw: dict[str, Any], model: Any, cluster: Any, train: Any, runtime: s
     t.label = study_label(space)
     check_study(t.storage, t.study, study_key(space), t.label, f" in {safe_url(t.url)}")
     if k and not kw["dry_run"]:
-        from planner.calibrate.shared import runs_key, runs_study_name
+        from planner.tune.shared import runs_key, runs_study_name
         t.runs_storage = open_storage(t.url, heartbeat_s=kw["heartbeat"])
         t.runs_key = runs_key(study_key(space), k, kw["refine_steps"], 1)
         check_study(t.runs_storage, runs_study_name(t.study), t.runs_key, t.label, f" in {safe_url(t.url)}")
@@ -98,21 +98,22 @@ def prepare(kw: dict[str, Any], model: Any, cluster: Any, train: Any, runtime: s
 def _runner(t: Tuning, timeout: float) -> tuple[Callable[[Path, int, int], dict], Callable[[Path], str]]:
     """How one trial runs: the deepspeed launcher on the node group, else the executor here."""
     if t.group is not None:
-        from planner.executor.group_launch import dry_run_line, free_port
+        from planner.runtime.procs import free_port
+        from planner.runtime.train.group_launch import dry_run_line
         group = t.group
         return (lambda sub, steps, warmup: group.run(sub, steps=steps, warmup=warmup, timeout=timeout),
                 lambda sub, steps=0, warmup=1: dry_run_line(group.command(sub, steps=steps, warmup=warmup,
                                                                           port=free_port()), sub))
 
     def local(sub: Path, steps: int, warmup: int) -> dict:
-        from planner.executor.launch import run_plan
+        from planner.runtime.train.launch import run_plan
         return run_plan(sub, steps=steps, warmup=warmup, timeout=timeout)
     return local, lambda sub, steps=0, warmup=1: f"planner run {sub} --steps {steps} --warmup {warmup}"
 
 
 def refine_step(run_dir: Path, kw: dict[str, Any], t: Tuning, err: Console, out: Console) -> None:
     """--refine K after the search: dry run, shared study, or the one-machine loop; print the outcome."""
-    from planner.calibrate.refine import prepare_plan_dir, refine, top_plans, with_device
+    from planner.tune.refine import prepare_plan_dir, refine, top_plans, with_device
     from planner.rundir import load_run
     k, steps = kw["refine_k"], kw["refine_steps"]
     runner, describe = _runner(t, kw["trial_timeout"])
@@ -127,7 +128,7 @@ def refine_step(run_dir: Path, kw: dict[str, Any], t: Tuning, err: Console, out:
         out.print("dry run: nothing launched, nothing written to a study")
         return
     if t.runs_storage is not None:
-        from planner.calibrate.shared import refine_shared
+        from planner.tune.shared import refine_shared
         group = t.group.describe() if t.group is not None else "local"
         result = refine_shared(run_dir, k, steps, warmup=1, storage=t.runs_storage, study=t.study, key=t.runs_key,
                                label=t.label, runner=runner, describe_run=lambda sub: describe(sub, steps, 1),

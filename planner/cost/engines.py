@@ -25,7 +25,7 @@ DeepSpeed partitions it, and lives for one phase of the step:
   owned partition out, the reduce buckets, ZeRO-3's gathered parameters);
 - "step": only inside optimizer.step (fp32 copies of the gradients).
 
-The executor counts the same buffers tensor by tensor (planner/executor/measure.py): those
+The executor counts the same buffers tensor by tensor (planner/runtime/observe/measure.py): those
 reached through the module (`held_by="module"`: p.data, p.grad, ZeRO-3's ds_tensor) and those
 reached through the optimizer (`held_by="optimizer"`). Measured on tiny runs (README "The cost
 model"): every "always" and "grads" buffer below appears with the predicted size.
@@ -473,7 +473,7 @@ def _with_variants(engine: Engine, zero: int, e: float, offload_optimizer: str, 
         elif opt and b.name == "gradient partition":
             b = dataclasses.replace(b, location="host" if opt == "host" else "nvme",
                                     source=SRC_ZERO3 + " with offload_optimizer: grad_partitions_flat_buffer in host "
-                                                       "memory (measured: planner/executor/measure.py); with NVMe "
+                                                       "memory (measured: planner/runtime/observe/measure.py); with NVMe "
                                                        "swapped like the rest (ZeRO-Infinity, Rajbhandari et al. "
                                                        "2021, sec. 5: gradients offloaded to NVMe)")
         elif offload_params != "none" and b.name == "weight partition":

@@ -43,7 +43,7 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, sequen
 def rotary_dims(model: ModelSpec) -> int:
     """Dims of each head the rotary embedding turns: the first rotary_fraction of each head
     (ChatGLM's 2D-RoPE and GLM-4 half, llama the whole head), rounded down to even
-    (planner/executor/model.py rotary_dims); 0 without rotary."""
+    (planner/model/attention.py rotary_dims); 0 without rotary."""
     if model.position != "rotary":
         return 0
     r = int(model.dim_per_head * model.rotary_fraction)
@@ -62,7 +62,7 @@ def _core_bytes(model: ModelSpec, s: int, b: int, t: int, e: float, kernel: str)
     n, g, d = model.heads / t, model.kv_heads / t, model.dim_per_head
     out = e * b * s * n * d                                    # attention output (SDPA / P V and the dense linear)
     if kernel == "linear":
-        # causal linear attention (planner/executor/model.py _LinearAttention) keeps q, k, v
+        # causal linear attention (planner/model/attention.py _LinearAttention) keeps q, k, v
         # only and recomputes its chunks in backward: no s x s term, no logsumexp
         return e * b * s * (n + 2 * g) * d + out
     if kernel == "flash":
@@ -147,7 +147,7 @@ def shared_bytes(model: ModelSpec, s: int, b: int, t: int, *, act_bytes: float, 
 
 def cache_bytes(model: ModelSpec, s: int, b: int, t: int, act_bytes: float) -> float:
     """The stage cache's own set (the latest micro-batch's mask and cos/sin), one per stage
-    whatever the kernel or recompute (planner/executor/model.py StageCache)."""
+    whatever the kernel or recompute (planner/model/attention.py StageCache)."""
     return mask_bytes(model, s, b, t, act_bytes) + rotary_bytes(model, s, b)
 
 

@@ -23,7 +23,7 @@ from planner.specs.train import TrainSpec
 CE_ALLREDUCES = 3
 """Small fp32 all-reduces of b x s values in the vocab-parallel cross-entropy (max logit, sum
 of exponentials, target logit: Megatron-LM _VocabParallelCrossEntropy, the executor's
-planner/executor/parallel/tensor.py)."""
+planner/model/parallel/tensor.py)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +106,7 @@ def replicated_grad_allreduces(model: ModelSpec) -> int:
     """Under sequence parallelism, the replicated parameters of one block used on sequence
     shards (norm weights and biases, row-parallel biases) each get an all-reduce of their h
     elements over TP in backward, once per micro-batch (docs/runtime.md "With sequence
-    parallelism"; planner/executor/parallel/tensor.py `replicated`): 2 (RMSNorm) or 4
+    parallelism"; planner/model/parallel/tensor.py `replicated`): 2 (RMSNorm) or 4
     (LayerNorm) + 2 (attention-output and FFN-output biases, if any)."""
     per_norm = 2 if model.norm == "layernorm" else 1
     return 2 * per_norm + (2 if model.linear_bias else 0)
@@ -253,7 +253,7 @@ def rebuilds_shared_per_block(plan: Plan) -> bool:
     output tensors in an autograd function (deepspeed/runtime/zero/parameter_offload.py
     _post_forward_module_hook -> zero/utils.py apply_to_tensors_only), so the position and
     segment ids reach the next block as new tensor objects and the executor's stage cache,
-    keyed by their identity (planner/executor/model.py StageCache), misses. Measured with
+    keyed by their identity (planner/model/attention.py StageCache), misses. Measured with
     the executor's ActivationRecorder (docs/runtime.md)."""
     return plan.zero == 3
 

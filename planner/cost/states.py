@@ -1,7 +1,7 @@
 """The model states one rank holds when the executor counts them, by the estimate's classes.
 
-The executor counts model states tensor by tensor once per run (planner/executor/measure.py
-model_states; planner/executor/train.py): after the last micro-batch's backward of the second
+The executor counts model states tensor by tensor once per run (planner/runtime/observe/measure.py
+model_states; planner/runtime/train/loop.py): after the last micro-batch's backward of the second
 step, before its optimizer step -- or, under a pipeline, after the last step, when DeepSpeed's
 pipeline engine has freed the gradients. At that moment a rank holds its engine's buffers of
 the "always" and "grads" phases ("always" only under a pipeline; planner.cost.engines.PHASES).

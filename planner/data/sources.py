@@ -1,7 +1,7 @@
 """Finite corpora behind `--data`: documents as int64 token arrays, opened once per process.
 
 A source has len(), doc(k) and lengths(), and pickles for DataLoader worker processes: documents
-held in memory travel with it, an indexed dataset travels as its path (workers reopen the memmaps). planner/executor/data.py
+held in memory travel with it, an indexed dataset travels as its path (workers reopen the memmaps). planner/data/batching.py
 explains the kinds of file and how they are chosen.
 """
 from __future__ import annotations

@@ -1,1 +1,2 @@
-"""Executor: run a plan for real under DeepSpeed and measure it (issue 3)."""
+"""Compatibility only: run directories written before the executor was split (issue 21) name
+`planner.executor.worker` in their launch.sh / torchrun.sh. The code lives in planner/runtime."""

@@ -1,4 +1,4 @@
-"""torchrun launch of the planner's own worker (planner.executor.worker): the same processes
+"""torchrun launch of the planner's own worker (planner.runtime.train.worker): the same processes
 `launch.sh` starts with the deepspeed launcher, started by torch's elastic launcher instead
 (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT come from torchrun's rendezvous)."""
 from __future__ import annotations

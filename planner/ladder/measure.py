@@ -1,12 +1,12 @@
 """`planner ladder --measure`: every rung that runs here, run with the executor.
 
-Like `planner verify` (planner/executor/verify.py): every rung reads the same document stream
+Like `planner verify` (planner/runtime/train/verify.py): every rung reads the same document stream
 from its start (same seed, same corpus); a static (padded) rung runs `steps` steps, a dynamic
 (packed) rung as many as it needs to train on at least the baseline's real tokens. Each rung
 gets its own run directory under RUN_DIR/ladder/NN-technique/. A rung that cannot run here
 says why: it does not fit (the cost model's reason), DeepSpeed would run it exactly as the
 rung before (planner.ladder.techniques.inert), the machine lacks its devices, memory or cores
-(planner.executor.preflight), or the run failed (the executor's one line).
+(planner.runtime.preflight.checks), or the run failed (the executor's one line).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def _claim(technique: str, m: dict[str, Any], prev: dict[str, Any]) -> str:
 def optimizer_gb(metrics: dict[str, Any]) -> float | None:
     """The most optimizer-state GB a rank holds, on the device or offloaded: the "optimizer" class
     of metrics.json's model states (Adam's moments and the fp32 master weights: what the
-    article's 3N -> 1.5N and the cost model's "optimizer" count; planner.executor.measure
+    article's 3N -> 1.5N and the cost model's "optimizer" count; planner.runtime.observe.measure
     storage_class). ZeRO-3's reduce bucket is a bucket, the flat gradient partition a gradient."""
     return states_gb(metrics).get("optimizer") or None
 
@@ -62,13 +62,14 @@ def measure(run_dir: str | Path, ladder: dict[str, Any], model: ModelSpec, clust
     """Adds "measured" to every legal rung of `ladder` (in place) and "measured_ratio" to the
     ladder when both the baseline and the last rung ran; returns the ladder."""
     from planner import dsconfig
-    from planner.executor import preflight
-    from planner.executor.data import DataSpec, Layout, Rows, batches_for_tokens, padding_stats
+    from planner.runtime.preflight import checks as preflight
+    from planner.data.corpus import DataSpec
+    from planner.data.batching import Layout, Rows, batches_for_tokens, padding_stats
     from planner.cost import estimate
-    from planner.executor.launch import run_plan
-    from planner.executor.verify import prepare_run_dir
+    from planner.runtime.train.launch import run_plan
+    from planner.runtime.train.verify import prepare_run_dir
 
-    from planner.executor.lab_inputs import check_run_dir
+    from planner.runtime.preflight.lab import check_run_dir
     run = Path(run_dir).resolve()
     check_run_dir(run, tuple(dict.fromkeys(["fp32"] + [r["plan"]["precision"] for r in ladder["rungs"]
                                                          if "illegal" not in r])))  # before any rung runs

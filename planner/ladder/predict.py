@@ -2,7 +2,7 @@
 
 Throughput is real (non-padding) tokens per second: the cost model's all-token tokens/s times
 the real share of the rung's batching mode, measured on the document stream the executor
-would read (planner.executor.data.padding_stats, the same as `planner verify`). Each rung's
+would read (planner.data.batching.padding_stats, the same as `planner verify`). Each rung's
 gain is its real tokens/s over the previous legal rung's, so the gains multiply exactly to the
 baseline-to-plan ratio (the ratio `planner verify` predicts); memory ratios multiply the same way.
 """
@@ -30,7 +30,8 @@ def padding_shares(model: ModelSpec, train: TrainSpec, rows: int, *, seed: int =
     """Real-token share of each batching mode over the first `rows` rows of the document
     stream (synthetic corpus of `seed`, or the --data corpus): static pads one document chunk
     per row; dynamic packs chunks into rows."""
-    from planner.executor.data import DataSpec, Layout, Rows, padding_stats  # numpy only, no torch
+    from planner.data.corpus import DataSpec
+    from planner.data.batching import Layout, Rows, padding_stats  # numpy only, no torch
     spec = DataSpec(seq_len=train.seq_len, vocab=model.vocab, seed=seed, token_file=data, tokenizer=tokenizer)
     out = {}
     for mode in ("static", "dynamic"):

@@ -9,7 +9,6 @@ heads/t query heads, kv/t KV heads and ffn/t FFN columns (Megatron-LM column/row
 """
 from __future__ import annotations
 
-import importlib
 import math
 from typing import Any
 
@@ -17,21 +16,21 @@ from planner.specs.model import ModelSpec
 
 
 def executor_block(model: ModelSpec, tp: int) -> tuple[Any, str] | None:
-    """One TP rank's share of planner.executor.model.Block, taking and returning [b, s, h].
+    """One TP rank's share of planner.model.glm.Block, taking and returning [b, s, h].
 
     The block is built with a TP group of `tp` ranks and no process group: its parallel layers
     hold one rank's slices (heads/t, KV groups/t, ffn/t) and skip the collectives, so it times
     exactly one rank's compute. None when the executor's model is not installed.
     """
     try:
-        mod = importlib.import_module("planner.executor.model")
-        groups = importlib.import_module("planner.executor.parallel.groups")
+        from planner.model.glm import Block
+        from planner.model.parallel.groups import TPGroup
     except Exception:
         return None
     import torch
     from torch import nn
 
-    block = mod.Block(model, 0, tp=groups.TPGroup(rank=0, size=tp))
+    block = Block(model, 0, tp=TPGroup(rank=0, size=tp))
 
     class OneSequencePerRow(nn.Module):
         """Feeds the block positions 0..s-1 and one document per row (causal mask)."""
@@ -46,7 +45,7 @@ def executor_block(model: ModelSpec, tp: int) -> tuple[Any, str] | None:
             seg = torch.ones(b, s, dtype=torch.long, device=x.device)
             return self.block((x, pos, seg))[0]
 
-    return OneSequencePerRow(), "planner.executor.model.Block" + (f" (one rank of TP {tp})" if tp > 1 else "")
+    return OneSequencePerRow(), "planner.model.glm.Block" + (f" (one rank of TP {tp})" if tp > 1 else "")
 
 
 def make_block(model: ModelSpec, tp: int = 1, prefer_executor: bool = True) -> tuple[Any, str]:

@@ -12,24 +12,18 @@ from __future__ import annotations
 import json
 import os
 import queue as queue_mod
-import socket
 import tempfile
 import time
 import warnings
 from typing import Any, Callable
 
 from planner.errors import PlannerError
+from planner.runtime.procs import free_port
 from planner.profiler.fit import OPS, bus_factor, fit_alpha_beta
 
 
 class ProfilingError(PlannerError):
     """A measurement job failed or hung."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def group_sizes(procs: int) -> list[int]:

@@ -110,7 +110,7 @@ def knobs(plan: Plan, layers: int) -> list[tuple[str, str, str]]:
            (plan.precision, "", f"{plan.precision}.enabled" if plan.precision != "fp32" else "fp32 (no bf16/fp16 block)")]
     if plan.tp > 1:
         # not a DeepSpeed key: the executor's own Megatron-style layers (docs/runtime.md)
-        out.append(("tp", str(plan.tp), "tensor parallel degree: Megatron-style layers in planner/executor/parallel"))
+        out.append(("tp", str(plan.tp), "tensor parallel degree: Megatron-style layers in planner/model/parallel"))
     if plan.sequence_parallel:
         out.append(("seq-parallel", "", "Megatron sequence parallelism in the TP group"))
     if plan.pp > 1:

@@ -74,12 +74,13 @@ def baseline_section(plan: Plan, est: Estimate, train) -> dict[str, Any]:
 
 
 def loader_choice(plan: Plan, est: Estimate, model, cluster, train) -> dict[str, Any]:
-    """DataLoader workers, pinned memory and prefetch depth for the plan (planner/executor/loading.py:
+    """DataLoader workers, pinned memory and prefetch depth for the plan (planner/data/loader.py:
     one micro-batch's production, measured here on the synthetic stream, against the plan's
     predicted compute per micro-batch). plan.json records it; `planner run` uses it unless
     --data-workers is given."""
-    from planner.executor.data import DataSpec, Layout, Rows
-    from planner.executor.loading import choose_loader, loader_record
+    from planner.data.corpus import DataSpec
+    from planner.data.batching import Layout, Rows
+    from planner.data.loader import choose_loader, loader_record
     rows = Rows(DataSpec(seq_len=train.seq_len, vocab=model.vocab), "dynamic")
     layout = Layout(plan.micro_batch, plan.grad_accum, plan.dp)
     settings = choose_loader(rows, layout, device="cpu" if cluster.device.kind == "cpu" else "cuda",
@@ -94,7 +95,7 @@ def variant_section(plan: Plan, est: Estimate, model, cluster, train) -> dict[st
     prints and the report shows side by side); {} for a model without a variant."""
     if not getattr(model, "variant_label", ""):
         return {}
-    from planner.cli.common import comparison_doc, training_comparison
+    from planner.specs.compare import comparison_doc, training_comparison
     from planner.cost import estimate
     base = model.base()
     rows = training_comparison(base, estimate(base, cluster, train, plan), model, est)

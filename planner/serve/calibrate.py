@@ -1,6 +1,6 @@
 """Fit the serving factors (planner/serve/cost.py SERVE_DEFAULTS) to measured serving runs.
 
-Input: serve_metrics.json documents written by planner/executor/serve_run.py (`model`:
+Input: serve_metrics.json documents written by planner/runtime/serve/run.py (`model`:
 ModelSpec.to_dict(), `deployment`: {tp, max_batch, precision, prefill_chunk}, `decode_steps`:
 [{batch, context_tokens, time_s, host_s}], `prefills`: [{tokens, time_s, host_s}]). A step's
 measured seconds are its forward (time_s) plus the engine's own time before it (host_s, absent
@@ -61,7 +61,7 @@ def _observations(run: dict[str, Any], device: DeviceProfile, keys: list | None 
         steps, prefills = run.get("decode_steps", []), run.get("prefills", [])
     except (KeyError, TypeError, ValueError) as exc:
         raise SpecError("serve_metrics.json", f"is missing or has a malformed field ({exc})",
-                        "pass files written by planner.executor.serve_run") from None
+                        "pass files written by planner.runtime.serve.run") from None
     cluster = parse_cluster(f"{dep.tp}x{device.name}", device)
     obs = []
     try:
@@ -81,7 +81,7 @@ def _observations(run: dict[str, Any], device: DeviceProfile, keys: list | None 
                     keys.append(("prefill", bool(s.get("after_idle", False))))
     except (KeyError, TypeError, ValueError) as exc:
         raise SpecError("serve_metrics.json", f"has a malformed step ({exc})",
-                        "pass files written by planner.executor.serve_run") from None
+                        "pass files written by planner.runtime.serve.run") from None
     return obs
 
 

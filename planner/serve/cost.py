@@ -33,7 +33,7 @@ from typing import Callable
 from planner.cost.comm import allgather_time, allreduce_time
 from planner.cost.compute import LINEAR_CHUNK, block_gemms, ffn_time_divisors, linear_core_flops
 from planner.errors import SpecError
-from planner.serve.memory import (GB, GPU_MEMORY_UTILIZATION, cache_read_bytes, kv_bytes_per_token,
+from planner.serve.memory import (GB, GPU_MEMORY_UTILIZATION, cache_read_bytes, engine_budget, kv_bytes_per_token,
                                   kv_bytes_per_token_rank,
                                   kv_heads_per_rank, linear_weights, serve_memory, weight_bytes, weight_read_bytes)
 from planner.serve import measured
@@ -319,23 +319,6 @@ def decode_step_time_s(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, 
                        context_tokens: int) -> float:
     """Seconds of one decode step of the running batch (one engine step, overhead included)."""
     return combine(decode_terms(model, cluster, dep, batch, context_tokens), serve_factors(cluster), decode=True)
-
-
-def engine_budget(cluster: ClusterSpec, dep: Deployment) -> float:
-    """Tokens per engine step (vLLM --max-num-batched-tokens, SGLang --chunked-prefill-size):
-    the deployment's, else the engine's default for this GPU. vLLM V1 (vllm/engine/arg_utils.py
-    EngineArgs.get_batch_defaults, OpenAI API server): 8192 on GPUs of >= 70 GiB other than
-    A100 (H100, H200, MI300X), 2048 elsewhere (A100: larger budgets lowered its throughput,
-    vLLM PR #17885). SGLang (python/sglang/srt/server_args.py): 2048 below 35 GiB, 8192 below
-    160 GiB, 16384 above. The CPU executor: whole prompts, unbounded."""
-    if dep.prefill_chunk:
-        return float(dep.prefill_chunk)
-    gib = cluster.device.memory_gb
-    if dep.engine == "vllm":
-        return 8192.0 if gib >= 70 and "A100" not in cluster.device.name.upper() else 2048.0
-    if dep.engine == "sglang":
-        return 2048.0 if gib < 35 else 8192.0 if gib < 160 else 16384.0
-    return math.inf
 
 
 REQUEST_OVERHEAD_S = 0.004

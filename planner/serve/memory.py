@@ -112,6 +112,24 @@ def cache_read_bytes(model: ModelSpec, dep: Deployment, batch: int, context_toke
     return context_tokens * kv_bytes_per_token_rank(model, dep)
 
 
+def engine_budget(cluster: ClusterSpec, dep: Deployment) -> float:
+    """Tokens per engine step (vLLM --max-num-batched-tokens, SGLang --chunked-prefill-size):
+    the deployment's, else the engine's default for this GPU. vLLM V1 (vllm/engine/arg_utils.py
+    EngineArgs.get_batch_defaults, OpenAI API server): 8192 on GPUs of >= 70 GiB other than
+    A100 (H100, H200, MI300X), 2048 elsewhere (A100: larger budgets lowered its throughput,
+    vLLM PR #17885). SGLang (python/sglang/srt/server_args.py): 2048 below 35 GiB, 8192 below
+    160 GiB, 16384 above. The CPU executor: whole prompts, unbounded."""
+    if dep.prefill_chunk:
+        return float(dep.prefill_chunk)
+    gib = cluster.device.memory_gb
+    if dep.engine == "vllm":
+        return 8192.0 if gib >= 70 and "A100" not in cluster.device.name.upper() else 2048.0
+    if dep.engine == "sglang":
+        return 2048.0 if gib < 35 else 8192.0 if gib < 160 else 16384.0
+    return math.inf
+
+
+
 # --- memory -------------------------------------------------------------------------------
 def serve_memory(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, workload: Workload) -> dict[str, Any]:
     """Per-GPU memory of one replica's rank, GiB, and the paged KV cache it leaves [PA]:
@@ -127,7 +145,6 @@ def serve_memory(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, worklo
     (prompt + output) the cache holds at once, capped at max_batch (a guide for the search's
     first screen; the simulation preempts when the cache runs out); fits: the longest request
     (Workload.max_total) fits the cache alone."""
-    from planner.serve.cost import engine_budget
     t = dep.tp
     longest = workload.max_total()
     budget = engine_budget(cluster, dep)

@@ -39,7 +39,7 @@ def _stats(x: list[float]) -> dict[str, float]:
 
 def draw_requests(workload: Workload, rate_qps: float, n: int, seed: int,
                   max_total: int | None = None) -> tuple[list[tuple[int, int]], list[float]]:
-    """The n requests that simulate() serves and planner/executor/loadgen.py sends: one
+    """The n requests that simulate() serves and planner/runtime/serve/loadgen.py sends: one
     random.Random(seed), first Workload.sample (n (prompt, output) lengths), then n exponential
     gaps of mean 1/rate_qps summed into arrival times (math.inf: all at 0, the gaps still drawn).
     One function, so a measured run and its simulation serve exactly the same requests."""

@@ -1,7 +1,7 @@
 """One engine's step scheduler: what vLLM, SGLang and the CPU executor run each iteration.
 
 Pure Python (no torch): planner/serve/queue.py simulate drives it with the cost model's step
-times, planner/executor/generate.py Engine with real forwards, so the lab and the model
+times, planner/runtime/serve/generate.py Engine with real forwards, so the lab and the model
 schedule the same way. Requests carry a prompt and an output length; each step is a list of
 prefill chunks (request, tokens, tokens already cached) and a list of decoding requests (one
 token each).
@@ -23,7 +23,7 @@ Engines (`ENGINES`), each as its source documents it:
   then new requests up to chunked_prefill_size tokens) or, when none can start, a decode of
   every running request; prefills and decodes are not mixed (--enable-mixed-chunk is off by
   default); a decode short of memory retracts the last request (recompute).
-- "executor": planner/executor/generate.py's engine: one whole prompt per prefill step,
+- "executor": planner/runtime/serve/generate.py's engine: one whole prompt per prefill step,
   prefills first, else a decode of the running batch (vLLM's V0 default without chunked
   prefill, one prompt at a time).
 

@@ -18,7 +18,7 @@ WEIGHT_BYTES: dict[str, float] = {
     "int8": 1.0 + 2.0 / 128,
     "int4": 0.5 + 4.0 / 128,
     "fp8": 1.0,   # W8A8 FP8 (vLLM --quantization fp8: per-tensor scales), GPUs with FP8 only
-    "fp32": 4.0,  # the executor's CPU runs (planner/executor/serve_run.py); never searched
+    "fp32": 4.0,  # the executor's CPU runs (planner/runtime/serve/run.py); never searched
 }
 KV_BYTES: dict[str, float] = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0, "fp32": 4.0}
 SEARCH_WEIGHTS = ("bf16", "int8", "int4", "fp8")
@@ -184,7 +184,7 @@ class Deployment:
     block_size: int = 16
     """Tokens per paged KV block (vLLM --block-size, default 16)."""
     engine: str = "vllm"
-    """vllm, sglang, or executor (the CPU lab's engine, planner/executor/generate.py)."""
+    """vllm, sglang, or executor (the CPU lab's engine, planner/runtime/serve/generate.py)."""
     prefix_caching: bool = False
     """Reuse the cached KV of a prompt prefix all requests share (Workload.prefix_len)."""
 

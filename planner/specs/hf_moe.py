@@ -2,7 +2,7 @@
 
 Field names follow transformers 5.24's configuration classes: Glm4MoeConfig (GLM-4.5 and
 GLM-4.5-Air), Qwen3MoeConfig, MixtralConfig, DeepseekV3Config. The attention and dense parts
-read as the llama-like families do (planner/specs/hf.py); the expert fields are required: a MoE
+read as the llama-like families do (planner/specs/hf_dense.py); the expert fields are required: a MoE
 config without them is one SpecError naming the missing key.
 
 DeepSeek-V3's multi-head latent attention (MLA: low-rank q and kv projections, q_lora_rank,
@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from planner.errors import SpecError
-from planner.specs.hf import _Config, _llama_like
+from planner.specs.hf_dense import _Config, _llama_like
 from planner.specs.model import ModelSpec
 from planner.specs.moe import MoESpec
 

@@ -24,7 +24,7 @@ def plan_problems(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan
         out.append(f"tp {plan.tp} must divide the {cluster.gpus_per_node} devices of a node "
                    "(tensor parallelism stays inside a node)")
     # Megatron TP splits QKV by heads and KV groups and the FFN by columns (the executor's
-    # planner/executor/parallel/tensor.py); the vocabulary is padded, so it always splits
+    # planner/model/parallel/tensor.py); the vocabulary is padded, so it always splits
     if model.heads % plan.tp:
         out.append(f"tp {plan.tp} does not divide the {model.heads} attention heads: "
                    f"use a TP degree dividing {math.gcd(model.heads, model.kv_heads, model.ffn_hidden)}")

@@ -16,7 +16,7 @@ import pytest
 from planner import dsconfig
 from planner.cli import main
 from planner.errors import SpecError
-from planner.executor.launch import run_plan
+from planner.runtime.train.launch import run_plan
 from planner.rundir import atomic_write_json, plan_document
 from planner.specs import Plan, TrainSpec, parse_cluster, preset, scale
 

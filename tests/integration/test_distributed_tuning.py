@@ -140,7 +140,7 @@ def test_two_workers_one_killed_mid_trial(postgres: str, tmp_path: Path) -> None
     completes exactly once, nothing waits or runs, and a single worker runs the same plans."""
     import optuna
 
-    from planner.calibrate.shared import retried_trial
+    from planner.tune.shared import retried_trial
     S = optuna.trial.TrialState
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost slots=4\n")

@@ -16,9 +16,9 @@ from planner.specs import preset, scale
 pytestmark = pytest.mark.integration
 torch = pytest.importorskip("torch")
 
-from planner.executor.generate import build_model, greedy_no_cache  # noqa: E402
-from planner.executor.loadgen import make_requests  # noqa: E402
-from planner.executor.serve_run import METRICS_FILE, _spawn, run_serving  # noqa: E402
+from planner.runtime.serve.generate import build_model, greedy_no_cache  # noqa: E402
+from planner.runtime.serve.loadgen import make_requests  # noqa: E402
+from planner.runtime.serve.run import METRICS_FILE, _spawn, run_serving  # noqa: E402
 
 SPEC = scale(preset("chatglm3-6b"), "tiny")
 WORKLOAD = {"prompt_len": 12, "output_len": 6, "prompt_sigma": 0.5, "output_sigma": 0.5, "seed": 4}

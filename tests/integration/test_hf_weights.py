@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from planner import dsconfig
-from planner.executor import launch
+from planner.runtime.train import launch
 from planner.rundir import atomic_write_json, plan_document
 from planner.specs import Plan, TrainSpec, parse_cluster
 from planner.specs.hf import load_hf_config
@@ -61,9 +61,10 @@ def _corpus(root: Path) -> Path:
 
 
 def _first_batch(spec, data: Path, dp: int = 1):
-    """Each DP rank's micro-batch of global batch 0 as the run reads them (planner.executor.data,
+    """Each DP rank's micro-batch of global batch 0 as the run reads them (planner.data.batching,
     static batching): [(ids, labels)]."""
-    from planner.executor.data import DataSpec, Layout, Rows
+    from planner.data.corpus import DataSpec
+    from planner.data.batching import Layout, Rows
     rows = Rows(DataSpec(seq_len=SEQ, vocab=spec.vocab, seed=1234, token_file=str(data)), "static")
     layout = Layout(MICRO, 1, dp)
     out = []

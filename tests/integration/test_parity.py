@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from planner import dsconfig
-from planner.executor import launch
+from planner.runtime.train import launch
 from planner.rundir import atomic_write_json, plan_document
 from planner.specs import Plan, TrainSpec, parse_cluster, preset, scale
 

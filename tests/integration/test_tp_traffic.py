@@ -25,8 +25,8 @@ pytestmark = pytest.mark.integration
 _COUNT = r"""
 import json, sys
 import torch, torch.distributed as dist
-from planner.executor import model as M
-from planner.executor.parallel.groups import Groups
+from planner.model import glm as M
+from planner.model.parallel.groups import Groups
 from planner.specs import preset, scale
 store, rank, cases = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)

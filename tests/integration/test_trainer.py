@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from planner.executor.launch import run_plan
+from planner.runtime.train.launch import run_plan
 from test_executor import _pid_alive, make_run
 
 pytestmark = pytest.mark.integration
@@ -101,7 +101,7 @@ def test_worker_without_planner_run_prints_steps_and_writes_metrics(tmp_path: Pa
     d = make_run(tmp_path, "bare", **DP2)
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2",
                OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    cmd = [sys.executable, "-m", "planner.executor.worker", "--run-dir", str(d), "--steps", "3", "--warmup", "1"]
+    cmd = [sys.executable, "-m", "planner.runtime.train.worker", "--run-dir", str(d), "--steps", "3", "--warmup", "1"]
     procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
     outs = [p.communicate(timeout=120)[0] for p in procs]

@@ -2,10 +2,10 @@
 (DP 2, ZeRO-0, bf16), 3 steps each, measured against the cost model's prediction.
 
 - share-layers=2 and ffn-sparsity=0.5: model-state bytes per rank, counted by the executor
-  (planner.executor.measure.model_states), within 3% of planner.cost.estimate's and in the
+  (planner.runtime.observe.measure.model_states), within 3% of planner.cost.estimate's and in the
   predicted ratio to the base run's;
 - linear-attention: it trains (finite, falling loss); what each block keeps for backward
-  (planner.executor.measure.ActivationRecorder, in-process) against
+  (planner.runtime.observe.measure.ActivationRecorder, in-process) against
   planner.cost.memory.block_activation_bytes at s = 512, where the eager base keeps
   b n s^2 scores per block and linear attention none.
 
@@ -24,7 +24,7 @@ import torch
 from planner import dsconfig
 from planner.cli.common import apply_variants
 from planner.cost import estimate, memory
-from planner.executor.launch import run_plan
+from planner.runtime.train.launch import run_plan
 from planner.rundir import atomic_write_json, plan_document
 from planner.specs import Plan, TrainSpec, parse_cluster, preset, scale
 
@@ -78,8 +78,8 @@ def test_variants_model_states_and_training(tmp_path: Path) -> None:
 
 def _block_bytes(model, attention: str, s: int) -> tuple[float, float]:
     """(measured, predicted) bytes one block keeps for backward, in-process, bf16, b 1."""
-    from planner.executor.measure import ActivationRecorder
-    from planner.executor.model import GLMModel
+    from planner.runtime.observe.measure import ActivationRecorder
+    from planner.model.glm import GLMModel
     torch.manual_seed(0)
     net = GLMModel(model, [False] * model.layers, False, attention=attention).to(torch.bfloat16).train()
     rec = ActivationRecorder(net)

@@ -3,9 +3,9 @@
 What runs under DeepSpeed 0.19.8 on this machine (docs/runtime.md "ZeRO variants on CPU"):
 ZeRO-1/2/3 with the optimizer offloaded to the CPU, ZeRO-3 with the parameters offloaded to
 the CPU, ZeRO++ hpZ (secondary weight partition over 2 of 4 DP ranks). Each trains through
-`planner.executor.launch.run_plan` (the worker the launch script runs) and, being lossless,
+`planner.runtime.train.launch.run_plan` (the worker the launch script runs) and, being lossless,
 reproduces plain ZeRO-3's loss; its model states are counted per rank, device- and host-held
-(planner.executor.measure.model_states), and where DeepSpeed keeps them is asserted buffer by
+(planner.runtime.observe.measure.model_states), and where DeepSpeed keeps them is asserted buffer by
 buffer. What does not run here (MiCS: removed from DeepSpeed 0.19.8; ZeRO++ qwZ/qgZ: no CPU
 quantizer kernels) is refused by the executor's preflight, and the DeepSpeed facts behind
 each refusal are checked in-process.
@@ -24,7 +24,7 @@ import pytest
 
 from planner import dsconfig
 from planner.errors import ExecutionError
-from planner.executor.launch import run_plan
+from planner.runtime.train.launch import run_plan
 from planner.rundir import atomic_write_json, plan_document
 from planner.specs import Plan, TrainSpec, parse_cluster, preset, scale
 

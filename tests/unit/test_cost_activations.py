@@ -251,13 +251,13 @@ MEASURED = [(name, att, p, rc) for name in ("chatglm3-6b", "glm-10b", "glm-130b"
 
 @pytest.mark.parametrize("name,attention,p,recompute", MEASURED)
 def test_the_cost_model_charges_what_the_executor_keeps(name: str, attention: str, p: float, recompute: str) -> None:
-    """Saved-tensor hooks (planner.executor.model.saved_for_backward) on the second of two blocks
+    """Saved-tensor hooks (planner.model.glm.saved_for_backward) on the second of two blocks
     on a CPU: its own storages equal block_activation_bytes, the storages both blocks keep equal
     shared_bytes (the kernel the CPU runs: attention dropout takes the math path)."""
     torch = pytest.importorskip("torch")
     from planner.cost.attention import attention_kernel
-    from planner.executor import model as M
-    from planner.executor.parallel.groups import TPGroup
+    from planner.model import glm as M
+    from planner.model.parallel.groups import TPGroup
     spec = dataclasses.replace(scale(preset(name), "tiny"), hidden_dropout=p, attention_dropout=p)
     b, s = 2, 24
     kernel = attention_kernel(spec, TrainSpec(global_batch=b, seq_len=s, attention=attention), "cpu")
@@ -280,7 +280,7 @@ def test_the_cost_model_charges_what_the_executor_keeps(name: str, attention: st
 
 def test_zero3_blocks_each_keep_their_own_mask_and_rotary():
     """DeepSpeed's ZeRO-3 hooks hand each block new id tensors, so the stage cache rebuilds the
-    mask and cos/sin per block (measured: planner.executor.measure.ActivationRecorder)."""
+    mask and cos/sin per block (measured: planner.runtime.observe.measure.ActivationRecorder)."""
     mask, rot = 2 * B * S * S, 2 * 4 * SB * 4
     z0, z3 = lc(Plan(dp=4, micro_batch=B)), lc(Plan(dp=4, zero=3, micro_batch=B))
     assert z3.block_act_bytes - z0.block_act_bytes == mask + rot

@@ -11,10 +11,12 @@ import pytest
 
 from planner.data.indexed import IndexedDataset, IndexedWriter
 from planner.errors import SpecError
-from planner.executor.data import Corpus, DataSpec, Layout, Rows, check_data, is_eval_doc
+from planner.data.corpus import Corpus, DataSpec, is_eval_doc
+from planner.data.batching import Layout, Rows, check_data
 
 torch = pytest.importorskip("torch")
-from planner.executor.loading import LoaderSettings, choose_loader, loader, loader_record  # noqa: E402
+from planner.data.loader import LoaderSettings, choose_loader, loader_record
+from planner.runtime.train.build import loader  # noqa: E402
 
 
 def _idx_bytes(code: int, sizes: list[int], pointers: list[int], doc_idx: list[int]) -> bytes:

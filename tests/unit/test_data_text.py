@@ -11,7 +11,8 @@ from planner.cli import main
 from planner.data.indexed import IndexedDataset
 from planner.data.text import load_tokenizer, read_documents, train_tokenizer
 from planner.errors import SpecError
-from planner.executor.data import Corpus, DataSpec, Layout, Rows, check_data
+from planner.data.corpus import Corpus, DataSpec
+from planner.data.batching import Layout, Rows, check_data
 
 pytest.importorskip("transformers")
 

@@ -8,19 +8,22 @@ import numpy as np
 import pytest
 
 from planner.errors import SpecError
-from planner.executor.data import DataSpec, Layout, Rows, batches_for_tokens, padding_stats
-from planner.executor.metrics import relative_error
-from planner.executor.monitor import MonitorSettings, StabilityMonitor
+from planner.data.corpus import DataSpec
+from planner.data.batching import Layout, Rows, batches_for_tokens, padding_stats
+from planner.runtime.observe.metrics import relative_error
+from planner.runtime.observe.monitor import MonitorSettings, StabilityMonitor
 from planner.specs import preset, scale
 
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
-from planner.executor import model as M  # noqa: E402
-from planner.executor.model import GLMModel, block_flags, lm_loss  # noqa: E402
-from planner.executor.parallel.groups import TPGroup  # noqa: E402
-from planner.executor.parallel.tensor import (ColumnParallelLinear, RowParallelLinear,  # noqa: E402
-                                              VocabParallelEmbedding, vocab_parallel_cross_entropy)
+from planner.model import glm as M  # noqa: E402
+from planner.model.attention import rotary_dims  # noqa: E402
+from planner.model.glm import GLMModel, block_flags, lm_loss  # noqa: E402
+from planner.model.norms import RMSNorm  # noqa: E402
+from planner.model.parallel.groups import TPGroup  # noqa: E402
+from planner.model.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                           vocab_parallel_cross_entropy)
 
 SPEC = DataSpec(seq_len=64, vocab=512, seed=7)
 
@@ -165,7 +168,7 @@ def test_every_tp_degree_starts_from_the_single_process_weights(t: int) -> None:
 def test_rmsnorm_matches_torch_and_keeps_input_and_rstd() -> None:
     torch.manual_seed(0)
     x = torch.randn(2, 7, 16, dtype=torch.float64, requires_grad=True)
-    norm = M.RMSNorm(16, TPGroup(), "n").double()
+    norm = RMSNorm(16, TPGroup(), "n").double()
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
     with M.saved_for_backward(norm.parameters()) as kept:
@@ -216,7 +219,7 @@ def shared_bytes(spec, b: int, s: int, attention: str, p: float, recompute: str,
     if attention == "flash" and p == 0:
         total += act * b * s * s * (spec.heads if spec.position == "alibi" else 1)
     if spec.position == "rotary":
-        total += 2 * 4 * b * s * M.rotary_dims(spec) // 2
+        total += 2 * 4 * b * s * rotary_dims(spec) // 2
     return total
 
 
@@ -277,8 +280,8 @@ def test_embedding_and_head_keep_the_documented_tensors(name: str) -> None:
 _TP_KEPT = r"""
 import dataclasses, json, sys
 import torch, torch.distributed as dist
-from planner.executor import model as M
-from planner.executor.parallel.groups import Groups
+from planner.model import glm as M
+from planner.model.parallel.groups import Groups
 from planner.specs import preset, scale
 store, rank, cases = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
@@ -342,7 +345,7 @@ def test_dropout_runs_only_in_training_and_is_replicated_across_calls_in_eval() 
 def test_recompute_replays_the_same_dropout_masks() -> None:
     """Hidden and attention dropout under full and selective recompute: DeepSpeed's checkpoint
     restores the default generator and the TP-region tracker, so the gradients are unchanged."""
-    from planner.executor.parallel.tensor import seed_dropout
+    from planner.model.parallel.tensor import seed_dropout
     spec = dataclasses.replace(scale(preset("glm-10b"), "tiny"), hidden_dropout=0.2, attention_dropout=0.2)
     rows = Rows(DataSpec(seq_len=32, vocab=spec.vocab), "static")
     batch = [torch.from_numpy(np.stack(c)) for c in zip(rows.tensors(0), rows.tensors(1))]

@@ -323,7 +323,7 @@ def test_torchrun_command_parses_with_torchrun(capsys, glm_run: Path, zero_run: 
         assert proc.returncode == 0, proc.stderr
         a = get_args_parser().parse_args(json.loads(proc.stdout))
         assert (a.nnodes, a.nproc_per_node, a.module, a.training_script) == (str(nnodes), str(nproc), True,
-                                                                             "planner.executor.worker")
+                                                                             "planner.runtime.train.worker")
         assert a.training_script_args == ["--run-dir", str(rd.resolve()), "--steps", "3"]
         if nnodes > 1:
             assert a.rdzv_backend == "c10d" and a.rdzv_endpoint == "10.0.0.1:29500"

@@ -16,11 +16,11 @@ from planner.specs import preset, scale
 
 torch = pytest.importorskip("torch")
 
-from planner.executor.generate import (CachedForward, Engine, KVCache, Request, build_model,  # noqa: E402
-                                       greedy_cached, greedy_no_cache)
-from planner.executor.loadgen import make_requests, poisson_arrivals  # noqa: E402
-from planner.executor.parallel.groups import TPGroup  # noqa: E402
-from planner.executor.serve_run import METRICS_FILE, run_serving, summarise  # noqa: E402
+from planner.runtime.serve.generate import (CachedForward, Engine, KVCache, Request, build_model, greedy_cached,
+                                            greedy_no_cache)
+from planner.runtime.serve.loadgen import make_requests, poisson_arrivals  # noqa: E402
+from planner.model.parallel.groups import TPGroup  # noqa: E402
+from planner.runtime.serve.run import METRICS_FILE, run_serving, summarise  # noqa: E402
 
 CHATGLM = scale(preset("chatglm3-6b"), "tiny")  # GQA, rotary on half the head, RMSNorm, pre-LN
 GLM10B = scale(preset("glm-10b"), "tiny")  # learned positions, tied embeddings, LayerNorm
@@ -180,7 +180,7 @@ def test_engine_follows_the_simulated_scheduling_policy() -> None:
 
 
 def test_warm_up_covers_each_prompt_length_and_batch_size() -> None:
-    from planner.executor.serve_run import warm_up_requests
+    from planner.runtime.serve.run import warm_up_requests
     reqs = [Request(rid=i, prompt=[0] * p, output_len=3) for i, p in enumerate((5, 9, 5, 12))]
     warm = warm_up_requests(reqs, max_batch=2, max_len=13)
     assert [len(r.prompt) for r in warm] == [5, 9, 12]

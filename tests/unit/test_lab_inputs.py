@@ -11,8 +11,8 @@ import pytest
 
 from planner.cli import main
 from planner.errors import SpecError
-from planner.executor.lab_inputs import check_metrics, check_profile, check_run_dir
-from planner.executor.metrics import VERSION
+from planner.runtime.preflight.lab import check_metrics, check_profile, check_run_dir
+from planner.runtime.observe.metrics import VERSION
 from planner.profiler.device import cpu_name
 
 ROOT = Path(__file__).resolve().parents[2]

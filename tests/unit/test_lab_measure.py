@@ -7,9 +7,9 @@ import torch
 
 from planner.cost import estimate
 from planner.cost.states import counted_phases, rank_coords, rank_states
-from planner.executor.allocated import AllocatedMeter, allocated_peak
-from planner.executor.measure import CLASSES, storage_class
-from planner.executor.metrics import state_errors
+from planner.runtime.observe.allocated import AllocatedMeter, allocated_peak
+from planner.runtime.observe.measure import CLASSES, storage_class
+from planner.runtime.observe.metrics import state_errors
 from planner.specs import Plan, TrainSpec, parse_cluster, preset, scale
 
 TINY = scale(preset("chatglm3-6b"), "tiny")

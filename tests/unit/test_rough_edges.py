@@ -92,7 +92,7 @@ def test_the_report_says_where_the_targets_come_from_and_what_the_baseline_is(tm
 
 
 def test_verify_says_where_the_targets_come_from(monkeypatch, tmp_path: Path) -> None:
-    from planner.executor import verify as v
+    from planner.runtime.train import verify as v
     d = tmp_path / "t"
     assert main(["estimate", *TINY, "--zero", "1", "--write", str(d)]) == 0
     states = {"params": 0.5, "grads": 0.5, "optimizer": 0.0, "buckets": 0.0, "other": 0.0}

@@ -16,10 +16,11 @@ import pytest
 
 from planner.cli import main
 from planner.errors import ExecutionError
-from planner.executor import buildlock, launch, worker
-from planner.executor.files import CKPT_DIR, RANKS_DIR
-from planner.executor.monitor import StabilityMonitor
-from planner.executor.observability import format_progress
+from planner.runtime.preflight import buildlock
+from planner.runtime.train import launch, worker
+from planner.runtime.files import CKPT_DIR, RANKS_DIR
+from planner.runtime.observe.monitor import StabilityMonitor
+from planner.runtime.observe.watch import format_progress
 from test_run_guard import no_launch, refuse, tiny  # noqa: F401  (fixture)
 
 
@@ -97,9 +98,9 @@ def test_events_use_the_progress_lines_step_numbers() -> None:
     mon = StabilityMonitor()
     events = []
     for i, g in enumerate([1.0] * 5 + [50.0]):
-        events += mon.observe(i + 1, 5.0, g)       # train.py passes step + 1
+        events += mon.observe(i + 1, 5.0, g)       # loop.py passes step + 1
     assert [e["step"] for e in events] == [6]
-    src = Path(launch.__file__).with_name("train.py").read_text()
+    src = Path(launch.__file__).with_name("loop.py").read_text()
     assert "monitor.observe(step + 1," in src
 
 
@@ -152,7 +153,7 @@ def test_sigterm_unwinds_so_the_builds_lock_is_released(tmp_path) -> None:
     code = f"""
 import os, sys, time
 from pathlib import Path
-from planner.executor import worker
+from planner.runtime.train import worker
 from torch.utils.file_baton import FileBaton
 class S:
     def write(self, **kw): Path({str(tmp_path / 'status')!r}).write_text(kw.get('phase', ''))
@@ -211,7 +212,7 @@ def test_bad_arguments_fail_before_torch_or_deepspeed_is_imported(tmp_path, argv
 def test_no_gauge_reads_zero_before_the_first_step() -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from planner.executor.prom import Exporter
+    from planner.runtime.observe.prom import Exporter
     from test_trainer_units import _free_port
     port = _free_port()
     ex = Exporter(port)
@@ -243,22 +244,22 @@ def test_a_lock_left_while_ranks_start_stops_the_run_with_its_name(tmp_path, mon
 # --- the one-time op build -----------------------------------------------------------------------
 
 def test_make_builds_the_ops_a_run_loads() -> None:
-    """`make`'s install step runs planner.executor.ops, whose OPS are the builders DeepSpeed's
+    """`make`'s install step runs planner.runtime.preflight.ops, whose OPS are the builders DeepSpeed's
     CPU comm backend loads at init_distributed (deepspeed/comm/torch.py build_shm_op)."""
     import importlib
     import inspect
 
-    from planner.executor import ops
+    from planner.runtime.preflight import ops
     ds_torch = importlib.import_module("deepspeed.comm.torch")
     makefile = (Path(__file__).parents[2] / "Makefile").read_text()
     install = makefile.split("$(STAMP):", 1)[1].split("\n\n", 1)[0]
-    assert "-m planner.executor.ops" in install
+    assert "-m planner.runtime.preflight.ops" in install
     src = inspect.getsource(ds_torch.build_shm_op)
     assert all(f'"{name}"' in src for name in ops.OPS)
 
 
 def test_the_op_build_stops_at_a_stale_lock(tmp_path, monkeypatch) -> None:
-    from planner.executor import ops
+    from planner.runtime.preflight import ops
     lock = _lock(tmp_path)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "py312_cpu"))
     said: list[str] = []

@@ -1,5 +1,5 @@
 """`planner run` / `planner verify` refuse what cannot run here before any rank starts
-(planner/executor/preflight.py): one line naming the field and the fix, exit 2, and the run
+(planner/runtime/preflight/checks.py): one line naming the field and the fix, exit 2, and the run
 directory untouched (no .ranks/, no logs/, no metrics.json). No DeepSpeed process is started:
 subprocess.Popen in the launcher is replaced by a function that fails the test."""
 from __future__ import annotations
@@ -14,9 +14,10 @@ from planner import dsconfig
 from planner.cli import main
 from planner.cost import estimate
 from planner.errors import ExecutionError, PlannerError, SpecError
-from planner.executor import launch, preflight
-from planner.executor.files import RANKS_DIR
-from planner.executor.preflight import HOST_MEMORY_FRACTION, RANKS_PER_CORE, Host
+from planner.runtime.train import launch
+from planner.runtime.preflight import checks as preflight
+from planner.runtime.files import RANKS_DIR
+from planner.runtime.preflight.checks import HOST_MEMORY_FRACTION, RANKS_PER_CORE, Host
 from planner.rundir import atomic_write_json, plan_document
 from planner.specs import Plan, TrainSpec, parse_cluster, preset, scale
 from planner.specs.estimate import GB

@@ -129,7 +129,7 @@ def test_draw_requests_is_sample_then_gaps_from_one_seeded_stream():
 
 def test_loadgen_sends_the_simulated_requests():
     pytest.importorskip("torch")
-    from planner.executor.loadgen import make_requests
+    from planner.runtime.serve.loadgen import make_requests
     w = Workload(prompt_len=20, output_len=8, prompt_sigma=0.4, output_sigma=0.4)
     lens, arrival = queue.draw_requests(w, 3.0, 12, seed=9, max_total=64)
     reqs = make_requests(w, 3.0, 12, 9, vocab=100, max_seq=64)

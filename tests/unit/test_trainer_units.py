@@ -15,11 +15,14 @@ import yaml
 
 from planner import dsconfig
 from planner.errors import ExecutionError, SpecError
-from planner.executor import launch, observability, preflight
-from planner.executor.files import RANKS_DIR
-from planner.executor.observability import SERIES, alert_rules, dashboard, format_progress
-from planner.executor.prom import Exporter, port_problem
-from planner.executor.train import configure_lr, latest_tag
+from planner.runtime.train import launch
+from planner.runtime.observe import watch as observability
+from planner.runtime.preflight import checks as preflight
+from planner.runtime.files import RANKS_DIR
+from planner.runtime.observe.watch import SERIES, alert_rules, dashboard, format_progress
+from planner.runtime.observe.prom import Exporter, port_problem
+from planner.runtime.train.settings import configure_lr
+from planner.runtime.train.checkpoints import latest_tag
 
 from test_run_guard import no_launch, tiny  # noqa: F401  (fixture)
 
@@ -205,7 +208,7 @@ def test_cli_busy_port_is_one_line_exit_2(tmp_path: Path, no_launch, capsys) -> 
 
 
 def test_preflight_calls_the_data_check(tmp_path: Path, no_launch, monkeypatch) -> None:  # noqa: F811
-    from planner.executor import data as datamod
+    from planner.data import batching as datamod
     seen = []
 
     def check(spec, layout):
@@ -222,7 +225,7 @@ def test_preflight_calls_the_data_check(tmp_path: Path, no_launch, monkeypatch) 
 
 
 def test_loader_settings_from_plan_json_unless_flagged() -> None:
-    from planner.executor.train import loader_settings
+    from planner.data.loader import loader_settings
     doc = {"loader": {"workers": 3, "pin_memory": False, "prefetch_factor": 2, "produce_s": 0.01,
                       "compute_s": 0.002, "reason": "r", "starves": False}}
     s = loader_settings(doc, None, "cpu")
@@ -248,7 +251,7 @@ def test_verify_passes_the_tokenizer_and_refuses_a_missing_one_before_the_baseli
 def test_worker_paths_are_absolute_before_the_rank_moves_into_the_run_directory(tmp_path: Path, monkeypatch) -> None:
     """launch.sh passes the user's flags as typed; the rank later chdirs into the run directory,
     where a relative --data / --tokenizer / --init-hf / --save-hf would point elsewhere."""
-    from planner.executor.worker import absolute_paths, parse
+    from planner.runtime.train.worker import absolute_paths, parse
     monkeypatch.delenv("PLANNER_DUMP_GRADS", raising=False)
     monkeypatch.chdir(tmp_path)
     args = absolute_paths(parse(["--run-dir", "run", "--data", "data/pydoc", "--tokenizer", "data/tok",

@@ -11,10 +11,10 @@ from pathlib import Path
 import optuna
 import pytest
 
-from planner.calibrate.shared import _pop, refine_shared, retried_trial, runs_study_name
+from planner.tune.shared import _pop, refine_shared, retried_trial, runs_study_name
 from planner.cli import main
 from planner.errors import ExecutionError, SpecError
-from planner.executor.group_launch import NodeGroup
+from planner.runtime.train.group_launch import NodeGroup
 from planner.search.storage import claim_study, open_storage, safe_url
 from planner.specs import parse_cluster
 

@@ -172,7 +172,7 @@ def test_bad_variant_exits_2(capsys):
 
 
 def test_executor_builds_each_variant():
-    from planner.executor.model import GLMModel
+    from planner.model.glm import GLMModel
     for m, n in ((v("share-layers=2"), 693_376), (v("ffn-sparsity=0.5"), 4 * 132_608 + EMB_OUT),
                  (v("linear-attention"), 1_124_480)):
         model = GLMModel(m, [False] * 4, False)
@@ -188,7 +188,7 @@ def test_executor_builds_each_variant():
 def test_linear_attention_matches_the_quadratic_form_within_documents():
     """The chunked kernel equals phi(Q) phi(K)^T masked (causal, same document) @ V / row sums,
     across chunk boundaries and document starts inside and at the edge of chunks."""
-    from planner.executor.model import _LinearAttention, linear_attention
+    from planner.model.attention import _LinearAttention, linear_attention
     torch.manual_seed(0)
     b, n, g, s, d = 2, 4, 2, 150, 8
     seg = torch.zeros(b, s, dtype=torch.long)

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints <-> the executor's model (planner/executor/weights.py), one process.
+"""Hugging Face checkpoints <-> the executor's model (planner/hf/weights.py), one process.
 
 The references are transformers' own models (LlamaForCausalLM, GlmForCausalLM) built from
 seeded random weights: the executor loaded from their saved checkpoint must give their logits.
@@ -20,9 +20,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from planner.executor import weights as W  # noqa: E402
-from planner.executor.model import GLMModel  # noqa: E402
-from planner.executor.parallel.groups import TPGroup  # noqa: E402
+from planner.hf import weights as W  # noqa: E402
+from planner.model.glm import GLMModel  # noqa: E402
+from planner.model.parallel.groups import TPGroup  # noqa: E402
 
 SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              intermediate_size=96, vocab_size=256, max_position_embeddings=64, pad_token_id=None)

@@ -1,0 +1,168 @@
+"""Build one rank's DeepSpeed engine and data loader exactly as plan.json / ds_config.json say."""
+from __future__ import annotations
+
+import copy
+import traceback
+from typing import Any, Callable
+
+import torch
+from torch.utils.data import DataLoader
+
+from planner import dsconfig
+from planner.errors import ExecutionError
+from planner.data.batching import Layout, Rows
+from planner.data.loader import LoaderSettings, MicroBatches
+from planner.model.glm import GLMModel, WordEmbedding, block_flags
+from planner.model.parallel.groups import Groups
+from planner.model.parallel.pipeline import build_pipeline
+from planner.model.parallel.tensor import seed_dropout
+from planner.specs.model import ModelSpec
+from planner.specs.plan import Plan
+
+
+def rank_coords(rank: int, plan: Plan) -> tuple[int, int, int]:
+    """(pp_index, dp_index, tp_index) of a global rank: torch.arange(world).view(pp, dp, tp)
+    (planner/specs/plan.py; DeepSpeed's PipeModelDataParallelTopology order)."""
+    return rank // (plan.dp * plan.tp), (rank // plan.tp) % plan.dp, rank % plan.tp
+
+
+def build_module(plan: Plan, spec: ModelSpec, groups: Groups, attention: str = "flash",
+                 seed: int = 1234) -> torch.nn.Module:
+    """The plan's model on this rank: Megatron-style TP layers on `groups`, cut into pipeline
+    stages when pp > 1 (parallel/pipeline.py)."""
+    stages = plan.layers_per_stage(spec.layers)
+    flags = block_flags(spec, stages, plan.checkpointed_per_stage(spec.layers))
+    selective = plan.recompute == "selective"
+    if plan.pp > 1 and spec.share_layers > 1:
+        raise ExecutionError("plan.pp", f"share-layers {spec.share_layers} cannot run under pp {plan.pp} (a shared "
+                             "block's parameters would live on several stages)", "use pp 1")
+    if plan.pp == 1:
+        return GLMModel(spec, flags, selective, tp=groups.tp, attention=attention, seed=seed)
+    return build_pipeline(spec, groups, stages, flags, selective, attention, seed)
+
+
+def mark_norm_owners(module: torch.nn.Module, tp_rank: int) -> None:
+    """Make DeepSpeed's gradient norm count each parameter exactly once.
+
+    DeepSpeed counts a parameter on a rank when `is_model_parallel_parameter(p)` (the attribute
+    `model_parallel`) or when the rank is model-parallel rank 0, then sums over its model-parallel
+    group (deepspeed/runtime/utils.py clip_grad_norm_ and is_model_parallel_parameter;
+    zero/stage_1_and_2.py and zero/stage3.py get_grad_norm_direct; bf16_optimizer.py
+    get_grads_for_norm). Most paths take "rank 0" as the TP rank, but clip_grad_norm_ (fp32,
+    ZeRO-0) takes mpu.get_model_parallel_rank(), which under a pipeline is the rank in the
+    pipe x model group, and it does not skip the tied copy on the last stage. So: a TP-split
+    parameter is counted on every TP rank (each holds a different slice), a replicated one on
+    TP rank 0 only, and the pipeline's tied copy (`ds_pipe_replicated`) never."""
+    for p in module.parameters():
+        if getattr(p, "ds_pipe_replicated", False):
+            p.model_parallel = False
+        else:
+            p.model_parallel = getattr(p, "tp_split", None) is not None or tp_rank == 0
+
+
+def build_engine(plan: Plan, spec: ModelSpec, cfg: dict[str, Any], *, attention: str = "flash", seed: int = 1234,
+                 init_weights: Callable[[torch.nn.Module], None] | None = None):
+    """deepspeed.initialize with the saved config; a client torch AdamW when the config names
+    no optimizer (CPU; planner/dsconfig.py explains why). `init_weights(module)` runs on the
+    built (TP- and PP-sharded) module before deepspeed.initialize, so ZeRO-3 partitions what it
+    loaded (planner/hf/weights.py load_hf_weights). Returns (engine, groups)."""
+    import deepspeed
+    ac = cfg.get("activation_checkpointing", {})
+    deepspeed.checkpointing.configure(None, partition_activations=ac.get("partition_activations", False),
+                                      contiguous_checkpointing=ac.get("contiguous_memory_optimization", False),
+                                      checkpoint_in_cpu=ac.get("cpu_checkpointing", False),
+                                      synchronize=ac.get("synchronize_checkpoint_boundary", False),
+                                      profile=ac.get("profile", False))
+    try:
+        groups = Groups(plan.pp, plan.dp, plan.tp, sequence_parallel=plan.sequence_parallel)
+        module = build_module(plan, spec, groups, attention, seed)
+    except ValueError as exc:
+        raise ExecutionError("plan.json", f"the model cannot be split as planned: {exc}",
+                             "re-plan with `planner search`") from None
+    if init_weights is not None:
+        init_weights(module)
+    seed_dropout(seed, groups.pp_rank, groups.tp_rank)  # after the build: PipelineModule may reseed
+    mark_norm_owners(module, groups.tp_rank)
+    if plan.zero == 3 and plan.pp == 1 and spec.tied_embeddings:
+        # the output layer uses the embedding's weight outside the embedding's forward
+        deepspeed.zero.register_external_parameter(module, module.embedding.word_embeddings.weight)
+    cfg = copy.deepcopy(cfg)
+    optimizer = None
+    if "optimizer" not in cfg:
+        o = dsconfig.OPTIMIZER
+        optimizer = torch.optim.AdamW(module.parameters(), lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],
+                                      weight_decay=o["weight_decay"])
+    try:
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=cfg,
+                                               mpu=groups if plan.pp == 1 else None,
+                                               model_parameters=None if optimizer else module.parameters())
+    except (AssertionError, ValueError, NotImplementedError, TypeError) as exc:
+        traceback.print_exc()  # the rank's log keeps the DeepSpeed frame that refused
+        raise ExecutionError("ds_config.json", f"DeepSpeed rejected the plan: {type(exc).__name__}: {exc}",
+                             "re-plan with `planner search` (the plan is not runnable as written)") from None
+    _keep_fp32_clip_norm(engine)
+    return engine, groups
+
+
+def _keep_fp32_clip_norm(engine) -> None:
+    """DeepSpeed's fp32 ZeRO-0 path (engine.clip_fp32_gradients) computes the global gradient
+    norm for clipping and drops it; keep it, so get_global_grad_norm() (the stability monitor,
+    the parity test) sees the norm the step used."""
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip() -> None:
+        engine._global_grad_norm = clip_grad_norm_(parameters=engine.module.parameters(),
+                                                   max_norm=engine.gradient_clipping(), mpu=engine.mpu)
+    engine.clip_fp32_gradients = clip
+
+
+def check_topology(engine, groups: Groups, plan: Plan, rank: int) -> None:
+    """DeepSpeed's groups and ours must match the plan's rank layout (one vocabulary)."""
+    import torch.distributed as dist
+    from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
+    pp_i, dp_i, tp_i = rank_coords(rank, plan)
+    want = {"model": [(pp_i * plan.dp + dp_i) * plan.tp + t for t in range(plan.tp)],
+            "data": [(pp_i * plan.dp + d) * plan.tp + tp_i for d in range(plan.dp)],
+            "pipe": [(p * plan.dp + dp_i) * plan.tp + tp_i for p in range(plan.pp)]}
+    mpu = engine.mpu
+    got = {"coords": (groups.pp_rank, groups.dp_rank, groups.tp_rank), "groups": groups.ranks,
+           "deepspeed data group": dist.get_process_group_ranks(mpu.get_data_parallel_group()),
+           "deepspeed TP rank": bwc_tensor_model_parallel_rank(mpu)}
+    if plan.pp > 1:
+        got["deepspeed stage/dp"] = (engine.grid.get_stage_id(), engine.grid.get_data_parallel_id())
+        got["deepspeed TP group"] = dist.get_process_group_ranks(engine.grid.get_slice_parallel_group())
+    expect = {"coords": (pp_i, dp_i, tp_i), "groups": want, "deepspeed data group": want["data"],
+              "deepspeed TP rank": tp_i}
+    if plan.pp > 1:
+        expect["deepspeed stage/dp"] = (pp_i, dp_i)
+        expect["deepspeed TP group"] = want["model"]
+    for key, value in expect.items():
+        if got[key] != value:
+            raise ExecutionError("rank layout", f"rank {rank}: {key} is {got[key]}, the plan's layout says {value}",
+                                 "report this as a bug")
+
+
+def set_poison(engine, on: bool) -> None:
+    for m in engine.module.modules():
+        if isinstance(m, WordEmbedding):
+            m.poison = on
+
+
+class TensorMicroBatches(MicroBatches):
+    """MicroBatches (planner/data/loader.py) as torch's map-style dataset: item k is the k-th
+    micro-batch's (ids, pos, segments, labels) tensors."""
+
+    def __getitem__(self, k: int):
+        return tuple(torch.from_numpy(a) for a in self.arrays(k))
+
+
+def loader(rows: Rows, layout: Layout, batch_ids: list[int], dp_rank: int, device: str,
+           settings: LoaderSettings) -> DataLoader:
+    """The rank's torch DataLoader over its micro-batches of `batch_ids`, in order, with the
+    workers, pinned memory and prefetch of `settings` (planner/data/loader.py choose_loader)."""
+    ds = TensorMicroBatches(rows, layout, batch_ids, dp_rank)
+    kw: dict[str, Any] = {"batch_size": None, "shuffle": False, "num_workers": settings.workers,
+                          "pin_memory": settings.pin_memory and device == "cuda"}
+    if settings.workers > 0:
+        kw.update(prefetch_factor=settings.prefetch_factor, persistent_workers=False)
+    return DataLoader(ds, **kw)

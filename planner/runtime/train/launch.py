@@ -1,0 +1,264 @@
+"""Launch the ranks of a plan on this machine, watch them, and write metrics.json.
+
+Processes: one `python -m planner.runtime.train.worker` per rank (dsconfig.ENTRY_MODULE), each
+a direct child in one new process group with torchrun's standalone environment and OMP threads
+split between ranks (planner/runtime/procs.py RankGroup says why not torchrun), so we know each
+rank's pid and exit status (the failing rank is named with its signal or error) and cleanup
+signals only that group. Multi-node runs use launch.sh (the deepspeed launcher), which runs the
+same worker.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from planner import dsconfig
+from planner.errors import ExecutionError
+from planner.runtime.preflight import checks as preflight
+from planner.runtime.observe.metrics import build_metrics, failure_metrics
+from planner.runtime.preflight.buildlock import stale_lock_problem
+from planner.runtime.train.checkpoints import latest_tag
+from planner.runtime.files import CKPT_DIR, RANKS_DIR
+from planner.runtime.procs import RankGroup, rank_env
+from planner.runtime.observe.watch import ALERTS_FILE, DASHBOARD_FILE, format_progress
+from planner.rundir import atomic_write_json, check_writable, load_run, read_json
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _tail(path: Path, n: int = 3) -> str:
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return " | ".join(lines[-n:])
+
+
+def _cause(run_dir: Path, rank: int, code: int | None) -> str:
+    st = _read(run_dir / RANKS_DIR / f"rank{rank}.json")
+    if st.get("error"):
+        return st["error"]
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name} in phase {st.get('phase', '?')} at step {st.get('step', 0)}"
+    return f"exited with status {code} in phase {st.get('phase', '?')}: {_tail(run_dir / RANKS_DIR / f'rank{rank}.log')}"
+
+
+def _pick_failed(run_dir: Path, failed: dict[int, int]) -> int:
+    """The rank that failed first: a signal death, else an error that is not a peer's lost connection."""
+    def score(r: int) -> tuple:
+        err = str(_read(run_dir / RANKS_DIR / f"rank{r}.json").get("error") or "")
+        secondary = any(w in err.lower() for w in ("connection", "gloo", "nccl", "broken pipe", "timed out"))
+        return (failed[r] >= 0, secondary, r)
+    return min(failed, key=score)
+
+
+def check_counts(steps: int, warmup: int, timeout: float) -> None:
+    """--steps, --warmup and --timeout of `planner run` / `planner verify`, before anything starts."""
+    if steps < 1 or warmup < 0 or warmup >= steps:
+        raise ExecutionError("--steps/--warmup", f"need steps >= 1 and 0 <= warmup < steps, got {steps}/{warmup}",
+                             "e.g. --steps 10 --warmup 2")
+    if not timeout > 0:
+        raise ExecutionError("--timeout", f"must be a positive number of seconds, got {timeout:g}",
+                             "e.g. --timeout 600")
+
+
+def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: bool = False,
+             timeout: float = 600.0, batching: str = "dynamic", checkpoint_every: int = 0,
+             inject_nan: int = -1, data: str = "", seed: int = 1234, data_workers: int | None = None,
+             ignore_host_checks: bool = False, tokenizer: str = "", eval_every: int = 0, eval_batches: int = 2,
+             lr: float | None = None, lr_warmup_steps: int = 0, lr_schedule: str | None = None,
+             metrics_port: int = 0, metrics_host: str = "127.0.0.1", init_hf: str = "", save_hf: str = "",
+             step_sleep: float = 0.0, save_sleep: float = 0.0, resume_if_present: bool = False,
+             echo: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Run the plan in `run_dir` for `steps` optimizer steps; returns (and writes) metrics.json.
+
+    Refuses first, starting nothing, what cannot run here (planner.runtime.preflight.checks): bad
+    plan.json, a ds_config.json that disagrees with it, unless `ignore_host_checks` a plan this
+    host lacks the GPUs, memory or cores for, and bad trainer input (the corpus and tokenizer,
+    a busy metrics port, a missing Hugging Face directory, bad schedule values). While the ranks
+    train, rank 0's progress lines (DIR/.ranks/progress.jsonl) go to `echo`; rank 0 writes
+    metrics.json at the end (the launcher rebuilds it from result.json if it did not).
+    `step_sleep` and `save_sleep` are test hooks (a pause after each step / checkpoint file)."""
+    run = Path(run_dir).resolve()
+    check_counts(steps, warmup, timeout)
+    plan, model, cluster, train, doc = load_run(run)
+    resume_tag = latest_tag(run / CKPT_DIR)
+    if resume and resume_tag is None:
+        if not resume_if_present:
+            raise ExecutionError("--resume", f"no checkpoint to resume from in {run / CKPT_DIR} "
+                                 "(no complete tag named in `latest`)",
+                                 "run without --resume to start at step 1, or pass --resume-if-present to "
+                                 "resume when a checkpoint exists and start fresh otherwise")
+        echo(f"no checkpoint in {run / CKPT_DIR}: starting at step 1 (--resume-if-present)")
+        resume = False
+    # every refusal comes before the run directory is touched (planner/runtime/preflight/checks.py)
+    missing_cfg = preflight.check(run, plan, model, cluster, train, doc, ignore_host=ignore_host_checks)
+    preflight.check_trainer(run, plan, model, train, data=data, tokenizer=tokenizer, seed=seed, batching=batching,
+                            eval_every=eval_every, eval_batches=eval_batches, checkpoint_every=checkpoint_every,
+                            lr=lr, lr_warmup_steps=lr_warmup_steps, lr_schedule=lr_schedule,
+                            metrics_port=metrics_port, metrics_host=metrics_host, init_hf=init_hf, save_hf=save_hf,
+                            data_workers=data_workers)
+    check_writable(run, "RUN_DIR")
+    lock = stale_lock_problem()
+    if lock is not None:
+        raise ExecutionError("torch extensions", *lock)
+    if missing_cfg is not None:
+        atomic_write_json(run / "ds_config.json", missing_cfg)
+        echo("ds_config.json was missing: written from plan.json")
+    ranks = run / RANKS_DIR
+    if not resume:
+        shutil.rmtree(run / CKPT_DIR, ignore_errors=True)
+        shutil.rmtree(ranks, ignore_errors=True)
+        shutil.rmtree(run / "logs", ignore_errors=True)
+    ranks.mkdir(parents=True, exist_ok=True)
+    for f in ranks.glob("rank*.json"):
+        f.unlink()
+    (ranks / "result.json").unlink(missing_ok=True)
+    progress_file = ranks / "progress.jsonl"
+    # a resumed run shows its own lines only: the killed run's records stay in the file
+    shown = progress_file.stat().st_size if resume and progress_file.exists() else 0
+    (run / "metrics.json").unlink(missing_ok=True)  # rank 0 writes this run's at the end
+    world = plan.world_size
+    cpu = cluster.device.kind == "cpu"
+    env = rank_env(world, LOCAL_WORLD_SIZE=str(world), DEEPSPEED_TIMEOUT=str(max(1, int(timeout // 60) + 1)))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
+    if cpu:
+        env.update(DS_ACCELERATOR="cpu", MALLOC_MMAP_THRESHOLD_="65536")
+    cmd = [sys.executable, "-m", dsconfig.ENTRY_MODULE, "--run-dir", str(run), "--steps", str(steps),
+           "--batching", batching, "--checkpoint-every", str(checkpoint_every), "--inject-nan", str(inject_nan),
+           "--seed", str(seed)]
+    if data_workers is not None:
+        cmd += ["--data-workers", str(data_workers)]
+    if data:
+        cmd += ["--data", str(Path(data).resolve())]
+    if tokenizer:
+        cmd += ["--tokenizer", str(Path(tokenizer).resolve())]
+    if eval_every:
+        cmd += ["--eval-every", str(eval_every), "--eval-batches", str(eval_batches)]
+    if lr is not None:
+        cmd += ["--lr", repr(float(lr))]
+    if lr_schedule is not None:
+        cmd += ["--lr-schedule", lr_schedule]
+    cmd += ["--lr-warmup-steps", str(lr_warmup_steps), "--warmup", str(warmup)]
+    if metrics_port:
+        cmd += ["--metrics-port", str(metrics_port), "--metrics-host", metrics_host]
+    if init_hf:
+        cmd += ["--init-hf", str(Path(init_hf).resolve())]
+    if save_hf:
+        cmd += ["--save-hf", str(Path(save_hf).resolve())]
+    if step_sleep:
+        cmd += ["--step-sleep", str(step_sleep)]
+    if save_sleep:
+        cmd += ["--save-sleep", str(save_sleep)]
+    if resume:
+        cmd.append("--resume")
+    echo(f"launching {world} rank(s): {plan.describe()}")
+    if metrics_port:
+        echo(f"metrics: http://{metrics_host}:{metrics_port}/metrics (rules {ALERTS_FILE}, dashboard {DASHBOARD_FILE})")
+    import threading
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM to the launcher still runs the cleanup below (ranks are in their own group)
+        signal.signal(signal.SIGTERM, _terminated)
+    group = RankGroup()
+    logs = []
+    start = time.monotonic()
+    try:
+        for r in range(world):
+            log = open(ranks / f"rank{r}.log", "w")
+            logs.append(log)
+            group.start(cmd, r, env, log, cwd=str(run))
+        follow = _Follower(progress_file, echo, shown)
+        failure = _watch(run, group.procs, start, timeout, follow)
+        follow()
+    finally:
+        group.stop()
+        for log in logs:
+            log.close()
+    estimate = _read(run / "estimate.json")
+    if failure is not None:
+        rank, cause = failure
+        metrics = failure_metrics(run, plan, model, world, cluster, warmup, steps, batching, rank, cause)
+        atomic_write_json(run / "metrics.json", metrics)
+        raise ExecutionError(f"rank {rank}" if rank is not None else "run", cause,
+                             f"see {ranks}/rank{rank if rank is not None else 0}.log; metrics.json records the failure")
+    if (run / "metrics.json").exists():  # written by rank 0 (planner/runtime/train/loop.py)
+        return read_json(run / "metrics.json", "metrics.json")
+    result = read_json(ranks / "result.json", "result.json")
+    metrics = build_metrics(result, plan, model, warmup, steps, estimate, run)
+    atomic_write_json(run / "metrics.json", metrics)
+    return metrics
+
+
+class _Follower:
+    """Echo the progress records rank 0 appends to progress.jsonl (complete lines only)."""
+
+    def __init__(self, path: Path, echo: Callable[[str], None], offset: int = 0) -> None:
+        self.path, self.echo, self.offset = path, echo, offset
+
+    def __call__(self) -> None:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                chunk = fh.read()
+        except OSError:
+            return
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            return
+        self.offset += end + 1
+        for line in chunk[:end].decode(errors="replace").splitlines():
+            try:
+                self.echo(format_progress(json.loads(line)))
+            except (ValueError, KeyError, TypeError):
+                continue
+
+
+def _terminated(*_) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one interruption; let the cleanup finish
+    raise KeyboardInterrupt
+
+
+LOCK_CHECK_S = 10.0
+"""While a rank is still starting, look for a stale torch-extensions build lock this often."""
+
+
+def _watch(run: Path, procs: list[subprocess.Popen], start: float, timeout: float,
+           tick: Callable[[], None] = lambda: None) -> tuple[int | None, str] | None:
+    next_lock_check = start + LOCK_CHECK_S
+    while True:
+        tick()
+        if time.monotonic() > next_lock_check:
+            next_lock_check = time.monotonic() + LOCK_CHECK_S
+            starting = [r for r in range(len(procs))
+                        if _read(run / RANKS_DIR / f"rank{r}.json").get("phase", "start") in ("start", "init")]
+            lock = stale_lock_problem() if starting else None
+            if lock is not None:  # ranks wait on it forever: stop now and name it
+                raise ExecutionError("torch extensions", f"rank {starting[0]} cannot start: {lock[0]}", lock[1])
+        codes = {r: p.poll() for r, p in enumerate(procs)}
+        failed = {r: c for r, c in codes.items() if c not in (None, 0)}
+        if failed:
+            time.sleep(0.5)  # let simultaneous failures land before choosing the first
+            failed = {r: p.poll() for r, p in enumerate(procs) if p.poll() not in (None, 0)}
+            r = _pick_failed(run, failed)
+            return r, _cause(run, r, failed[r])
+        if all(c == 0 for c in codes.values()):
+            return None
+        if time.monotonic() - start > timeout:
+            states = {r: _read(run / RANKS_DIR / f"rank{r}.json") for r in codes if codes[r] is None}
+            r = min(states, key=lambda k: (states[k].get("step", 0), states[k].get("time", 0)))
+            st = states[r]
+            return r, (f"hung: no finish within --timeout {timeout:g} s; rank {r} stuck in phase "
+                       f"{st.get('phase', 'start')} at step {st.get('step', 0)}")
+        time.sleep(0.1)
