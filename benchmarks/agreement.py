@@ -47,7 +47,6 @@ from planner.tune.bench import Setup, measured_run, profile_machine, round_robin
 from planner.cost import estimate, memory
 from planner.cost.attention import attention_kernel
 from planner.cost.model import rebuilds_shared_per_block
-from planner.cost.states import rank_coords
 from planner.errors import PlannerError
 from planner.runtime.preflight.lab import check_metrics, check_profile
 from planner.rundir import atomic_write_json
@@ -155,7 +154,7 @@ def check(s: Setup, m: dict[str, Any]) -> dict[str, Any]:
     pred_states = m["predicted"]["model_state_breakdown_gb_per_rank"]
     est = estimate(s.model, s.cluster, s.train, s.plan)
     for r, (meas_states, acts) in enumerate(zip(m["model_state_breakdown_gb_per_rank"], m["activations_per_rank"])):
-        stage = rank_coords(r, s.plan)[0]
+        stage = s.plan.coords(r).pp
         for cls, got in meas_states.items():
             v = pred_states[r].get(cls, 0.0)
             err = rel(v, got)

@@ -302,7 +302,7 @@ def shrunk_glm130b(workdir: Path) -> tuple[Case, Plan]:
     cluster = parse_cluster(f"{plan.world_size}xcpu")
     problems = plan_problems(tiny, cluster, tiny_train, plan)
     if problems:
-        raise RuntimeError(f"shrunk plan {plan.describe()} is not legal: {problems}")
+        raise RuntimeError(f"shrunk plan {plan.describe()} is not legal: {[p.line for p in problems]}")
     est = estimate(tiny, cluster, tiny_train, plan)
     from planner.search.baseline import conventional_baseline
     base_plan, base = conventional_baseline(tiny, cluster, tiny_train)

@@ -507,11 +507,11 @@ def estimate(ctx: click.Context, **kw: Any) -> None:
     from planner.cost import runtime as runtimes
     lacking = runtimes.problems(runtimes.get_runtime(plan.runtime), plan)
     if lacking:
-        raise SpecError("--runtime", lacking[0].split(": ")[0], lacking[0].split(": ", 1)[-1])
+        raise lacking[0].error(field="--runtime")
     batch_ok = train.global_batch % (mb * dp) == 0
-    problems = [p for p in plan_problems(model, cluster, train, plan) if batch_ok or "global batch" not in p]
+    problems = [p for p in plan_problems(model, cluster, train, plan) if batch_ok or p.code != "global-batch"]
     if problems:
-        raise SpecError("plan", problems[0], "change the flags named above")
+        raise SpecError("plan", problems[0].line, "change the flags named above")
     if not batch_ok:
         raise SpecError("--micro-batch", f"micro-batch {mb} x dp {dp} = {mb * dp} does not divide the global "
                         f"batch {train.global_batch}", "choose --micro-batch and --global-batch so that "
@@ -519,7 +519,7 @@ def estimate(ctx: click.Context, **kw: Any) -> None:
     est = cost_estimate(model, cluster, train, plan)
     compare = training_comparison(model.base(), cost_estimate(model.base(), cluster, train, plan), model, est) \
         if model.variant_label else None
-    runtime = runtime_problems(plan)
+    runtime = [p.line for p in runtime_problems(plan)]
     bill, bill_text = estimate_bill(spec, est, plan, model, cluster)
     written: list[str] = []
     moved = None

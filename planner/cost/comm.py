@@ -4,7 +4,7 @@ nccl-tests (PERFORMANCE.md): all-reduce busbw = algbw x 2(n-1)/n; reduce-scatter
 busbw = algbw x (n-1)/n; send/recv busbw = algbw. So with a link's busbw B, an all-reduce of
 S bytes over n ranks takes S x 2(n-1)/n / B, plus a latency of alpha per ring step.
 
-Rank layout (planner/specs/plan.py, DeepSpeed's PipeModelDataParallelTopology): global rank
+Rank layout (planner/specs/mesh.py, DeepSpeed's PipeModelDataParallelTopology): global rank
 = (pp_i * dp + dp_i) * tp + tp_i, and node = rank // gpus_per_node. Which groups and which
 pipeline boundaries cross nodes follows from that alone: nothing here assumes the layout is
 aligned to nodes.
@@ -15,19 +15,8 @@ import math
 from functools import lru_cache
 
 from planner.specs.hardware import ClusterSpec
+from planner.specs.mesh import Mesh
 from planner.specs.plan import Plan
-
-
-def _groups(dp: int, tp: int, pp: int, axis: str) -> list[list[int]]:
-    """The ranks of every group of one axis (dp or tp), stage by stage."""
-    assert axis in ("dp", "tp"), axis
-    out = []
-    for i in range(pp):
-        if axis == "dp":
-            out += [[(i * dp + j) * tp + k for j in range(dp)] for k in range(tp)]
-        else:
-            out += [[(i * dp + j) * tp + k for k in range(tp)] for j in range(dp)]
-    return out
 
 
 @lru_cache(maxsize=4096)
@@ -35,8 +24,9 @@ def group_sharing(gpus_per_node: int, dp: int, tp: int, pp: int, axis: str) -> t
     """Per pipeline stage: 0 when every group of `axis` in that stage sits inside one node;
     else the largest number of node-crossing groups (of every stage, all syncing together)
     that share one node's network with a crossing group of this stage."""
+    assert axis in ("dp", "tp"), axis
     g = gpus_per_node
-    groups = _groups(dp, tp, pp, axis)
+    groups = Mesh(pp=pp, dp=dp, tp=tp).groups(axis)
     crossing: dict[int, int] = {}
     spans = []
     for ranks in groups:
@@ -75,10 +65,11 @@ def group_links(cluster: ClusterSpec, plan: Plan, axis: str) -> tuple[tuple[floa
 
 @lru_cache(maxsize=4096)
 def cross_node_boundaries(gpus_per_node: int, dp: int, tp: int, pp: int) -> tuple[bool, ...]:
-    """For each pipeline boundary i -> i+1: does any rank of stage i send to another node?
-    Stage i holds ranks [i*dp*tp, (i+1)*dp*tp); rank r sends to r + dp*tp."""
-    w, g = dp * tp, gpus_per_node
-    return tuple(any((i * w + j) // g != ((i + 1) * w + j) // g for j in range(w)) for i in range(pp - 1))
+    """For each pipeline boundary i -> i+1: does any rank of stage i send to another node? A rank
+    sends to the rank of the next stage in its pipeline group."""
+    g = gpus_per_node
+    chains = Mesh(pp=pp, dp=dp, tp=tp).groups("pp")
+    return tuple(any(c[i] // g != c[i + 1] // g for c in chains) for i in range(pp - 1))
 
 
 def allreduce_steps(n: int) -> int:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from planner.specs.plan import Plan
+from planner.specs.dtypes import activation_bytes
 
 FALLBACK_BUCKET = 500_000_000
 """Elements per flat all-reduce in ZeRO-0's gradient reduction (runtime/engine.py
@@ -174,11 +175,6 @@ class Sizes:
         else:  # sub_group
             n = min(self.psi / self.dp, self.bucket_elements)
         return n / self.dp if b.sharded else n
-
-
-def _lp(precision: str) -> float:
-    """Bytes of the model's (low-precision) weights and gradients."""
-    return 4.0 if precision == "fp32" else 2.0
 
 
 ENGINE_SRC = "deepspeed/runtime/engine.py _do_optimizer_sanity_check, _configure_optimizer"
@@ -545,12 +541,12 @@ def _with_variants(engine: Engine, zero: int, e: float, offload_optimizer: str, 
 @lru_cache(maxsize=256)
 def _engine(zero: int, precision: str, pipeline: bool, overlap_comm: bool, offload_optimizer: str = "none",
             offload_params: str = "none", hpz: bool = False, qwz: bool = False, accumulates: bool = False) -> Engine:
-    return _with_variants(_base_engine(zero, precision, pipeline, overlap_comm), zero, _lp(precision),
+    return _with_variants(_base_engine(zero, precision, pipeline, overlap_comm), zero, activation_bytes(precision),
                           offload_optimizer, offload_params, hpz, qwz, accumulates)
 
 
 def _base_engine(zero: int, precision: str, pipeline: bool, overlap_comm: bool) -> Engine:
-    e = _lp(precision)
+    e = activation_bytes(precision)
     if zero == 0:
         if precision == "fp32":
             return _torch_adam(e)

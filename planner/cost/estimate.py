@@ -9,19 +9,17 @@ from planner.cost.attention import recomputes_scores
 from planner.cost.engines import Engine
 from planner.cost.factors import Factors, cluster_factors
 from planner.cost.layers import LayerCosts
-from planner.cost.model import (_act_bytes, _block_times, _kernel, _layer_costs, resident_memory, runtime_train,
+from planner.cost.model import (_block_times, _kernel, _layer_costs, resident_memory, runtime_train,
                                  stage_memory, stage_times)
 from planner.cost.runtime import get_runtime
-from planner.specs.estimate import GB, Estimate, TimeBreakdown
+from planner.specs.estimate import GB, MEMORY_LABELS, Estimate, TimeBreakdown
 from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
+from planner.specs.problems import MEMORY, Problem
 from planner.specs.train import TrainSpec
 from planner.specs.validate import plan_problems
-
-_LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states",
-           "activations": "activations", "logits": "logits", "buckets": "communication buckets",
-           "overhead": "runtime allowance"}
+from planner.specs.dtypes import activation_bytes
 
 HOST_USABLE = 0.9
 """Share of a node's host memory offloaded states may take (the rest: OS, page cache, the
@@ -68,7 +66,7 @@ def dp_comm(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[int, ..
             # the reduced gradient partition crosses to the host (stage 2 every micro-batch,
             # stage 1 at the boundary), asynchronously while backward still computes
             key = ("micro_batch" if plan.zero == 2 else "step", plan.overlap_comm and plan.pp == 1)
-            windows[key] = windows.get(key, 0.0) + zero.host_copy(cluster, n * _act_bytes(plan.precision) / d)
+            windows[key] = windows.get(key, 0.0) + zero.host_copy(cluster, n * activation_bytes(plan.precision) / d)
         sync = 0.0
         for (per, overlap), total in windows.items():
             window = (mb_compute[i] if per == "micro_batch" else backward[i]) if overlap else 0.0
@@ -83,7 +81,7 @@ def optimizer_time(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[
     the stage's parameters or, when it shards the optimizer, 1/dp (MiCS: 1/mics_shard) of
     them. Offloaded: DeepSpeedCPUAdam on the host (planner.cost.zero.offload_step_time)."""
     if plan.offload_optimizer != "none":
-        return zero.offload_step_time(cluster, plan, max(psi), _act_bytes(plan.precision), f)
+        return zero.offload_step_time(cluster, plan, max(psi), activation_bytes(plan.precision), f)
     n = max(psi) / (plan.zero_shard if engine.optimizer_sharded else 1)
     per_param = ADAM_BYTES["fp32" if plan.precision == "fp32" else "mixed"]
     return n * per_param / (cluster.device.hbm_bandwidth_gbps * 1e9) * f.optimizer_scale
@@ -100,7 +98,7 @@ def zero3_comm(model: ModelSpec, cluster: ClusterSpec, plan: Plan, f: Factors, l
                     (last / 3.0, 2.0 * last / 3.0), recomputed, thr)
     if get_runtime(plan.runtime).flat_parameters:
         us = zero.flat_units(us)
-    return zero.zero3_time(cluster, plan, us, f, _act_bytes(plan.precision))
+    return zero.zero3_time(cluster, plan, us, f, activation_bytes(plan.precision))
 
 
 def p2p_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan,
@@ -110,7 +108,7 @@ def p2p_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pl
     parallelism), sent by every rank of the stage (DeepSpeed sends each TP rank's full tensor).
     A boundary crosses nodes exactly when the rank layout puts the two stages on different
     nodes (planner.cost.comm.cross_node_boundaries)."""
-    e = _act_bytes(plan.precision)
+    e = activation_bytes(plan.precision)
     nbytes = train.seq_len * plan.micro_batch * model.hidden * e / (plan.tp if plan.sequence_parallel else 1)
     cross = comm.cross_node_boundaries(cluster.gpus_per_node, plan.dp, plan.tp, plan.pp)
     return tuple(2.0 * comm.p2p_time(nbytes, cluster, x, f.comm_efficiency) for x in cross)
@@ -157,7 +155,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
         dp_sync, zero_gather = dp_comm(cluster, plan, engine, psi, f, tuple(times), backward), 0.0
     opt = optimizer_time(cluster, plan, engine, psi, f)
     if model.moe is not None:  # the experts' own gradient sync and optimizer step (planner.cost.moe)
-        e_sync, e_opt = moe.expert_sync_and_step(model, cluster, plan, layers, f, backward, _act_bytes(plan.precision),
+        e_sync, e_opt = moe.expert_sync_and_step(model, cluster, plan, layers, f, backward, activation_bytes(plan.precision),
                                                  engines.engine_for(moe.expert_plan(plan)).optimizer_sharded)
         dp_sync, opt = dp_sync + e_sync, opt + e_opt
 
@@ -176,8 +174,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
         if mb.total > cap:
             parts = mb.to_gb()
             big = max(parts, key=parts.get)
-            reasons.append(f"stage {i} needs {mb.total / GB:.1f} GB > {cap / GB:.1f} GB: "
-                           f"{_LABELS[big]} {parts[big]:.1f} GB")
+            reasons.append(Problem("memory", f"{MEMORY}:{big}", f"stage {i} needs {mb.total / GB:.1f} GB > "
+                                   f"{cap / GB:.1f} GB: {MEMORY_LABELS[big]} {parts[big]:.1f} GB"))
             break
     host = nvme = 0.0
     if plan.offload_optimizer != "none" or plan.offload_params != "none":  # nothing leaves the device otherwise
@@ -187,12 +185,14 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
     ranks = cluster.gpus_per_node
     if host and cluster.device.kind != "cpu" and cluster.host.cpu_memory_gb and \
             host * ranks > cluster.host.cpu_memory_gb * 1e9 * HOST_USABLE:
-        reasons.append(f"offloaded states need {host * ranks / GB:.0f} GB of host memory per node > "
-                       f"{cluster.host.cpu_memory_gb * HOST_USABLE:.0f} GB usable of {cluster.host.cpu_memory_gb:.0f} GB "
-                       "(--cpu-mem-gb): offload less, use NVMe, or more nodes")
+        reasons.append(Problem("--cpu-mem-gb", "host-memory", f"offloaded states need {host * ranks / GB:.0f} GB of "
+                               f"host memory per node > {cluster.host.cpu_memory_gb * HOST_USABLE:.0f} GB usable of "
+                               f"{cluster.host.cpu_memory_gb:.0f} GB", "offload less, use NVMe, or more nodes",
+                               detail="--cpu-mem-gb"))
     if nvme and cluster.host.nvme_gb and nvme * ranks > cluster.host.nvme_gb * 1e9:
-        reasons.append(f"offloaded states need {nvme * ranks / GB:,.0f} GB of NVMe per node > "
-                       f"{cluster.host.nvme_gb:,.0f} GB (--nvme-gb): offload less, or more nodes")
+        reasons.append(Problem("--nvme-gb", "nvme-capacity", f"offloaded states need {nvme * ranks / GB:,.0f} GB of "
+                               f"NVMe per node > {cluster.host.nvme_gb:,.0f} GB", "offload less, or more nodes",
+                               detail="--nvme-gb"))
 
     # forward share of each stage's micro-batch time (the rest is backward + recompute)
     fwd_share = []
@@ -209,7 +209,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
     peak = cluster.device.peak_flops(plan.precision) or cluster.device.peak_flops("fp32")
     denom = step * world
     return Estimate(
-        feasible=not reasons, reasons=tuple(reasons), step_time_s=step, time=time,
+        feasible=not reasons, problems=tuple(reasons), step_time_s=step, time=time,
         tokens_per_s=tokens / step, tflops_per_gpu=model_flops / denom / 1e12, mfu=model_flops / (denom * peak),
         hfu=hw_flops / (denom * peak), stage_memory=tuple(mem), capacity_bytes=cap,
         bubble_fraction=pipeline.bubble_fraction(p, m, v), model_flops_per_step=model_flops,

@@ -78,7 +78,7 @@ DEFAULTS: Mapping[str, float] = MappingProxyType(DEFAULT.to_dict())
 
 def factor(device: DeviceProfile, name: str) -> float:
     """The device's fitted value of a factor, or its default."""
-    return float(device.factors.get(name, DEFAULTS[name]))
+    return device.factor(name, DEFAULTS[name])
 
 
 def device_factors(device: DeviceProfile) -> Factors:
@@ -87,17 +87,9 @@ def device_factors(device: DeviceProfile) -> Factors:
 
 
 def oversubscription(cluster: ClusterSpec) -> float:
-    """How many times more processes share a CPU host than the profile was measured with.
-
-    A CPU profile's per-"device" rates are measured with one of `gpus_per_node` processes per
-    host (each with cores / processes threads); running more processes than that divides the
-    same cores among them, so every compute-bound and memory-bound time stretches by this ratio.
-    GPUs are never shared: 1.
-    """
-    dev = cluster.device
-    if dev.kind != "cpu":
-        return 1.0
-    return max(1.0, cluster.gpus_per_node / dev.gpus_per_node)
+    """A training plan's CPU oversubscription: every device of a node is one process
+    (planner.specs.hardware.DeviceProfile.oversubscription)."""
+    return cluster.device.oversubscription(cluster.gpus_per_node)
 
 
 def cluster_factors(cluster: ClusterSpec, runtime: str = DEFAULT_RUNTIME) -> Factors:

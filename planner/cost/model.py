@@ -19,6 +19,7 @@ from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
 from planner.specs.train import TrainSpec
+from planner.specs.dtypes import activation_bytes
 
 CE_ALLREDUCES = 3
 """Small fp32 all-reduces of b x s values in the vocab-parallel cross-entropy (max logit, sum
@@ -37,10 +38,6 @@ class _BlockTimes:
     a2a_bwd: float = 0.0
 
 
-def _act_bytes(precision: str) -> float:
-    return 4.0 if precision == "fp32" else 2.0
-
-
 def _kernel(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> str:
     return attention_kernel(model, train, cluster.device.kind)
 
@@ -57,7 +54,7 @@ def _block_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
     their share of the blocks (planner.cost.moe)."""
     dev = cluster.device
     prec = plan.precision if dev.supports(plan.precision) else "fp32"
-    s, b, t, e = train.seq_len, plan.micro_batch, plan.tp, _act_bytes(plan.precision)
+    s, b, t, e = train.seq_len, plan.micro_batch, plan.tp, activation_bytes(plan.precision)
     kernel = _kernel(model, cluster, train)
     gemm_f, core_f = compute.block_compute_times(model, dev, s, b, t, prec, compute_scale=f.compute_scale,
                                                  attention_scale=f.attention_scale)
@@ -178,7 +175,7 @@ def layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: 
 def _layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan, f: Factors,
                  bt: _BlockTimes) -> LayerCosts:
     dev = cluster.device
-    s, b, t, e = train.seq_len, plan.micro_batch, plan.tp, _act_bytes(plan.precision)
+    s, b, t, e = train.seq_len, plan.micro_batch, plan.tp, activation_bytes(plan.precision)
     prec = plan.precision if dev.supports(plan.precision) else "fp32"
     kernel = _kernel(model, cluster, train)
     hbm = dev.hbm_bandwidth_gbps * 1e9

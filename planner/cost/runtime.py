@@ -31,6 +31,7 @@ from typing import Any, Mapping
 from planner.errors import SpecError
 from planner.specs.hardware import PROFILES_DIR
 from planner.specs.plan import RUNTIMES as NAMES
+from planner.specs.problems import Problem
 
 RUNTIMES_DIR = PROFILES_DIR / "runtimes"
 DEFAULT = NAMES[0]
@@ -128,28 +129,34 @@ def runtime_factors(rt: Runtime, device_name: str, device_factors: Mapping[str, 
     return out
 
 
-def problems(rt: Runtime, plan: Any) -> list[str]:
-    """What `rt` does not offer for this plan, one line each naming the field and the fix.
+def problems(rt: Runtime, plan: Any) -> list[Problem]:
+    """What `rt` does not offer for this plan, each naming the field and the fix.
     DeepSpeed's own rules (no interleaving, no MiCS in 0.19.8) stay where the search applies
     them (planner.specs.validate.runtime_problems): the estimate of such a plan is still wanted
     for comparison."""
-    out: list[str] = []
+    out: list[Problem] = []
     if plan.precision not in rt.precisions:
-        out.append(f"runtime {rt.name} does not offer {plan.precision}"
-                   + (" (no Transformer Engine): use bf16, or --runtime megatron-core / fsdp" if plan.precision == "fp8"
-                      else f": use one of {', '.join(rt.precisions)}"))
+        if plan.precision == "fp8":
+            out.append(Problem("--runtime", "runtime-precision", f"runtime {rt.name} does not offer fp8",
+                               "use bf16, or --runtime megatron-core / fsdp", detail="no Transformer Engine"))
+        else:
+            out.append(Problem("--runtime", "runtime-precision", f"runtime {rt.name} does not offer {plan.precision}",
+                               f"use one of {', '.join(rt.precisions)}"))
     if rt.name == DEFAULT:
         return out
     if plan.zero not in rt.zero_stages:
-        out.append(f"runtime {rt.name} has no ZeRO-{plan.zero} (offers "
-                   + ", ".join(f"{z} ({rt.zero_label(z)})" for z in rt.zero_stages) + "): choose another --zero")
+        out.append(Problem("--zero", "runtime-zero", f"runtime {rt.name} has no ZeRO-{plan.zero}", "choose another --zero",
+                           detail="offers " + ", ".join(f"{z} ({rt.zero_label(z)})" for z in rt.zero_stages)))
     if plan.pp > 1 and not rt.pipeline:
-        out.append(f"runtime {rt.name} has no pipeline parallelism: use pp=1 or another --runtime")
+        out.append(Problem("--pp", "runtime-pp", f"runtime {rt.name} has no pipeline parallelism",
+                           "use pp=1 or another --runtime"))
     if plan.tp > 1 and not rt.tensor_parallel:
-        out.append(f"runtime {rt.name} has no tensor parallelism: use tp=1 or another --runtime")
+        out.append(Problem("--tp", "runtime-tp", f"runtime {rt.name} has no tensor parallelism",
+                           "use tp=1 or another --runtime"))
     if plan.schedule == "interleaved" and not rt.interleaved:
-        out.append(f"runtime {rt.name} has no interleaved schedule: use 1f1b or --runtime megatron-core")
+        out.append(Problem("--interleave", "runtime-interleaved", f"runtime {rt.name} has no interleaved schedule",
+                           "use 1f1b or --runtime megatron-core"))
     if plan.variants:
-        out.append(f"runtime {rt.name} has none of DeepSpeed's ZeRO variants ({', '.join(plan.variants)}): "
-                   "drop them or use --runtime deepspeed")
+        out.append(Problem("--runtime", "runtime-variants", f"runtime {rt.name} has none of DeepSpeed's ZeRO variants",
+                           "drop them or use --runtime deepspeed", detail=", ".join(plan.variants)))
     return out

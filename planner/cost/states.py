@@ -25,18 +25,12 @@ def counted_phases(plan: Plan) -> tuple[str, ...]:
     return ("always",) if plan.pp > 1 else ("always", "grads")
 
 
-def rank_coords(rank: int, plan: Plan) -> tuple[int, int, int]:
-    """(pp_index, dp_index, tp_index): rank = (pp_index * dp + dp_index) * tp + tp_index
-    (planner/specs/plan.py)."""
-    return rank // (plan.dp * plan.tp), (rank // plan.tp) % plan.dp, rank % plan.tp
-
-
 def rank_states(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan,
                 rank: int) -> dict[str, dict[str, float]]:
     """{"device": {class: bytes}, "host": {class: bytes}} one rank holds when counted; host
     sums host memory and NVMe (what DeepSpeed offloads)."""
     lc = layer_costs(model, cluster, train, plan)
-    stage, dp_rank, _ = rank_coords(rank, plan)
+    stage, dp_rank = plan.coords(rank)[:2]
     blocks = plan.layers_per_stage(model.layers)[stage]
     psi, small = lc.stage_psi(stage, plan.pp, blocks)
     owned = params.zero1_owned(params.stage_tensors(model, plan.tp, plan.pp, stage, blocks).numels, plan.dp)[dp_rank]

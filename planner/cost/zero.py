@@ -47,6 +47,7 @@ from functools import lru_cache
 from planner.cost import comm, params
 from planner.cost.factors import Factors
 from planner.specs.hardware import ClusterSpec
+from planner.specs.mesh import Mesh
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
 
@@ -99,12 +100,13 @@ def _link(cluster: ClusterSpec, plan: Plan, ranks: int, stride: int = 1) -> tupl
 @lru_cache(maxsize=4096)
 def _strided(g: int, tp: int, dp: int, ranks: int, stride: int, intra_bw: float, inter_bw: float,
              intra_lat: float, inter_lat: float) -> tuple[float, float]:
+    mesh = Mesh(dp=dp, tp=tp)
     crossing: dict[int, int] = {}
     spans = []
     for block in range(dp // (ranks * stride)):
         for j in range(stride):
             for k in range(tp):
-                nodes = {((block * ranks * stride + j + i * stride) * tp + k) // g for i in range(ranks)}
+                nodes = {mesh.rank(dp=block * ranks * stride + j + i * stride, tp=k) // g for i in range(ranks)}
                 if len(nodes) > 1:
                     spans.append(nodes)
                     for n in nodes:

@@ -51,11 +51,11 @@ def _record(index: int, rung: Rung, technique: str, model: ModelSpec, cluster: C
     plan = rung.plan
     problems = plan_problems(model, cluster, _train(train, rung), plan)
     if problems:
-        rec["illegal"] = problems[0]
+        rec["illegal"] = problems[0].line
         return rec
     est = estimate(model, cluster, _train(train, rung), plan)
     rec.update(plan=plan.to_dict(), description=plan.describe(), **claims.summary(est))
-    rec["runtime_note"] = "; ".join(runtime_problems(plan))
+    rec["runtime_note"] = "; ".join(p.line for p in runtime_problems(plan))
     rec["tokens_per_step"] = rung.global_batch * train.seq_len
     rec["tokens_per_s_all"] = est.tokens_per_s
     rec["real_share"] = shares[rung.batching]

@@ -49,22 +49,39 @@ class StageCache:
     def _build(self, pos: torch.Tensor, segments: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         spec, s = self.spec, segments.shape[1]
         causal = torch.ones(s, s, dtype=torch.bool, device=segments.device).tril()
-        allowed = ((segments[:, :, None] == segments[:, None, :]) & causal)[:, None]  # b 1 s s
-        if spec.position == "alibi":
-            heads = spec.heads // self.tp.size
-            slopes = alibi_slopes(spec.heads)[self.tp.rank * heads:(self.tp.rank + 1) * heads].to(pos.device)
-            dist = (pos[:, None, :] - pos[:, :, None]).float()  # b s s (key - query)
-            bias = slopes[None, :, None, None] * dist[:, None]  # b n s s
-        else:
-            bias = torch.zeros(allowed.shape, device=segments.device)
+        allowed = (segments[:, :, None] == segments[:, None, :]) & causal  # b s s
         # linear attention masks documents chunk by chunk (linear_attention): no s x s mask
-        out = {} if spec.linear_attention else {"mask": bias.to(dtype).masked_fill(~allowed, float("-inf"))}
-        rot = rotary_dims(spec)
-        if spec.position == "rotary" and rot:
-            inv = 1.0 / (spec.rope_theta ** (torch.arange(0, rot, 2, device=pos.device, dtype=torch.float32) / rot))
-            ang = pos.float()[..., None] * inv  # b s rot/2
-            out["cos"], out["sin"] = ang.cos()[:, :, None, :], ang.sin()[:, :, None, :]
+        out = {} if spec.linear_attention else {"mask": additive_mask(spec, self.tp, pos, pos, allowed, dtype)}
+        angles = rotary_angles(spec, pos)
+        if angles is not None:
+            out["cos"], out["sin"] = angles
         return out
+
+
+def additive_mask(spec: ModelSpec, tp: TPGroup, q_pos: torch.Tensor, k_pos: torch.Tensor, allowed: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """The additive attention mask [b, heads/TP or 1, s, L]: -inf where `allowed` [b, s, L] is
+    false, else ALiBi's bias slope x (key position - query position) for this rank's heads
+    (q_pos [b, s], k_pos [b or 1, L]: absolute positions), or 0."""
+    if spec.position == "alibi":
+        heads = spec.heads // tp.size
+        slopes = alibi_slopes(spec.heads)[tp.rank * heads:(tp.rank + 1) * heads].to(q_pos.device)
+        dist = (k_pos[:, None, :] - q_pos[:, :, None]).float()  # b s L (key - query)
+        bias = slopes[None, :, None, None] * dist[:, None]  # b n s L
+    else:
+        bias = torch.zeros((allowed.shape[0], 1) + tuple(allowed.shape[1:]), device=allowed.device)
+    return bias.to(dtype).masked_fill(~allowed[:, None], float("-inf"))
+
+
+def rotary_angles(spec: ModelSpec, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """cos and sin [b, s, 1, r/2] of the rotary angles at positions `pos` [b, s] (Su et al. 2021,
+    base rope_theta over the first r = rotary_dims dims); None without rotary positions."""
+    rot = rotary_dims(spec)
+    if spec.position != "rotary" or not rot:
+        return None
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, rot, 2, device=pos.device, dtype=torch.float32) / rot))
+    ang = pos.float()[..., None] * inv  # b s rot/2
+    return ang.cos()[:, :, None, :], ang.sin()[:, :, None, :]
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = True) -> torch.Tensor:

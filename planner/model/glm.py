@@ -37,6 +37,7 @@ from torch import nn
 
 from planner.data.batching import IGNORE
 from planner.model.attention import ATTENTION, StageCache, _LinearAttention, dropout, eager_attention, rotary
+from planner.model.kvcache import KVStep
 from planner.model.norms import make_norm
 from planner.model.parallel.groups import SINGLE, TPGroup
 from planner.model.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -103,7 +104,7 @@ class SelfAttention(nn.Module):
             raise ValueError(f"TP {tp.size} must divide the heads ({spec.heads}) and KV groups ({spec.kv_heads})")
         if attention not in ATTENTION:
             raise ValueError(f"unknown attention kernel {attention!r}")
-        self.spec, self.tp, self.attention, self.cache = spec, tp, attention, cache
+        self.spec, self.tp, self.attention, self.cache, self.layer = spec, tp, attention, cache, layer
         name = f"layers.{layer}.self_attention"
         self.query_key_value = ColumnParallelLinear(spec.hidden, (spec.q_size, spec.kv_size, spec.kv_size),
                                                     spec.qkv_bias, tp, f"{name}.query_key_value", seed)
@@ -134,7 +135,8 @@ class SelfAttention(nn.Module):
                                                      enable_gqa=k.shape[1] != q.shape[1])
         return out.transpose(1, 2).flatten(2)
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, segments: torch.Tensor,
+                kv: KVStep | None = None) -> torch.Tensor:
         spec = self.spec
         qkv = self.query_key_value(x)  # b s (q + 2 kv)/t, full sequence
         t = (spec.q_size + 2 * spec.kv_size) // qkv.shape[-1]  # this rank's share of the heads: 1/TP
@@ -142,6 +144,11 @@ class SelfAttention(nn.Module):
         b, s = qkv.shape[:2]
         d = spec.dim_per_head
         q, k, v = q.reshape(b, s, -1, d), k.reshape(b, s, -1, d), v.reshape(b, s, -1, d)
+        if kv is not None:  # generation: the new tokens over the KV cache (kvcache.py)
+            if kv.angles is not None:
+                il = spec.rope_interleaved
+                q, k = rotary(q, *kv.angles, il), rotary(k, *kv.angles, il)
+            return self.dense(kv.attend(self.layer, q, k, v).flatten(2))
         if self.checkpoint_core and self.training:
             out = _checkpoint(self.core, q, k, v, pos, segments)
         else:
@@ -197,8 +204,9 @@ class Block(nn.Module):
         with tp_rng() if self.tp.sequence_parallel else contextlib.nullcontext():  # shards differ per rank
             return dropout(x, p)
 
-    def _run(self, h: torch.Tensor, pos: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
-        attn = lambda x: self._dropout(self.self_attention(x, pos, segments))  # noqa: E731
+    def _run(self, h: torch.Tensor, pos: torch.Tensor, segments: torch.Tensor,
+             kv: KVStep | None = None) -> torch.Tensor:
+        attn = lambda x: self._dropout(self.self_attention(x, pos, segments, kv))  # noqa: E731
         mlp = lambda x: self._dropout(self.mlp(x))  # noqa: E731
         if self.spec.norm_position == "pre":
             h = h + attn(self.input_layernorm(h))
@@ -207,12 +215,13 @@ class Block(nn.Module):
         h = self.input_layernorm(h * self.alpha + attn(h))
         return self.post_attention_layernorm(h * self.alpha + mlp(h))
 
-    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], kv: KVStep | None = None):
+        """inputs: (hidden, position_ids, segment_ids). kv: a generation step over the KV cache."""
         h, pos, segments = inputs
-        if self.checkpoint and self.training:
+        if self.checkpoint and self.training and kv is None:
             h = _checkpoint(self._run, h, pos, segments)
         else:
-            h = self._run(h, pos, segments)
+            h = self._run(h, pos, segments, kv)
         return h, pos, segments
 
 
@@ -349,11 +358,16 @@ class GLMModel(nn.Module):
         self.output = None if spec.tied_embeddings else OutputLayer(spec, tp, seed)
         self.loss_fn = LMLoss(spec.vocab, tp)
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, segments: torch.Tensor,
+                kv: KVStep | None = None) -> torch.Tensor:
+        """This rank's vocab-parallel logits [b, s, V_pad/T]. With `kv` (generation: ids are the
+        next tokens of kv's slots at positions kv.pos) only the last new token's, [b, 1, V_pad/T]."""
         x = self.embedding((ids, pos, segments))
         if self.position is not None:
             x = self.position(x)
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, kv)
+        if kv is not None:
+            x = (x[0][:, -1:],) + tuple(x[1:])
         x = self.final(x)
         return self.output(x) if self.output is not None else tied_logits(self.embedding, x)

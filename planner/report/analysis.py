@@ -16,15 +16,13 @@ from planner.report.plan_text import (headroom_gb, headroom_text, host_memory, m
                                       short_variants)
 from planner.specs.estimate import GB
 from planner.specs import MemoryBreakdown, Plan, TimeBreakdown
+from planner.specs.estimate import MEMORY_LABELS, TIME_LABELS as TIME_BREAKDOWN_LABELS
+from planner.specs.problems import MEMORY
 
 TIME_PARTS = [f.name for f in dataclasses.fields(TimeBreakdown)]
 MEM_PARTS = [f.name for f in dataclasses.fields(MemoryBreakdown)]
-TIME_LABELS = {"forward": "forward", "backward": "backward", "recompute": "recompute", "tp_comm": "TP comm",
-               "a2a_comm": "EP/CP all-to-all", "pp_comm": "PP send/recv", "bubble": "pipeline bubble", "dp_sync": "DP gradient sync",
-               "zero_gather": "ZeRO-3 gathers", "optimizer": "optimizer", "overhead": "runtime overhead"}
-MEM_LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states",
-              "activations": "activations", "logits": "logits + loss", "buckets": "comm buckets",
-              "overhead": "runtime allowance"}
+TIME_LABELS = TIME_BREAKDOWN_LABELS
+MEM_LABELS = MEMORY_LABELS
 DEFAULT_TARGETS = {"throughput_ratio": 3.0, "memory_reduction": 0.333}
 """docs/CONTRACTS.md verify.json "targets" (the 3x / one-third-less-memory claims)."""
 TOKENS_PER_PARAM = 20
@@ -84,22 +82,22 @@ def pareto_mask(memory: np.ndarray, throughput: np.ndarray) -> np.ndarray:
 _NUM = re.compile(r"\d+(?:\.\d+)?")
 
 
-def reason_category(reason: str) -> str:
+def reason_category(reason: str, code: str = "") -> str:
     """A short class for an infeasibility reason, so thousands of reasons become a legend.
 
-    Memory reasons ("stage 0 needs 55.2 GB > 40.0 GB: activations 30.5 GB") are classed by
-    what dominates; structural ones by their wording with the numbers taken out."""
+    By the problem's code (trials.csv reason_code, planner/specs/problems.py): memory problems
+    ("memory:activations") are classed by what dominates; the others by the statement with its
+    numbers taken out (the table of reasons keeps the detail)."""
     text = (reason or "").strip()
     if not text:
         return "infeasible (no reason given)"
+    code = (code or "").split(";")[0].strip()
+    if code == MEMORY or code.startswith(MEMORY + ":"):
+        part = code.partition(":")[2]
+        return f"out of memory ({MEMORY_LABELS[part]})" if part in MEMORY_LABELS else "out of memory"
     first = text.split(";")[0].strip()
-    if re.search(r"GB\s*>", first) or "does not fit" in first or "fits no" in first:
-        m = re.search(r":\s*([a-z][a-z +\-]*?)\s+\d", first)
-        return f"out of memory ({m.group(1)})" if m else "out of memory"
-    # the statement without its parenthetical detail (the table of reasons has the detail), never
-    # cut mid-word: the legend wraps it
-    generic = _NUM.sub("#", first.split(" (", 1)[0].strip())
-    return generic
+    # the statement without its parenthetical detail, never cut mid-word: the legend wraps it
+    return _NUM.sub("#", first.split(" (", 1)[0].strip())
 
 
 def knobs(plan: Plan, layers: int) -> list[tuple[str, str, str]]:

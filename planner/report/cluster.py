@@ -1,7 +1,7 @@
 """The cluster as a graph (networkx): devices grouped by server, coloured by pipeline stage,
 with the chosen plan's tensor-, pipeline- and data-parallel groups as edges.
 
-Rank layout is planner/specs/plan.py's: rank = (pp_index * dp + dp_index) * tp + tp_index,
+Rank layout is planner/specs/mesh.py's (Plan.rank): rank = (pp_index * dp + dp_index) * tp + tp_index,
 and rank r sits on server r // gpus_per_node, slot r % gpus_per_node (the launcher's
 hostfile order). Large clusters draw two data-parallel replicas: every replica has the same
 shape, and thousands of dots show nothing.
@@ -23,18 +23,6 @@ MAX_RANKS = 128
 """Draw every rank up to this many; beyond, data-parallel replicas 0 and 1 only."""
 
 
-def coords(rank: int, plan: Plan) -> tuple[int, int, int]:
-    """(pp_index, dp_index, tp_index) of a global rank."""
-    tp_i = rank % plan.tp
-    dp_i = (rank // plan.tp) % plan.dp
-    pp_i = rank // (plan.tp * plan.dp)
-    return pp_i, dp_i, tp_i
-
-
-def rank_of(pp_i: int, dp_i: int, tp_i: int, plan: Plan) -> int:
-    return (pp_i * plan.dp + dp_i) * plan.tp + tp_i
-
-
 def build_graph(plan: Plan, gpus_per_node: int, max_ranks: int = MAX_RANKS) -> tuple[nx.Graph, dict[str, Any]]:
     """Nodes are ranks (attributes server, slot, stage, dp, tp); edges carry kind tp|pp|dp."""
     world = plan.world_size
@@ -46,18 +34,18 @@ def build_graph(plan: Plan, gpus_per_node: int, max_ranks: int = MAX_RANKS) -> t
     for s in range(stages):
         for d in range(replicas):
             for t in range(plan.tp):
-                r = rank_of(s, d, t, plan)
+                r = plan.rank(pp=s, dp=d, tp=t)
                 g.add_node(r, server=r // gpus_per_node, slot=r % gpus_per_node, stage=s, dp=d, tp=t)
     for s in range(stages):
         for d in range(replicas):
             for t in range(plan.tp):
-                r = rank_of(s, d, t, plan)
+                r = plan.rank(pp=s, dp=d, tp=t)
                 if t + 1 < plan.tp:
-                    g.add_edge(r, rank_of(s, d, t + 1, plan), kind="tp")
+                    g.add_edge(r, plan.rank(pp=s, dp=d, tp=t + 1), kind="tp")
                 if s + 1 < stages:
-                    g.add_edge(r, rank_of(s + 1, d, t, plan), kind="pp")
+                    g.add_edge(r, plan.rank(pp=s + 1, dp=d, tp=t), kind="pp")
                 if d + 1 < replicas:
-                    g.add_edge(r, rank_of(s, d + 1, t, plan), kind="dp")
+                    g.add_edge(r, plan.rank(pp=s, dp=d + 1, tp=t), kind="dp")
     info = {"shown_ranks": g.number_of_nodes(), "world": world, "replicas_shown": replicas, "dp": plan.dp,
             "stages_shown": stages, "pp": plan.pp,
             "servers": sorted({a["server"] for _, a in g.nodes(data=True)})}
@@ -114,4 +102,4 @@ def draw_cluster(plan: Plan, gpus_per_node: int, nodes: int) -> tuple[str, dict[
     return render(draw, (width, height)), info
 
 
-__all__ = ["build_graph", "coords", "draw_cluster", "rank_of"]
+__all__ = ["build_graph", "draw_cluster"]

@@ -94,7 +94,7 @@ def _to_bool(series: pd.Series) -> pd.Series:
 
 def read_trials(path: Path) -> pd.DataFrame:
     """trials.csv as a frame: numeric columns as floats, booleans as bool, tuples as text."""
-    df = pd.read_csv(path, dtype={f: "string" for f in TUPLE_FIELDS + ("reason", "source")},
+    df = pd.read_csv(path, dtype={f: "string" for f in TUPLE_FIELDS + ("reason", "reason_code", "source")},
                      keep_default_na=True)
     missing = [c for c in ("trial", "feasible", "tokens_per_s", "peak_memory_gb") if c not in df.columns]
     if missing:
@@ -102,7 +102,7 @@ def read_trials(path: Path) -> pd.DataFrame:
     for col in BOOL_FIELDS:
         if col in df.columns:
             df[col] = _to_bool(df[col])
-    for col in TUPLE_FIELDS + ("reason", "source"):
+    for col in TUPLE_FIELDS + ("reason", "reason_code", "source"):
         if col in df.columns:
             df[col] = df[col].fillna("").astype(str)
     return df

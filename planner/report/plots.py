@@ -54,7 +54,9 @@ def frontier(trials: pd.DataFrame, chosen: dict[str, Any], baseline: dict[str, A
     mem = trials["peak_memory_gb"].to_numpy(dtype=float)
     feas = trials["feasible"].to_numpy(dtype=bool) & np.isfinite(tps) & np.isfinite(mem)
     bad = ~trials["feasible"].to_numpy(dtype=bool)
-    cats = trials.loc[bad, "reason"].map(reason_category)
+    codes = trials["reason_code"] if "reason_code" in trials.columns else pd.Series("", index=trials.index)
+    cats = pd.Series([reason_category(r, c) for r, c in zip(trials.loc[bad, "reason"], codes[bad])],
+                     index=trials.index[bad], dtype=object)
     counts = cats.value_counts()
     top = list(counts.index[:len(REASON_MARKERS) - 1])
 

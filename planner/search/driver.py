@@ -70,10 +70,11 @@ def fits_nowhere(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, trial
     if least.needs_bytes <= least.capacity_bytes and least.reason:
         # it fits the device: what stops it is off the device (host memory, NVMe capacity)
         why = f"fits the device but {least.reason}"
-        to_nvme = [t for t in runnable if t.needs_bytes <= t.capacity_bytes and "of NVMe per node" in (t.reason or "")]
+        to_nvme = [t for t in runnable if t.needs_bytes <= t.capacity_bytes
+                   and any(p.code == "nvme-capacity" for p in t.problems)]
         if to_nvme and least not in to_nvme:
-            part = next(r for r in min(to_nvme, key=lambda t: t.needs_bytes).reason.split("; ") if "NVMe" in r)
-            why += f"; with the states on NVMe instead, {part}"
+            part = next(p for p in min(to_nvme, key=lambda t: t.needs_bytes).problems if p.code == "nvme-capacity")
+            why += f"; with the states on NVMe instead, {part.line}"
         fix = "use more nodes, or a node with more host memory (--cpu-mem-gb) or NVMe (--nvme-gb)"
     return SpecError(
         "--model", f"{model.name} does not fit on {cluster.spec or cluster.world_size} with global batch "

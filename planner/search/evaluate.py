@@ -20,6 +20,7 @@ from planner.specs.estimate import GB, Estimate
 from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
+from planner.specs.problems import Problem
 from planner.specs.validate import runtime_problems
 from planner.specs.train import TrainSpec
 
@@ -34,11 +35,22 @@ class Trial:
     estimate: Estimate | None
     """None when the solvers proved that no stage split fits (see `reason`)."""
     feasible: bool
-    reason: str
+    problems: tuple[Problem, ...] = ()
+    """Why not feasible (planner/specs/problems.py)."""
     needs_bytes: float
     """Peak bytes per device: the estimate's, or the least any split would need."""
     capacity_bytes: float
     source: str = "exhaustive"
+
+    @property
+    def reason(self) -> str:
+        """The problems' sentences joined by "; " (trials.csv "reason")."""
+        return "; ".join(p.line for p in self.problems)
+
+    @property
+    def reason_code(self) -> str:
+        """The first problem's code (trials.csv "reason_code")."""
+        return self.problems[0].code if self.problems else ""
 
     @property
     def tokens_per_s(self) -> float:
@@ -88,8 +100,8 @@ class Evaluator:
         # the stage model's ZeRO groups are those of the cp-free equivalent (dp x cp ranks)
         sol = solve(StageModel(self.cluster, local(base, train)[0], lc), model.layers, checkpoint=full)
         if isinstance(sol, NoFit):
-            why = "; ".join(([] if self.megatron_features else runtime_problems(base)) + [sol.reason])
-            return Trial(outer=outer, plan=base, estimate=None, feasible=False, reason=why,
+            problems = ([] if self.megatron_features else runtime_problems(base)) + [sol.problem]
+            return Trial(outer=outer, plan=base, estimate=None, feasible=False, problems=tuple(problems),
                          needs_bytes=sol.needs_bytes, capacity_bytes=self.capacity, source=source)
         plan = outer.plan(precision, stage_layers=sol.stage_layers,
                           recompute_layers=sol.checkpointed if full else (), runtime=self.runtime)
@@ -97,10 +109,10 @@ class Evaluator:
             # nothing needs checkpointing: say so plainly (the same plan as recompute=none)
             plan = dataclasses.replace(plan, recompute="none", recompute_layers=())
         est = estimate(model, self.cluster, train, plan)
-        reasons = list(est.reasons)
+        problems = list(est.problems)
         if not self.megatron_features:
-            reasons = runtime_problems(plan) + reasons
-        return Trial(outer=outer, plan=plan, estimate=est, feasible=not reasons, reason="; ".join(reasons),
+            problems = runtime_problems(plan) + problems
+        return Trial(outer=outer, plan=plan, estimate=est, feasible=not problems, problems=tuple(problems),
                      needs_bytes=est.peak_memory_bytes, capacity_bytes=est.capacity_bytes, source=source)
 
 

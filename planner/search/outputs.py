@@ -162,7 +162,7 @@ def write_outputs(run_dir: Path, result, model, cluster, train, *, scale: str | 
                                model_arg=model_arg, command=command, extra=extra)
     base = result.baseline
     base_trial = Trial(outer=best.outer, plan=result.baseline_plan, estimate=base, feasible=base.feasible,
-                       reason="; ".join(base.reasons), needs_bytes=base.peak_memory_bytes,
+                       problems=base.problems, needs_bytes=base.peak_memory_bytes,
                        capacity_bytes=base.capacity_bytes, source="baseline")
     rows = list(enumerate(result.trials)) + [(len(result.trials), base_trial)]
     write_trials(run_dir / "trials.csv", rows)
@@ -184,10 +184,10 @@ def write_estimate(run_dir: Path, plan: Plan, est: Estimate, model, cluster, tra
     written = write_plan_files(run_dir, plan, est, model, cluster, train, baseline_plan=bplan, baseline=base,
                                scale=scale, model_arg=model_arg, command=command, extra=extra)
     rows = [(0, Trial(outer=None, plan=plan, estimate=est, feasible=est.feasible,  # type: ignore[arg-type]
-                      reason="; ".join(est.reasons), needs_bytes=est.peak_memory_bytes,
+                      problems=est.problems, needs_bytes=est.peak_memory_bytes,
                       capacity_bytes=est.capacity_bytes, source="estimate")),
             (1, Trial(outer=None, plan=bplan, estimate=base, feasible=base.feasible,  # type: ignore[arg-type]
-                      reason="; ".join(base.reasons), needs_bytes=base.peak_memory_bytes,
+                      problems=base.problems, needs_bytes=base.peak_memory_bytes,
                       capacity_bytes=base.capacity_bytes, source="baseline"))]
     write_trials(run_dir / "trials.csv", rows)
     written.append("trials.csv")

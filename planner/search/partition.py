@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from planner.search.checkpoint import StageModel
 from planner.specs.estimate import GB
+from planner.specs.problems import MEMORY, Problem
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,9 +44,13 @@ class NoFit:
     capacity_bytes: float
 
     @property
+    def problem(self) -> Problem:
+        return Problem("memory", MEMORY, f"stage {self.stage} needs {self.needs_bytes / GB:.1f} GB > "
+                       f"{self.capacity_bytes / GB:.1f} GB even with the best stage split and checkpointing")
+
+    @property
     def reason(self) -> str:
-        return (f"stage {self.stage} needs {self.needs_bytes / GB:.1f} GB > {self.capacity_bytes / GB:.1f} GB "
-                "even with the best stage split and checkpointing")
+        return self.problem.line
 
 
 def least_bytes(sm: StageModel, layers: int, checkpoint: bool) -> NoFit:

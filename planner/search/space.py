@@ -312,9 +312,9 @@ class Space:
         world, batch = self.cluster.world_size, self.train.global_batch
         probe = Plan(dp=world, micro_batch=max(1, batch // world), precision=self.train.precision)
         problems = [p for p in plan_problems(self.model, self.cluster, self.train, probe)
-                    if "global batch" not in p and "processes" not in p]
+                    if p.code not in ("global-batch", "world-size")]
         if problems:
-            raise SpecError("plan space", f"no legal plan: {problems[0]}", "change the inputs named above")
+            raise SpecError("plan space", f"no legal plan: {problems[0].line}", "change the inputs named above")
         any_batch = dataclasses.replace(self.train, global_batch=world)
         dps = sorted({dp for _, _, dp in self._layouts(any_batch)})
         raise SpecError("--global-batch", f"{batch} is not divisible by any legal data-parallel degree "

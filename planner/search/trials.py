@@ -1,7 +1,7 @@
 """trials.csv: one row per evaluated plan (docs/CONTRACTS.md "trials.csv").
 
-Columns: trial, source, every Plan field (tuples `;`-joined), feasible, reason, the Estimate
-scalars, time_<part> (seconds) and mem_<part> (GB, the peak stage). Plans the solvers proved
+Columns: trial, source, every Plan field (tuples `;`-joined), feasible, reason, reason_code (the
+first problem's code, planner/specs/problems.py), the Estimate scalars, time_<part> (seconds) and mem_<part> (GB, the peak stage). Plans the solvers proved
 cannot fit have no estimate: their scalars are empty and peak_memory_gb is the least any
 stage split would need.
 """
@@ -23,7 +23,7 @@ SCALARS = ["step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "hfu", "peak_
            "bubble_fraction"]
 TIME_FIELDS = [f"time_{f.name}" for f in dataclasses.fields(TimeBreakdown)]
 MEM_FIELDS = [f"mem_{f.name}" for f in dataclasses.fields(MemoryBreakdown)]
-COLUMNS = ["trial", "source", *PLAN_FIELDS, "feasible", "reason", *SCALARS, *TIME_FIELDS, *MEM_FIELDS]
+COLUMNS = ["trial", "source", *PLAN_FIELDS, "feasible", "reason", "reason_code", *SCALARS, *TIME_FIELDS, *MEM_FIELDS]
 
 
 def row(number: int, trial: Trial) -> dict[str, Any]:
@@ -32,6 +32,7 @@ def row(number: int, trial: Trial) -> dict[str, Any]:
         out[name] = ";".join(str(x) for x in value) if isinstance(value, list) else value
     out["feasible"] = trial.feasible
     out["reason"] = trial.reason
+    out["reason_code"] = trial.reason_code
     est = trial.estimate
     out["peak_memory_gb"] = trial.needs_bytes / GB
     out["capacity_gb"] = trial.capacity_bytes / GB

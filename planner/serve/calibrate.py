@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from planner.calibrate.core import mape
 from planner.errors import SpecError
 from planner.rundir import atomic_write_json
 from planner.serve.cost import SERVE_DEFAULTS, combine, decode_terms, prefill_terms
@@ -110,10 +111,6 @@ def _columns(terms: dict[str, float], decode: bool, f: dict[str, float], fold: b
             terms["comm_s"], 1.0, terms.get("tp_steps", 0.0), terms.get("wake", 0.0), att]
 
 
-def _mape(pred: list[float], meas: list[float]) -> float:
-    return 100.0 * float(np.mean([abs(p - m) / m for p, m in zip(pred, meas)])) if meas else math.nan
-
-
 def fit_serving(runs: list[dict[str, Any]], device: DeviceProfile | None = None, *,
                 start: dict[str, float] | None = None, iters: int = 20) -> dict[str, float]:
     """The serving factors that best explain the measured steps of `runs` on `device` (default:
@@ -126,7 +123,7 @@ def fit_serving(runs: list[dict[str, Any]], device: DeviceProfile | None = None,
     if not obs:
         raise SpecError("serve runs", "hold no measured decode steps or prefills",
                         "pass serve_metrics.json files of completed serving runs")
-    f = {k: float(device.factors.get(k, SERVE_DEFAULTS[k])) for k in ORDER}
+    f = {k: device.factor(k, SERVE_DEFAULTS[k]) for k in ORDER}
     if start:
         f.update(start)
     meas = np.array([m for _, m, _ in obs])
@@ -207,9 +204,9 @@ def fit_report(runs: list[dict[str, Any]], factors: dict[str, float], device: De
         device = find_device("cpu")[0]
     obs = [o for r in runs for o in _observations(r, device)]
     meas = [m for _, m, _ in obs]
-    before = {k: float(device.factors.get(k, SERVE_DEFAULTS[k])) for k in ORDER}
-    return {"steps": len(obs), "mape_before_pct": _mape(_predict(obs, before), meas),
-            "mape_after_pct": _mape(_predict(obs, factors), meas), "factors": factors}
+    before = {k: device.factor(k, SERVE_DEFAULTS[k]) for k in ORDER}
+    return {"steps": len(obs), "mape_before_pct": mape(_predict(obs, before), meas),
+            "mape_after_pct": mape(_predict(obs, factors), meas), "factors": factors}
 
 
 def apply_serving(profile_data: dict[str, Any], factors: dict[str, float], report: dict[str, Any]) -> dict[str, Any]:

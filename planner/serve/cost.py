@@ -41,9 +41,8 @@ from planner.serve.kernels import kernel_efficiency
 from planner.serve.spec import WEIGHT_BYTES, Deployment
 from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
+from planner.specs.dtypes import activation_bytes
 
-ACT_BYTES = 2.0
-"""Activations and all-reduced tensors in bf16/fp16 (weight-only quantization keeps them so)."""
 __all__ = ["GB", "GPU_MEMORY_UTILIZATION", "SERVE_DEFAULTS", "causal_core_flops", "combine", "decode_step_time_s",
            "decode_terms", "engine_budget", "kv_bytes_per_token", "kv_bytes_per_token_rank", "mixed_fn",
            "kv_heads_per_rank", "linear_weights", "prefill_terms", "prefill_time_s", "prompt_time_s", "serve_factor",
@@ -122,12 +121,9 @@ def _precision(cluster: ClusterSpec, dep: Deployment) -> str:
 
 
 def _slowdown(cluster: ClusterSpec, dep: Deployment) -> float:
-    """CPU 'devices' share the host's cores: a profile measured with gpus_per_node processes runs
-    dep.gpus processes that much slower (planner/cost/factors.py oversubscription). GPUs: 1."""
-    dev = cluster.device
-    if dev.kind != "cpu":
-        return 1.0
-    return max(1.0, min(dep.gpus, cluster.world_size) / dev.gpus_per_node)
+    """CPU 'devices' share the host's cores: a deployment's dep.gpus processes
+    (planner.specs.hardware.DeviceProfile.oversubscription). GPUs: 1."""
+    return cluster.device.oversubscription(min(dep.gpus, cluster.world_size))
 
 
 def _gemm_s(cluster: ClusterSpec, dep: Deployment, flops: float, one_gemm: float) -> float:
@@ -152,8 +148,9 @@ def _tp_comm_s(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, tokens: 
         return 0.0
     link = cluster.intra_node
     bw, lat = link.busbw_gbps * 1e9, link.latency_us * 1e-6
-    e = 4.0 if dep.weight_precision == "fp32" else ACT_BYTES
-    ar = measured.allreduce_s(cluster.device, t, tokens * model.hidden) if e == ACT_BYTES else None
+    e = activation_bytes(dep.weight_precision)
+    # vidur measured 2-byte (fp16) all-reduces; an fp32 deployment (the CPU lab) takes the link's model
+    ar = measured.allreduce_s(cluster.device, t, tokens * model.hidden) if e == 2.0 else None
     if ar is None:  # no measured all-reduce on this GPU / TP degree: the link's bandwidth and latency
         ar = allreduce_time(tokens * model.hidden * e, t, bw, lat, 1.0)
     ag = allgather_time(sampled * model.padded_vocab(t) * e, t, bw, lat, 1.0)

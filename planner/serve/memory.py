@@ -13,6 +13,7 @@ from planner.cost.factors import factor as train_factor
 from planner.serve.spec import KV_BYTES, WEIGHT_BYTES, Deployment, Workload
 from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
+from planner.specs.dtypes import activation_bytes
 
 GB = 2.0 ** 30
 """Serving memory is counted in GiB, as the engines and nvidia-smi count it: an "80 GB" A100 has
@@ -31,8 +32,6 @@ def memory_fraction(dep: Deployment) -> float:
         return next(v for t, v in sorted(SGLANG_MEM_FRACTION.items(), reverse=True) if dep.tp >= t) \
             if dep.tp < 16 else 0.79
     return GPU_MEMORY_UTILIZATION
-ACT_BYTES = 2.0
-"""Activations in bf16/fp16 (weight-only quantization keeps them so)."""
 LOGIT_BYTES = 4.0
 """vLLM's sampler upcasts the sampled rows' logits to fp32."""
 
@@ -151,7 +150,7 @@ def serve_memory(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, worklo
     chunk = longest if math.isinf(budget) else int(budget)
     capacity = cluster.device.memory_gb * GB * memory_fraction(dep)
     weights = weight_bytes(model, dep) / t
-    e = 4.0 if dep.weight_precision == "fp32" else ACT_BYTES
+    e = activation_bytes(dep.weight_precision)
     act = chunk * (2 * model.hidden + (model.ffn_in_matrices + 1) * model.ffn_size / t) * e
     act += dep.max_batch * model.padded_vocab(t) / t * LOGIT_BYTES
     runtime = (cluster.memory_headroom if cluster.memory_headroom is not None

@@ -8,6 +8,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from planner.specs.problems import Problem
+
 GB = 1e9
 
 
@@ -70,6 +72,16 @@ class MemoryBreakdown:
         return {f.name: getattr(self, f.name) / GB for f in dataclasses.fields(self)}
 
 
+TIME_LABELS = {"forward": "forward", "backward": "backward", "recompute": "recompute", "tp_comm": "TP comm",
+               "a2a_comm": "EP/CP all-to-all", "pp_comm": "PP send/recv", "bubble": "pipeline bubble",
+               "dp_sync": "DP gradient sync", "zero_gather": "ZeRO-3 gathers", "optimizer": "optimizer",
+               "overhead": "runtime overhead"}
+"""TimeBreakdown fields in words (the report's charts and tables, the CLI)."""
+MEMORY_LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states",
+                 "activations": "activations", "logits": "logits + loss", "buckets": "comm buckets",
+                 "overhead": "runtime allowance"}
+"""MemoryBreakdown fields in words (the report, and the estimate's memory reason)."""
+
 NEAR_LIMIT = 0.02
 """A plan whose peak (with its headroom) is within this fraction of the capacity is flagged."""
 
@@ -77,7 +89,7 @@ NEAR_LIMIT = 0.02
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Estimate:
     feasible: bool
-    reasons: tuple[str, ...] = ()
+    problems: tuple[Problem, ...] = ()
     """Why the plan is infeasible (empty when feasible)."""
     step_time_s: float
     time: TimeBreakdown
@@ -107,6 +119,11 @@ class Estimate:
     every buffer counted whole as allocated, no runtime allowance (overhead 0). stage_memory
     is what the device's peak figure counts: on a GPU this plus the allowance; on a CPU the
     resident set, pages touched plus the process (planner.cost.model.resident_memory)."""
+
+    @property
+    def reasons(self) -> tuple[str, ...]:
+        """The problems as sentences (estimate.json "reasons", trials.csv "reason")."""
+        return tuple(p.line for p in self.problems)
 
     @property
     def allocated_peak_bytes(self) -> float:

@@ -151,7 +151,17 @@ class DeviceProfile:
         return self.hbm_bandwidth_gbps * 1e9 * self.kernels.hbm_efficiency
 
     def factor(self, name: str, default: float) -> float:
+        """The fitted value of a named factor (profile "factors"), or `default`."""
         return float(self.factors.get(name, default))
+
+    def oversubscription(self, processes: int) -> float:
+        """How many times more processes share a CPU host than this profile was measured with:
+        its per-"device" rates are measured with one of gpus_per_node processes per host (each
+        with cores / processes threads); more processes divide the same cores, so every compute-
+        and memory-bound time stretches by this ratio. GPUs are never shared: 1."""
+        if self.kind != "cpu":
+            return 1.0
+        return max(1.0, processes / self.gpus_per_node)
 
 
 def _need(data: Mapping[str, Any], key: str, where: str, kind: type | tuple = (int, float)) -> Any:

@@ -1,11 +1,12 @@
 """Plan: the decisions the planner makes. Nothing here is derived from hardware.
 
-Rank layout (one vocabulary, said once): global rank = ((pp_index * dp + dp_index) * cp + cp_index)
-* tp + tp_index, i.e. torch.arange(world).view(pp, dp, cp, tp) -- tensor parallel fastest, pipeline
-slowest, the order of DeepSpeed's PipeModelDataParallelTopology (axes pipe, data, model) with the
-context-parallel axis between data and model (Megatron-Core's order tp-cp-dp-pp; DeepSpeed-Ulysses
-carves its sequence groups from consecutive data-parallel ranks). Expert parallelism (ep) groups
-ep consecutive data-parallel indices: it adds no processes.
+Rank layout (one vocabulary, said once in planner/specs/mesh.py; Plan.rank/coords/groups): global
+rank = ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index, i.e. torch.arange(world).view(pp,
+dp, cp, tp) -- tensor parallel fastest, pipeline slowest, the order of DeepSpeed's
+PipeModelDataParallelTopology (axes pipe, data, model) with the context-parallel axis between data
+and model (Megatron-Core's order tp-cp-dp-pp; DeepSpeed-Ulysses carves its sequence groups from
+consecutive data-parallel ranks). Expert parallelism (ep) groups ep consecutive data-parallel
+indices: it adds no processes.
 Checkpointed layers: in each stage the first `recompute_layers[i]` blocks are checkpointed.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from planner.errors import SpecError
+from planner.specs.mesh import Coords, Mesh
 from planner.specs.strict import check_fields
 from planner.specs.hardware import TRAIN_PRECISIONS
 
@@ -214,6 +216,23 @@ class Plan:
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def mesh(self) -> Mesh:
+        """The rank layout (planner/specs/mesh.py)."""
+        return Mesh(pp=self.pp, dp=self.dp, cp=self.cp, tp=self.tp)
+
+    def rank(self, pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
+        """The global rank at these parallel coordinates."""
+        return self.mesh.rank(pp, dp, cp, tp)
+
+    def coords(self, rank: int) -> Coords:
+        """(pp, dp, cp, tp) indices of a global rank."""
+        return self.mesh.coords(rank)
+
+    def groups(self, axis: str) -> tuple[tuple[int, ...], ...]:
+        """Every group of ranks along axis "pp", "dp", "cp" or "tp", stage by stage."""
+        return self.mesh.groups(axis)
 
     @property
     def expert_dp(self) -> int:

@@ -61,10 +61,10 @@ def test_fp8_plan_holds_the_weight_copies_and_the_search_solver_agrees() -> None
 
 def test_deepspeed_and_non_fp8_gpus_do_not_offer_fp8() -> None:
     ds = rtm.get_runtime("deepspeed")
-    assert "does not offer fp8" in rtm.problems(ds, dataclasses.replace(PLAN, runtime="deepspeed"))[0]
+    assert "does not offer fp8" in rtm.problems(ds, dataclasses.replace(PLAN, runtime="deepspeed"))[0].line
     assert not estimate(MODEL, H100, TRAIN, dataclasses.replace(PLAN, runtime="deepspeed")).feasible
     a100 = parse_cluster("2x8xA100")
-    assert any("no FP8 tensor cores" in p for p in plan_problems(MODEL, a100, TRAIN, PLAN))
+    assert any("no FP8 tensor cores" in p.line for p in plan_problems(MODEL, a100, TRAIN, PLAN))
 
 
 def test_fp8_is_searched_beside_bf16_where_it_is_offered() -> None:

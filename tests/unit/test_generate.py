@@ -16,7 +16,8 @@ from planner.specs import preset, scale
 
 torch = pytest.importorskip("torch")
 
-from planner.runtime.serve.generate import (CachedForward, Engine, KVCache, Request, build_model, greedy_cached,
+from planner.model.kvcache import KVCache  # noqa: E402
+from planner.runtime.serve.generate import (CachedForward, Engine, Request, build_model, greedy_cached,
                                             greedy_no_cache)
 from planner.runtime.serve.loadgen import make_requests, poisson_arrivals  # noqa: E402
 from planner.model.parallel.groups import TPGroup  # noqa: E402

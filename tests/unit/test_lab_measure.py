@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from planner.cost import estimate
-from planner.cost.states import counted_phases, rank_coords, rank_states
+from planner.cost.states import counted_phases, rank_states
 from planner.runtime.observe.allocated import AllocatedMeter, allocated_peak
 from planner.runtime.observe.measure import CLASSES, storage_class
 from planner.runtime.observe.metrics import state_errors
@@ -62,7 +62,8 @@ def test_pipeline_is_counted_after_the_step_without_gradients() -> None:
 
 def test_rank_coords_follow_the_plans_order() -> None:
     plan = Plan(tp=2, pp=2, dp=2, zero=1, micro_batch=2, grad_accum=2)
-    assert [rank_coords(r, plan) for r in (0, 1, 2, 5, 7)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 1), (1, 1, 1)]
+    assert [(c.pp, c.dp, c.tp) for c in map(plan.coords, (0, 1, 2, 5, 7))] == \
+        [(0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 1), (1, 1, 1)]
 
 
 def test_state_errors_subtract_field_by_field() -> None:

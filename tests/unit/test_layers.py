@@ -22,8 +22,8 @@ LAYERS: list[set[str]] = [
     {"planner", "errors"},
     {"specs"},
     {"rundir", "cost"},
-    {"dsconfig", "data", "serve", "calibrate"},
-    {"search", "export"},
+    {"dsconfig", "data", "calibrate"},
+    {"serve", "search", "export"},
     {"model", "runtime"},                      # runtime: procs.py, files.py (standard library only)
     {"hf", "profiler"},
     {"runtime.observe"},

@@ -110,16 +110,16 @@ def test_cp_core_is_cp_times_the_local_block():
 def test_ep_and_cp_rules():
     c, tr = parse_cluster("8xH100"), TrainSpec(global_batch=8, seq_len=4096)
     dense = preset("glm-4-9b")
-    assert any("mixture-of-experts" in x for x in plan_problems(dense, c, tr, Plan(dp=8, ep=2)))
+    assert any("mixture-of-experts" in x.line for x in plan_problems(dense, c, tr, Plan(dp=8, ep=2)))
     odd = dataclasses.replace(AIR, moe=dataclasses.replace(AIR.moe, experts=12))
-    assert any("does not divide the 12 experts" in x for x in plan_problems(odd, c, tr, Plan(dp=8, ep=8)))
-    assert any("ZeRO-3" in x for x in plan_problems(AIR, c, tr, Plan(dp=8, zero=3)))
+    assert any("does not divide the 12 experts" in x.line for x in plan_problems(odd, c, tr, Plan(dp=8, ep=8)))
+    assert any("ZeRO-3" in x.line for x in plan_problems(AIR, c, tr, Plan(dp=8, zero=3)))
     p = Plan(dp=2, cp=4, micro_batch=1, grad_accum=4)
-    assert any("KV groups" in x for x in plan_problems(dense, c, tr, p))
+    assert any("KV groups" in x.line for x in plan_problems(dense, c, tr, p))
     ring = dataclasses.replace(p, cp_kind="ring")
     assert not plan_problems(dense, c, tr, ring) and runtime_problems(ring)
     short = TrainSpec(global_batch=8, seq_len=4100)
-    assert any("2 x cp = 8" in x for x in plan_problems(dense, c, short, ring))
+    assert any("2 x cp = 8" in x.line for x in plan_problems(dense, c, short, ring))
 
 
 def test_expert_gradient_sync_and_step_by_hand():

@@ -101,7 +101,7 @@ def test_plan_from_trials_row_round_trip():
     from planner.search.trials import row  # the search's own writer
     plan = Plan(pp=2, zero=1, micro_batch=1, grad_accum=8, stage_layers=(3, 1), recompute="full",
                 recompute_layers=(2, 0))
-    trial = SimpleNamespace(plan=plan, source="heuristic", feasible=True, reason="", estimate=None,
+    trial = SimpleNamespace(plan=plan, source="heuristic", feasible=True, reason="", reason_code="", estimate=None,
                             needs_bytes=1.0, capacity_bytes=2.0)
     r = {k: ("" if v is None else str(v)) for k, v in row(0, trial).items()}
     assert plan_from_row(r) == plan

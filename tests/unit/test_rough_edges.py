@@ -21,6 +21,7 @@ from planner.specs.hardware import parse_cluster
 from planner.specs.model import preset, scale
 from planner.specs.train import TrainSpec
 from planner.specs.validate import plan_problems
+from planner.specs.problems import Problem
 
 TINY = ["--model", "chatglm3-6b", "--scale", "tiny", "--gpus", "2xcpu"]
 
@@ -160,7 +161,8 @@ def test_vs_base_column_when_the_baseline_fits_and_one_line_when_not() -> None:
     first = result.ranked[0].estimate.tokens_per_s / result.baseline.tokens_per_s
     (row,) = [ln for ln in text.splitlines() if ln.startswith("│    1 │")]
     assert row.rstrip().endswith(f"{first:.2f}x │")
-    no_fit = dataclasses.replace(result.baseline, feasible=False, reasons=("stage 0 needs 99 GB > 12 GB",))
+    no_fit = dataclasses.replace(result.baseline, feasible=False,
+                                 problems=(Problem("memory", "memory", "stage 0 needs 99 GB > 12 GB"),))
     text = _printed(dataclasses.replace(result, baseline=no_fit), cluster, train)
     assert "vs base ┃" not in text and text.count("baseline does not fit") == 1
     (row,) = [ln for ln in text.splitlines() if ln.startswith("│    1 │")]
@@ -199,7 +201,7 @@ def test_the_leanest_plan_named_is_one_deepspeed_can_run() -> None:
     train = TrainSpec(global_batch=8, seq_len=2048)
 
     def trial(plan: Plan, gb: float) -> Trial:
-        return Trial(outer=None, plan=plan, estimate=None, feasible=False, reason="", needs_bytes=gb * 1e9,
+        return Trial(outer=None, plan=plan, estimate=None, feasible=False, needs_bytes=gb * 1e9,
                      capacity_bytes=40e9)
     interleaved = Plan(dp=1, tp=4, pp=2, zero=1, micro_batch=1, grad_accum=8, schedule="interleaved", interleave=2)
     plain = Plan(dp=1, tp=8, pp=1, zero=3, micro_batch=1, grad_accum=8)

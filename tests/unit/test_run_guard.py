@@ -21,6 +21,7 @@ from planner.runtime.preflight.checks import HOST_MEMORY_FRACTION, RANKS_PER_COR
 from planner.rundir import atomic_write_json, plan_document
 from planner.specs import Plan, TrainSpec, parse_cluster, preset, scale
 from planner.specs.estimate import GB
+from planner.specs.validate import vocab_problem
 
 CPU_HOST = Host(cores=2, mem_available_bytes=20e9, cuda_note="torch 2.13.0+cpu is built without CUDA")
 
@@ -147,11 +148,12 @@ def test_vocabulary_every_tp_rank_holds_real_rows_of(vocab, ok) -> None:
     # TP 4: V_pad/4 rows per rank; the last rank starts at 3 x ceil(V/4), which must be < V.
     # V 9: rows 3, last rank 9-11 all padding; V 10: last rank holds token 9; V 3: rank 3 only padding
     m = dataclasses.replace(scale(preset("glm-10b"), "tiny"), vocab=vocab)
-    problem = preflight.vocab_problem(m, 4)
-    assert (problem == "") is ok
+    problem = vocab_problem(m, 4)
+    assert (problem is None) is ok
     if vocab == 9:
-        assert problem == ("tp 4 cannot split the vocabulary of 9 tokens: padded to 12, 3 row(s) per TP rank, "
-                           "only 3 of the 4 ranks would hold real tokens")
+        assert problem.field == "plan.tp" and problem.code == "tp-vocab"
+        assert problem.message == ("tp 4 cannot split the vocabulary of 9 tokens: padded to 12, 3 row(s) per TP rank, "
+                                   "only 3 of the 4 ranks would hold real tokens")
 
 
 def test_vocabulary_tp_cannot_split_stops_the_run(tmp_path, no_launch) -> None:

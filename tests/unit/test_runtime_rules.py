@@ -44,7 +44,8 @@ def test_tp_that_splits_neither_heads_nor_kv_groups_names_the_fix():
     model = preset("chatglm3-6b")                         # 32 heads, 2 KV groups
     cluster = parse_cluster("8xA100")
     problems = plan_problems(model, cluster, TrainSpec(global_batch=8, seq_len=128), Plan(dp=2, tp=4, micro_batch=4))
-    assert problems == ["tp 4 does not divide the 2 KV groups: use a TP degree dividing 2"]
+    assert [p.line for p in problems] == ["tp 4 does not divide the 2 KV groups: use a TP degree dividing 2"]
+    assert [(p.field, p.code) for p in problems] == [("plan.tp", "tp-kv-groups")]
     # the vocabulary never blocks TP: it is padded (ModelSpec.padded_vocab)
     odd = dataclasses.replace(model, vocab=65023, kv_groups=None)
     assert plan_problems(odd, cluster, TrainSpec(global_batch=8, seq_len=128), Plan(dp=1, tp=8, micro_batch=8)) == []

@@ -94,10 +94,10 @@ def test_megatron_core_hides_steady_state_pipeline_sends() -> None:
 def test_runtime_problems_name_the_missing_feature() -> None:
     fsdp = rtm.get_runtime("fsdp")
     assert rtm.problems(fsdp, Plan(zero=3, runtime="fsdp")) == []
-    assert "no ZeRO-1" in rtm.problems(fsdp, Plan(zero=1, runtime="fsdp"))[0]
-    assert "no pipeline" in " ".join(rtm.problems(fsdp, Plan(pp=2, zero=0, runtime="fsdp")))
-    assert "no tensor parallelism" in " ".join(rtm.problems(fsdp, Plan(tp=2, zero=3, runtime="fsdp")))
-    assert "interleaved" in " ".join(rtm.problems(fsdp, Plan(pp=2, schedule="interleaved", interleave=2,
+    assert "no ZeRO-1" in rtm.problems(fsdp, Plan(zero=1, runtime="fsdp"))[0].line
+    assert "no pipeline" in " ".join(p.line for p in rtm.problems(fsdp, Plan(pp=2, zero=0, runtime="fsdp")))
+    assert "no tensor parallelism" in " ".join(p.line for p in rtm.problems(fsdp, Plan(tp=2, zero=3, runtime="fsdp")))
+    assert "interleaved" in " ".join(p.line for p in rtm.problems(fsdp, Plan(pp=2, schedule="interleaved", interleave=2,
                                                             runtime="fsdp")))
     mc = rtm.get_runtime("megatron-core")
     assert rtm.problems(mc, Plan(pp=2, zero=1, schedule="interleaved", interleave=2, runtime="megatron-core")) == []
@@ -106,7 +106,7 @@ def test_runtime_problems_name_the_missing_feature() -> None:
 
 
 def test_non_deepspeed_plans_are_not_executed() -> None:
-    assert "planner run" in runtime_problems(Plan(runtime="megatron-core"))[0]
+    assert "planner run" in runtime_problems(Plan(runtime="megatron-core"))[0].line
     assert runtime_problems(Plan()) == []
 
 

@@ -392,7 +392,8 @@ def test_trial_reasons_and_capacity():
     sm = _stage_model(m, c, t, outer)
     from planner.specs.validate import runtime_problems
     assert trial.feasible is False
-    assert trial.reason == "; ".join(runtime_problems(outer.plan("bf16")) + [least_bytes(sm, 70, False).reason])
+    assert trial.reason == "; ".join([p.line for p in runtime_problems(outer.plan("bf16"))] + [least_bytes(sm, 70, False).reason])
+    assert trial.reason_code == "memory"
     ok = Evaluator(m, parse_cluster("96x8xA100-40GB"), TrainSpec(global_batch=4224, seq_len=2048))(
         Outer(tp=4, pp=8, dp=24, zero=1, micro_batch=1, grad_accum=176, recompute="full", sequence_parallel=False,
               interleave=1), "heuristic")
@@ -533,7 +534,7 @@ def test_a_runtime_problem_and_a_no_fit_are_joined_into_one_reason():
                   interleave=2)
     trial = Evaluator(m, c, t)(outer, "exhaustive")
     (problem,) = runtime_problems(trial.plan)
-    assert trial.estimate is None and trial.reason.startswith(problem + "; stage ")
+    assert trial.estimate is None and trial.reason.startswith(problem.line + "; stage ")
     assert trial.reason.endswith("even with the best stage split and checkpointing")
 
 

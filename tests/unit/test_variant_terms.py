@@ -74,7 +74,7 @@ def test_share_layers_refused_under_pp():
     m = v("share-layers=2")
     plan = Plan(pp=2, grad_accum=8)
     problems = plan_problems(m, parse_cluster("2xcpu"), TrainSpec(global_batch=8, seq_len=64, precision="bf16"), plan)
-    assert any("share-layers 2 with pp 2" in p for p in problems)
+    assert any("share-layers 2 with pp 2" in p.line and p.field == "plan.pp" for p in problems)
 
 
 # --- training compute and memory ---------------------------------------------------------------

@@ -5,11 +5,12 @@ refusal leaves nothing behind: no rank, no .ranks/ directory, no log. Every refu
 line naming the field and the fix (SpecError for the run directory's files, ExecutionError
 for this host); the CLI prints it and exits 2. In order:
 
-1. The plan (plan.json): the structural rules of planner.specs.validate.plan_problems (world
-   size vs cluster, TP dividing the heads, KV groups and FFN, stage split, global batch, ...),
-   what DeepSpeed itself cannot run (runtime_problems, and the ZeRO variants DeepSpeed 0.19.8
-   cannot run here: `variant_problem`), one node only, and a vocabulary every TP rank's shard
-   holds real rows of (`vocab_problem`).
+1. The plan (plan.json): the plan rules of planner.specs.validate, each a Problem naming its
+   field: the structural ones (plan_problems: world size vs cluster, TP dividing the heads, KV
+   groups and FFN, stage split, global batch, ...), what DeepSpeed itself cannot run
+   (runtime_problems; the ZeRO variants DeepSpeed 0.19.8 cannot run here come first), and what
+   the executor does not run (executor_problems: a vocabulary TP cannot split, MoE / CP layers,
+   several nodes).
 2. ds_config.json against plan.json: the worker builds the model from plan.json but hands
    DeepSpeed ds_config.json, so a hand edit of one would run a different layout from the one
    the other (and the estimate) describes. Compared: the batch triple (hence the DP degree),
@@ -35,7 +36,8 @@ from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
 from planner.specs.train import TrainSpec
-from planner.specs.validate import plan_problems, runtime_problems
+from planner.specs.problems import Problem
+from planner.specs.validate import executor_problems, plan_problems, runtime_problems
 
 HOST_MEMORY_FRACTION = 0.6
 """A CPU plan's predicted peak memory, summed over its ranks, may use at most this share of
@@ -124,83 +126,41 @@ def probe_host(gpu: bool) -> Host:
 
 # --- 1. the plan ------------------------------------------------------------------------------
 
-_PROBLEM_FIELDS = (("dp ", "plan.dp/tp/pp"), ("tp ", "plan.tp"), ("pp ", "plan.pp"),
-                   ("stage_layers", "plan.stage_layers"), ("every pipeline stage", "plan.stage_layers"),
-                   ("micro-batch", "plan.micro_batch/grad_accum"), ("the interleaved", "plan.grad_accum"),
-                   ("sequence length", "train.seq_len"), ("sequence parallel", "plan.sequence_parallel"))
+REPLAN = "re-plan with `planner search`, or correct the hand edit of plan.json"
+DEEPSPEED_CANNOT = ("deepspeed-mics", "zeropp-cpu")
+"""The ZeRO variants DeepSpeed 0.19.8 cannot run here, refused first with the most specific words.
+Measured through the executor (docs/runtime.md "ZeRO variants on CPU",
+tests/integration/test_zero_variants.py): MiCS is gone from DeepSpeed 0.19.8 (its config
+refuses mics_shard_size on every device); ZeRO++'s quantized weights and gradients load
+DeepSpeed's quantizer kernels (QuantizerBuilder), which the CPU accelerator does not have.
+Optimizer and parameter offload to the CPU and hpZ run."""
 
 
-def _problem_field(problem: str) -> str:
-    for prefix, field in _PROBLEM_FIELDS:
-        if problem.startswith(prefix):
-            return field
-    return "plan.precision" if "fp16" in problem or "support" in problem else "plan.json"
-
-
-def vocab_problem(model: ModelSpec, tp: int) -> str:
-    """The vocab-parallel embedding and output layer give each TP rank V_pad/t consecutive rows
-    of the vocabulary padded to V_pad = ModelSpec.padded_vocab(t). A rank whose rows are all
-    padding (the last rank starts at (t-1) V_pad/t >= V) would hold and compute nothing real:
-    a vocabulary TP cannot split. E.g. V 9, t 4: V_pad 12, the last rank's rows 9-11 are padding."""
-    if tp == 1:
-        return ""
-    rows = model.padded_vocab(tp) // tp
-    if (tp - 1) * rows < model.vocab:
-        return ""
-    real = -(-model.vocab // rows)  # ranks holding at least one real row
-    return (f"tp {tp} cannot split the vocabulary of {model.vocab} tokens: padded to {model.padded_vocab(tp)}, "
-            f"{rows} row(s) per TP rank, only {real} of the {tp} ranks would hold real tokens")
-
-
-def variant_problem(plan: Plan, cluster: ClusterSpec) -> tuple[str, str, str] | None:
-    """(field, why, fix) for a ZeRO variant DeepSpeed 0.19.8 cannot run here, else None.
-    Measured through the executor (docs/runtime.md "ZeRO variants on CPU",
-    tests/integration/test_zero_variants.py): MiCS is gone from DeepSpeed 0.19.8 (its config
-    refuses mics_shard_size on every device); ZeRO++'s quantized weights and gradients load
-    DeepSpeed's quantizer kernels (QuantizerBuilder), which the CPU accelerator does not have.
-    Optimizer and parameter offload to the CPU and hpZ run."""
-    if plan.mics_shard:
-        return ("plan.mics_shard", "DeepSpeed 0.19.8 removed MiCS: its config rejects zero_optimization."
-                "mics_shard_size ('MiCS ZeRO-3 sharding has been removed')",
-                "re-plan without MiCS (plain ZeRO-3, or hpZ for intra-node weight gathers)")
-    if cluster.device.kind == "cpu" and (plan.quantized_weights or plan.quantized_gradients):
-        field = "plan.quantized_weights" if plan.quantized_weights else "plan.quantized_gradients"
-        return (field, "ZeRO++ qwZ/qgZ need DeepSpeed's quantizer kernels (QuantizerBuilder), which DeepSpeed "
-                "0.19.8 does not implement for the CPU accelerator ('This op had not been implemented on CPU "
-                "backend')", "re-plan without quantized weights/gradients, or run the plan on CUDA GPUs")
-    return None
+def _field(p: Problem) -> str:
+    return p.field if p.field == "cluster" else f"plan.json {p.field}"
 
 
 def check_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> None:
-    variant = variant_problem(plan, cluster)  # first: the most specific words for what DeepSpeed cannot run
-    if variant:
-        field, why, fix = variant
-        raise ExecutionError(f"plan.json {field}", why, fix)
+    """The plan rules (planner.specs.validate), in the order a user meets them."""
     problems = plan_problems(model, cluster, train, plan)
-    if problems:
-        raise SpecError(f"plan.json {_problem_field(problems[0])}", problems[0],
-                        "re-plan with `planner search`, or correct the hand edit of plan.json")
-    vocab = vocab_problem(model, plan.tp)
-    if vocab:
-        ok = [t for t in range(1, plan.tp) if not model.heads % t and not model.kv_heads % t
-              and not vocab_problem(model, t)]
-        raise SpecError("plan.json plan.tp", vocab, f"use tp {' or '.join(map(str, ok[-2:]))}, or re-plan with "
-                        "`planner search`")
     unsupported = runtime_problems(plan)
+    cannot = [p for p in unsupported + problems if p.code in DEEPSPEED_CANNOT]
+    if cannot:
+        raise cannot[0].error(ExecutionError, field=_field(cannot[0]))
+    if problems:
+        raise SpecError(_field(problems[0]), problems[0].line, REPLAN)
+    for p in executor_problems(model, cluster, plan)[:1]:
+        if p.code == "tp-vocab":
+            raise p.error(SpecError, field=_field(p))
     if unsupported and plan.runtime != "deepspeed":
-        raise ExecutionError("plan.json plan.runtime", f"a {plan.runtime} plan: `planner run` executes DeepSpeed only",
+        raise ExecutionError("plan.json plan.runtime", unsupported[0].message,
                              "re-plan with `planner search --runtime deepspeed`, or run it under "
                              f"{plan.runtime} (docs/runtimes.md)")
     if unsupported:
-        raise ExecutionError("plan.json", unsupported[0].split(" (")[0],
-                             "plan without --megatron-features, or run it under Megatron-LM")
-    if model.moe is not None or plan.cp > 1:
-        what = "mixture-of-experts layers" if model.moe is not None else "context-parallel attention"
-        raise ExecutionError("plan.json", f"the executor has no {what} yet (docs/moe.md, docs/long-context.md): "
-                             "such plans are estimated and searched, not run", "run a dense plan with cp 1")
-    if cluster.nodes > 1:
-        raise ExecutionError("cluster", f"{cluster.nodes} nodes: `planner run` launches on this machine only",
-                             "use launch.sh with a hostfile (deepspeed launcher) for multi-node runs")
+        raise unsupported[0].error(ExecutionError, field="plan.json",
+                                   fix="plan without --megatron-features, or run it under Megatron-LM")
+    for p in executor_problems(model, cluster, plan):
+        raise p.error(ExecutionError, field="plan.json" if p.code == "executor-layers" else _field(p))
 
 
 # --- 2. ds_config.json against plan.json --------------------------------------------------------

@@ -1,19 +1,13 @@
 """Greedy generation on the executor's GLM model: a KV cache and continuous batching.
 
-The model (planner/model/glm.py) is used as built for training, unchanged: this file
-runs its layers' own modules (norms, the fused QKV and dense linears, the MLP, the vocab-
-parallel embedding and output layer) in a cached forward of its own, so the training forward
-stays bit-identical and the TP collectives are the layers' own (Megatron-style, on gloo).
+The model (planner/model/glm.py) is the one training builds, run by its own forward with a KV
+cache (planner/model/kvcache.py: KVCache, and a KVStep that each block's attention appends to
+and attends over); the TP collectives are the layers' own (Megatron-style, on gloo).
 
-- KVCache: per layer, K and V of shape [slots, max_len, kv_groups/TP, head_dim] (a padded
-  cache, one slot per running sequence, with per-slot lengths); GQA caches only this rank's
-  KV groups. No paged blocks here (vLLM's PagedAttention, Kwon et al. 2023): on CPU with a few
-  slots the padded cache is simpler and the cost model counts blocks itself.
 - CachedForward: new tokens of b sequences (prefill: one sequence, its whole prompt; decode:
-  one token of each running sequence) at their absolute positions (rotary at the absolute
-  position, learned positions, ALiBi), causal over the cache, masked beyond each slot's
-  length. Logits are vocab-parallel: the last position's slices are all-gathered over the
-  TP group and the padded rows dropped, so the greedy argmax is the single-process one.
+  one token of each running sequence) through GLMModel.forward(..., kv=step). Logits are
+  vocab-parallel: the last position's slices are all-gathered over the TP group and the padded
+  rows dropped, so the greedy argmax is the single-process one.
 - Engine: continuous batching (Yu et al. 2022, "Orca", iteration-level scheduling); every
   step is decided by planner/serve/scheduler.py's "executor" engine, the scheduler that
   planner/serve/queue.py simulate runs (waiting prefills first, bounded by max_batch
@@ -34,11 +28,10 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from planner.errors import ExecutionError
-from planner.model.glm import GLMModel, tied_logits
-from planner.model.attention import alibi_slopes, linear_attention, rotary, rotary_dims
+from planner.model.glm import GLMModel
+from planner.model.kvcache import KVCache
 from planner.model.parallel.groups import SINGLE, TPGroup
 from planner.serve.scheduler import Scheduler, SchedulerConfig
 from planner.specs.model import ModelSpec
@@ -61,145 +54,21 @@ def gather_vocab(local: torch.Tensor, spec: ModelSpec, tp: TPGroup) -> torch.Ten
     return local[..., :spec.vocab]
 
 
-def logits_of(model: GLMModel, h: torch.Tensor) -> torch.Tensor:
-    return model.output((h,)) if model.output is not None else tied_logits(model.embedding, (h,))
-
-
-class KVCache:
-    """Per layer K and V: [slots, max_len, kv_groups/TP, head_dim]; `lengths` per slot.
-
-    A linear-attention model (ModelSpec.linear_attention, docs/variants.md) keeps no K and V:
-    per layer and slot a fixed-size state instead, `state` [slots, kv_groups/TP, d, d] (the sum
-    of phi(k) v^T) and `norm` [slots, kv_groups/TP, d] (the sum of phi(k)), in fp32 as the
-    training kernel (planner.model.glm.linear_attention) keeps them: what
-    planner/serve/memory.py state_bytes_per_sequence counts, whatever the context length."""
-
-    def __init__(self, spec: ModelSpec, tp: TPGroup, slots: int, max_len: int, dtype: torch.dtype) -> None:
-        if max_len > spec.max_seq:
-            raise ExecutionError("prompt + output", f"{max_len} tokens exceed the model's context {spec.max_seq}",
-                                 "shorten the prompt or the output")
-        g, d = spec.kv_heads // tp.size, spec.dim_per_head
-        self.linear = spec.linear_attention
-        if self.linear:
-            self.k, self.v = [], []
-            self.state = [torch.zeros(slots, g, d, d) for _ in range(spec.layers)]
-            self.norm = [torch.zeros(slots, g, d) for _ in range(spec.layers)]
-        else:
-            shape = (slots, max_len, g, d)
-            self.k = [torch.zeros(shape, dtype=dtype) for _ in range(spec.layers)]
-            self.v = [torch.zeros(shape, dtype=dtype) for _ in range(spec.layers)]
-        self.lengths = [0] * slots
-        self.max_len = max_len
-
-    @property
-    def slots(self) -> int:
-        return len(self.lengths)
-
-
 class CachedForward:
-    """The model's forward over new tokens with a KV cache (see the module docstring)."""
+    """The model's own forward over new tokens with a KV cache (GLMModel.forward with a KVStep,
+    planner/model/kvcache.py); the logits of each sequence's last new token, whole vocabulary."""
 
     def __init__(self, model: GLMModel, spec: ModelSpec, tp: TPGroup = SINGLE) -> None:
         self.model, self.spec, self.tp = model, spec, tp
-        rot = rotary_dims(spec)
-        self.inv_freq = None
-        if spec.position == "rotary" and rot:
-            self.inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
-        heads = spec.heads // tp.size
-        self.slopes = alibi_slopes(spec.heads)[tp.rank * heads:(tp.rank + 1) * heads]
 
     @torch.no_grad()
     def __call__(self, cache: KVCache, ids: torch.Tensor, slots: list[int]) -> torch.Tensor:
         """ids [b, s] are the next s tokens of the sequences in `slots` (appended at each slot's
         length); returns the full-vocabulary logits of each sequence's last new token [b, vocab]."""
-        spec, model = self.spec, self.model
-        b, s = ids.shape
-        starts = torch.tensor([cache.lengths[i] for i in slots])
-        if int(starts.max()) + s > cache.max_len:
-            raise ExecutionError("KV cache", f"a sequence would grow past {cache.max_len} cached tokens",
-                                 "size the cache for prompt + output")
-        pos = starts[:, None] + torch.arange(s)[None, :]  # b s, absolute positions
-        segments = torch.zeros_like(pos)
-        x = model.embedding((ids, pos, segments))[0]
-        if model.position is not None:
-            x = model.position((x, pos, segments))[0]
-        mask = None if spec.linear_attention else self._mask(pos, int(starts.max()) + s, x.dtype)
-        cos = sin = None
-        if self.inv_freq is not None:
-            ang = pos.float()[..., None] * self.inv_freq
-            cos, sin = ang.cos()[:, :, None, :], ang.sin()[:, :, None, :]
-        index = torch.tensor(slots)
-        for li, block in enumerate(model.layers):
-            attn = lambda h, li=li: self._attention(block.self_attention, cache, li, h, index, pos, mask, cos, sin)  # noqa: E731
-            if spec.norm_position == "pre":
-                x = x + attn(block.input_layernorm(x))
-                x = x + block.mlp(block.post_attention_layernorm(x))
-            else:  # post-LN / DeepNorm, as Block._run
-                x = block.input_layernorm(x * block.alpha + attn(x))
-                x = block.post_attention_layernorm(x * block.alpha + block.mlp(x))
-        for i in slots:
-            cache.lengths[i] += s
-        h = model.final((x[:, -1:],))[0]
-        return gather_vocab(logits_of(model, h)[:, 0], spec, self.tp)
-
-    def _mask(self, pos: torch.Tensor, keys: int, dtype: torch.dtype) -> torch.Tensor:
-        """b 1|heads s keys: causal over the cache (and ALiBi's bias); linear attention needs none."""
-        b, s = pos.shape
-        allowed = torch.arange(keys)[None, None, :] <= pos[:, :, None]  # b s L: causal over the cache
-        if self.spec.position == "alibi":
-            dist_ = (torch.arange(keys)[None, None, :] - pos[:, :, None]).float()  # key - query
-            bias = self.slopes[None, :, None, None] * dist_[:, None]
-        else:
-            bias = torch.zeros(b, 1, s, keys)
-        return bias.to(dtype).masked_fill(~allowed[:, None], float("-inf"))
-
-    def _attention(self, sa, cache: KVCache, li: int, x: torch.Tensor, index: torch.Tensor, pos: torch.Tensor,
-                   mask: torch.Tensor | None, cos, sin) -> torch.Tensor:
-        spec = self.spec
-        qkv = sa.query_key_value(x)
-        t = (spec.q_size + 2 * spec.kv_size) // qkv.shape[-1]
-        q, k, v = qkv.split([spec.q_size // t, spec.kv_size // t, spec.kv_size // t], dim=-1)
-        b, s = qkv.shape[:2]
-        d = spec.dim_per_head
-        q, k, v = q.reshape(b, s, -1, d), k.reshape(b, s, -1, d), v.reshape(b, s, -1, d)
-        if cos is not None:
-            il = spec.rope_interleaved
-            q, k = rotary(q, cos, sin, il), rotary(k, cos, sin, il)
-        if cache.linear:
-            return sa.dense(self._linear(cache, li, q, k, v, index, pos).flatten(2))
-        cache.k[li][index[:, None], pos] = k
-        cache.v[li][index[:, None], pos] = v
-        keys = mask.shape[-1]
-        kk, vv = cache.k[li][index, :keys], cache.v[li][index, :keys]  # b L kv d
-        q, kk, vv = q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, enable_gqa=kk.shape[1] != q.shape[1])
-        return sa.dense(out.transpose(1, 2).flatten(2))
-
-
-    @staticmethod
-    def _linear(cache: KVCache, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
-                pos: torch.Tensor) -> torch.Tensor:
-        """Linear attention over the new tokens (q: b s n d, k and v: b s g d) with each slot's
-        state; b s n d in q's dtype. A prompt (s > 1, an empty state) runs the training kernel
-        (linear_attention, chunked) and leaves its sums in the state; a decode token adds
-        phi(k) v^T and phi(k) to the state and reads out phi(q) S / phi(q) z (Katharopoulos et
-        al. 2020, eq. 6, the recurrent form): O(1) per token, no context read."""
-        b, s, n, d = q.shape
-        g = k.shape[2]
-        if s > 1 and int(pos[:, 0].max()) > 0:
-            raise ExecutionError("prefill", "a linear-attention prompt continues a sequence",
-                                 "prefill whole prompts (the engine does)")
-        kf, vf = F.elu(k.float()) + 1.0, v.float()                 # b s g d
-        keep = (pos[:, 0] > 0).float()                             # a slot starting at 0 is a new sequence
-        state = cache.state[li][index] * keep[:, None, None, None] + torch.einsum("bsgd,bsge->bgde", kf, vf)
-        norm = cache.norm[li][index] * keep[:, None, None] + kf.sum(1)
-        cache.state[li][index], cache.norm[li][index] = state, norm
-        if s > 1:
-            qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-            return linear_attention(qt, kt, vt, torch.zeros(b, s, dtype=torch.long)).transpose(1, 2)
-        qf = (F.elu(q.float()) + 1.0).reshape(b, g, n // g, d)         # s = 1: the query heads of each group
-        out = torch.einsum("bgmd,bgde->bgme", qf, state) / torch.einsum("bgmd,bgd->bgm", qf, norm)[..., None]
-        return out.reshape(b, 1, n, d).to(q.dtype)
+        step = cache.step(slots, ids.shape[1])
+        local = self.model(ids, step.pos, torch.zeros_like(step.pos), kv=step)
+        step.done()
+        return gather_vocab(local[:, 0], self.spec, self.tp)
 
 
 @torch.no_grad()

@@ -20,12 +20,6 @@ from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
 
 
-def rank_coords(rank: int, plan: Plan) -> tuple[int, int, int]:
-    """(pp_index, dp_index, tp_index) of a global rank: torch.arange(world).view(pp, dp, tp)
-    (planner/specs/plan.py; DeepSpeed's PipeModelDataParallelTopology order)."""
-    return rank // (plan.dp * plan.tp), (rank // plan.tp) % plan.dp, rank % plan.tp
-
-
 def build_module(plan: Plan, spec: ModelSpec, groups: Groups, attention: str = "flash",
                  seed: int = 1234) -> torch.nn.Module:
     """The plan's model on this rank: Megatron-style TP layers on `groups`, cut into pipeline
@@ -120,10 +114,9 @@ def check_topology(engine, groups: Groups, plan: Plan, rank: int) -> None:
     """DeepSpeed's groups and ours must match the plan's rank layout (one vocabulary)."""
     import torch.distributed as dist
     from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
-    pp_i, dp_i, tp_i = rank_coords(rank, plan)
-    want = {"model": [(pp_i * plan.dp + dp_i) * plan.tp + t for t in range(plan.tp)],
-            "data": [(pp_i * plan.dp + d) * plan.tp + tp_i for d in range(plan.dp)],
-            "pipe": [(p * plan.dp + dp_i) * plan.tp + tp_i for p in range(plan.pp)]}
+    pp_i, dp_i, _, tp_i = plan.coords(rank)
+    want = {axis: list(plan.mesh.group(short, rank)) for axis, short in (("model", "tp"), ("data", "dp"),
+                                                                          ("pipe", "pp"))}
     mpu = engine.mpu
     got = {"coords": (groups.pp_rank, groups.dp_rank, groups.tp_rank), "groups": groups.ranks,
            "deepspeed data group": dist.get_process_group_ranks(mpu.get_data_parallel_group()),

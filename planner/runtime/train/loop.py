@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from planner.runtime.train import checkpoints
-from planner.runtime.train.build import build_engine, check_topology, loader, rank_coords, set_poison
+from planner.runtime.train.build import build_engine, check_topology, loader, set_poison
 from planner.runtime.train.checkpoints import latest_tag
 from planner.data.batching import Layout, Rows
 from planner.runtime.train.evaluate import evaluate
@@ -91,7 +91,7 @@ def train(args, run_dir: Path, rank: int, status) -> None:
         build_kw["init_weights"] = _init_from_hf(Path(args.init_hf), spec, plan)
     engine, groups = build_engine(plan, spec, cfg, attention=trainspec.attention, seed=args.seed, **build_kw)
     check_topology(engine, groups, plan, rank)
-    pp_i, dp_i, tp_i = rank_coords(rank, plan)
+    pp_i, dp_i, _, tp_i = plan.coords(rank)
     if args.dump_grads:
         dump_first_grads(engine, Path(args.dump_grads), rank, (pp_i, dp_i, tp_i))
     slow_save = slow_saves(engine, args.save_sleep) if args.save_sleep else {}
