@@ -141,7 +141,7 @@ def test_two_workers_one_killed_mid_trial(postgres: str, tmp_path: Path) -> None
     kill -9-ed while its first trial runs. Its trial fails on the survivor's next look and is
     retried there: every plan completes exactly once, nothing waits or runs. A single worker
     on a fresh study, started on the killed worker's core as soon as it is free, runs the same
-    plans (and finds the same best plan: see the end)."""
+    plans (whether it finds the same best plan is printed, not asserted: see the end)."""
     import optuna
 
     from planner.tune.shared import retried_trial
@@ -201,3 +201,6 @@ def test_two_workers_one_killed_mid_trial(postgres: str, tmp_path: Path) -> None
     speed = lambda ts: {t.params["plan"]: round(t.value) for t in ts}    # noqa: E731
     print(f"\nTUNING | two workers (core {cores[1]}): {speed(done)} | one worker (core {cores[0]}): {speed(alone)}"
           " tokens/s by plan")
+    # The two studies' best plans are not compared: the top two plans here are the same ZeRO-3 DP 2
+    # plan with and without 200M-element buckets (predicted equal), and which measures faster
+    # follows the order they ran in; four runs agreed once (docs/distributed-tuning.md, Tests).

@@ -1,5 +1,5 @@
 """Node groups reached over ssh and groups pinned to cores, without a second host: a stand-in
-`ssh` on PATH plays the remote host (the real one: tests/integration/test_remote_group.py)."""
+`ssh` on PATH plays the remote host (the real ones: tests/integration/test_remote_group.py)."""
 from __future__ import annotations
 
 import json
