@@ -328,13 +328,9 @@ def check_run(run_dir: str | Path, *, ignore_host: bool = False) -> None:
 
 # --- 4. the trainer's inputs (issue 10) ----------------------------------------------------------
 
-def check_trainer(run_dir: str | Path, plan: Plan, model: ModelSpec, train: TrainSpec, *, data: str = "",
-                  tokenizer: str = "", seed: int = 1234, batching: str = "dynamic", eval_every: int = 0,
-                  eval_batches: int = 2, checkpoint_every: int = 0, lr: float | None = None,
-                  lr_warmup_steps: int = 0, lr_schedule: str | None = None, metrics_port: int = 0,
-                  metrics_host: str = "127.0.0.1", init_hf: str = "", save_hf: str = "",
-                  data_workers: int | None = None) -> None:
-    """The flags of `planner run` that the ranks would otherwise trip over after start-up: the
+def check_trainer(run_dir: str | Path, plan: Plan, model: ModelSpec, train: TrainSpec, opts: Any) -> None:
+    """The trainer's options (planner.runtime.train.options.TrainerOptions, `planner run`'s flags)
+    that the ranks would otherwise trip over after start-up: the
     schedule's numbers, the corpus and tokenizer (planner.data.batching.check_data: corpus at
     least one global batch, tokenizer present and its vocabulary within the model's), the
     metrics port (a bind test on the address rank 0 will serve), and the Hugging Face
@@ -342,6 +338,10 @@ def check_trainer(run_dir: str | Path, plan: Plan, model: ModelSpec, train: Trai
     import math
 
     from planner.dsconfig import LR_SCHEDULES
+    data, tokenizer, lr, lr_schedule = opts.data, opts.tokenizer, opts.lr, opts.lr_schedule
+    init_hf, save_hf, metrics_port, data_workers = opts.init_hf, opts.save_hf, opts.metrics_port, opts.data_workers
+    eval_every, eval_batches, checkpoint_every = opts.eval_every, opts.eval_batches, opts.checkpoint_every
+    lr_warmup_steps = opts.lr_warmup_steps
     for name, value, low in (("--eval-every", eval_every, 0), ("--eval-batches", eval_batches, 1),
                              ("--checkpoint-every", checkpoint_every, 0), ("--lr-warmup-steps", lr_warmup_steps, 0),
                              ("--metrics-port", metrics_port, 0),
@@ -355,7 +355,7 @@ def check_trainer(run_dir: str | Path, plan: Plan, model: ModelSpec, train: Trai
     if tokenizer and not data:
         raise SpecError("--tokenizer", "given without --data", "add --data CORPUS (a .txt or .jsonl of text)")
     if data:
-        _check_data(data, tokenizer, seed, model, train, plan, batching)
+        _check_data(data, tokenizer, opts.seed, model, train, plan)
     if init_hf:
         p = Path(init_hf)
         if not p.is_dir():
@@ -376,14 +376,13 @@ def check_trainer(run_dir: str | Path, plan: Plan, model: ModelSpec, train: Trai
             raise SpecError("--save-hf", f"cannot write under {parent}", "give a writable directory")
     if metrics_port:
         from planner.runtime.observe.prom import port_problem
-        problem = port_problem(metrics_port, metrics_host)
+        problem = port_problem(metrics_port, opts.metrics_host)
         if problem:
             raise ExecutionError("--metrics-port", problem, "pick a free port (e.g. --metrics-port 9400) or stop "
                                  "what listens there")
 
 
-def _check_data(data: str, tokenizer: str, seed: int, model: ModelSpec, train: TrainSpec, plan: Plan,
-                batching: str) -> None:
+def _check_data(data: str, tokenizer: str, seed: int, model: ModelSpec, train: TrainSpec, plan: Plan) -> None:
     """The corpus as the ranks will read it (data.check_data)."""
     from planner.data import batching as datamod
     from planner.data.corpus import data_spec
