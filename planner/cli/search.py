@@ -22,6 +22,7 @@ from planner.search.bill import OBJECTIVES, estimate_bill, search_bill
 from planner.cost.bill import tokens_text
 from planner.cli.common import (bill_options, common_inputs, comparison_table, load_bill, load_inputs,
                                  variant_option)
+from planner.cli.plan_options import build_plan, plan_fields, plan_options
 from planner.cli.tuning import prepare as prepare_tuning
 from planner.cli.tuning import refine_step, tuning_options
 from planner.errors import SpecError
@@ -32,12 +33,11 @@ from planner.search.claim import claim
 from planner.search.outputs import (MEASUREMENTS, SEARCH_FILES, set_aside, set_aside_line, write_estimate,
                                     write_outputs)
 from planner.specs.estimate import GB, Estimate
-from planner.specs.plan import CP_KINDS, OFFLOAD, RECOMPUTE, Plan
+from planner.specs.plan import Plan
 from planner.specs.validate import plan_problems, runtime_problems
 from planner.specs.compare import comparison_doc, training_comparison
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$")
-_PLAN_DEFAULTS = Plan()
 
 
 def _console(err: bool = False) -> Console:
@@ -388,79 +388,11 @@ def _write_report(run_dir: Path, err: Console) -> str | None:
 
 
 # Plan fields `planner estimate` sets from a flag: a rule the Plan enforces names the flag
-_PLAN_FLAGS = {"tp": "--tp", "pp": "--pp", "zero": "--zero", "micro_batch": "--micro-batch",
-               "recompute": "--recompute", "recompute_layers": "--recompute-layers",
-               "stage_layers": "--stage-layers", "sequence_parallel": "--sequence-parallel",
-               "interleave": "--interleave", "schedule": "--interleave",
-               "offload_optimizer": "--offload-optimizer", "offload_params": "--offload-params", "hpz": "--hpz",
-               "quantized_weights": "--qwz", "quantized_gradients": "--qgz", "mics_shard": "--mics-shard",
-               "bucket_elements": "--bucket-elements", "prefetch_elements": "--prefetch-elements",
-               "live_elements": "--live-elements", "persistence_elements": "--persistence-elements",
-               "ep": "--ep", "cp": "--cp", "cp_kind": "--cp-kind"}
-
-
-def _build_plan(**fields: Any) -> Plan:
-    """Plan(**fields); a rule it breaks is reported under the flag that set the field."""
-    try:
-        return Plan(**fields)
-    except SpecError as exc:
-        name = exc.field.removeprefix("plan.")
-        flag = _PLAN_FLAGS.get(name)
-        if flag is None:
-            raise
-        fix = exc.fix.replace("zero=3", "--zero 3").replace("zero >= 1", "--zero 1, 2 or 3")
-        raise SpecError(flag, exc.problem, fix) from None
-
-
-def _int_list(text: str | None, flag: str) -> tuple[int, ...]:
-    if not text:
-        return ()
-    try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise SpecError(flag, f"cannot read {text!r}", "give comma-separated integers, e.g. 9,9,9,8") from None
-
-
 @click.command()
 @common_inputs
 @variant_option
 @bill_options
-@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree.")
-@click.option("--pp", type=int, default=1, show_default=True, help="Pipeline-parallel degree.")
-@click.option("--zero", type=int, default=0, show_default=True, help="ZeRO stage 0-3 (0-1 with --pp > 1).")
-@click.option("--micro-batch", type=int, default=1, show_default=True, help="Sequences per micro-batch.")
-@click.option("--recompute", type=click.Choice(list(RECOMPUTE)), default="none", show_default=True)
-@click.option("--recompute-layers", default=None, metavar="K0,K1,...",
-              help="With --recompute full: checkpointed blocks per stage (default: all).")
-@click.option("--stage-layers", default=None, metavar="N0,N1,...", help="Blocks per stage (default: even split).")
-@click.option("--sequence-parallel", is_flag=True, help="Megatron sequence parallelism (needs --tp > 1).")
-@click.option("--ep", type=int, default=1, show_default=True,
-              help="Expert-parallel size (MoE models; divides the experts and the data-parallel degree).")
-@click.option("--cp", type=int, default=1, show_default=True,
-              help="Context-parallel degree: ranks splitting each sequence (docs/long-context.md).")
-@click.option("--cp-kind", type=click.Choice(list(CP_KINDS)), default="ulysses", show_default=True,
-              help="ulysses (DeepSpeed-Ulysses all-to-all) or ring (Megatron-Core context parallelism).")
-@click.option("--interleave", type=int, default=1, show_default=True,
-              help="Virtual chunks per stage (> 1: interleaved 1F1B).")
-@click.option("--offload-optimizer", type=click.Choice(list(OFFLOAD)), default="none", show_default=True,
-              help="ZeRO-Offload / ZeRO-Infinity: fp32 master weights, Adam moments and gradients on the host "
-                   "(cpu, ZeRO 1-3) or NVMe (nvme, ZeRO-3); Adam runs on the CPU.")
-@click.option("--offload-params", type=click.Choice(list(OFFLOAD)), default="none", show_default=True,
-              help="ZeRO-Infinity (ZeRO-3): the 16-bit weight partition on the host (cpu) or NVMe (nvme).")
-@click.option("--hpz", type=int, default=1, show_default=True, metavar="N",
-              help="ZeRO++ hpZ (ZeRO-3): secondary weight partition over N ranks inside a node; 1 = off.")
-@click.option("--qwz", is_flag=True, help="ZeRO++ qwZ (ZeRO-3): gather weights in int8.")
-@click.option("--qgz", is_flag=True, help="ZeRO++ qgZ (ZeRO-3): reduce gradients hierarchically in int4.")
-@click.option("--mics-shard", type=int, default=0, show_default=True, metavar="N",
-              help="MiCS (ZeRO-3): shard model states over groups of N ranks, replicated across groups; 0 = off.")
-@click.option("--bucket-elements", type=int, default=_PLAN_DEFAULTS.bucket_elements, show_default=True,
-              help="reduce/allgather bucket size in elements (ZeRO-3: also sub_group_size).")
-@click.option("--prefetch-elements", type=int, default=0, show_default=True,
-              help="ZeRO-3 stage3_prefetch_bucket_size in elements; 0 = --bucket-elements.")
-@click.option("--live-elements", type=int, default=0, show_default=True,
-              help="ZeRO-3 stage3_max_live_parameters (and max_reuse_distance) in elements; 0 = --bucket-elements.")
-@click.option("--persistence-elements", type=int, default=0, show_default=True,
-              help="ZeRO-3 stage3_param_persistence_threshold in elements; 0 = 10 x hidden.")
+@plan_options
 @click.option("--runtime", default="deepspeed", show_default=True, metavar="NAME",
               help="deepspeed, megatron-core or fsdp (docs/runtimes.md); only deepspeed plans can be --write'n "
                    "and run here.")
@@ -491,18 +423,10 @@ def estimate(ctx: click.Context, **kw: Any) -> None:
         raise SpecError("--tp/--pp/--cp", f"tp {tp} x pp {pp} x cp {cp} = {tp * pp * cp} does not divide the "
                         f"{world} devices", f"choose degrees whose product divides {world}")
     dp = world // (tp * pp * cp)
-    plan = _build_plan(dp=dp, tp=tp, pp=pp, zero=kw["zero"], micro_batch=mb,
-                       grad_accum=max(1, train.global_batch // (mb * dp)), recompute=kw["recompute"],
-                       sequence_parallel=kw["sequence_parallel"], ep=kw["ep"], cp=cp, cp_kind=kw["cp_kind"],
-                       schedule="interleaved" if kw["interleave"] > 1 else "1f1b",
-                       interleave=kw["interleave"], precision=train.precision,
-                       stage_layers=_int_list(kw["stage_layers"], "--stage-layers"),
-                       recompute_layers=_int_list(kw["recompute_layers"], "--recompute-layers"),
-                       offload_optimizer=kw["offload_optimizer"], offload_params=kw["offload_params"],
-                       hpz=kw["hpz"], quantized_weights=kw["qwz"], quantized_gradients=kw["qgz"],
-                       mics_shard=kw["mics_shard"], bucket_elements=kw["bucket_elements"],
-                       prefetch_elements=kw["prefetch_elements"], live_elements=kw["live_elements"],
-                       persistence_elements=kw["persistence_elements"], runtime=_runtimes(kw["runtime"], False)[0])
+    fields = plan_fields(kw)
+    plan = build_plan(**{**fields, "dp": dp, "grad_accum": max(1, train.global_batch // (mb * dp)),
+                         "schedule": "interleaved" if kw["interleave"] > 1 else "1f1b", "precision": train.precision,
+                         "runtime": _runtimes(kw["runtime"], False)[0]})
     _fp8_offered(train, [plan.runtime])
     from planner.cost import runtime as runtimes
     lacking = runtimes.problems(runtimes.get_runtime(plan.runtime), plan)
