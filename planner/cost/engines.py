@@ -33,6 +33,7 @@ model"): every "always" and "grads" buffer below appears with the predicted size
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -50,11 +51,25 @@ BASES = ("psi", "small", "reduce_bucket", "fallback_bucket", "live_params", "sub
 LOCATIONS = ("device", "host", "nvme")
 
 
+class Kind(enum.Enum):
+    """What a buffer is, for the rules that move buffers (offload, ZeRO variants): they select by
+    kind, never by the display name."""
+    OTHER = "other"
+    MASTER_PARTITION = "fp32 master partition"
+    ADAM_MOMENTS = "Adam moments"
+    FP32_GRAD_PARTITION = "fp32 gradient partition"
+    OWNED_GRAD_PARTITION = "owned gradient partition"
+    GRAD_PARTITION = "gradient partition"
+    WEIGHT_PARTITION = "weight partition"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Buffer:
     """One kind of tensor an engine holds on each device."""
 
     name: str
+    """Display label (the report, metrics.json's buffer names)."""
+    kind: Kind = Kind.OTHER
     role: str
     """Memory breakdown field: params, grads, optimizer or buckets."""
     bytes: float
@@ -199,7 +214,7 @@ def _torch_adam(e: float) -> Engine:
                 source="p.grad; engine.py _take_model_step -> zero_grad frees them",
             ),
             Buffer(
-                name="Adam moments",
+                name="Adam moments", kind=Kind.ADAM_MOMENTS,
                 role="optimizer", bytes=8,
                 source="torch.optim.AdamW state exp_avg, exp_avg_sq",
             ),
@@ -241,7 +256,7 @@ def _fp16_optimizer(e: float) -> Engine:
                 source="fused_optimizer.py __init__: fp32_groups_flat; unfused_optimizer.py: fp32_groups",
             ),
             Buffer(
-                name="Adam moments",
+                name="Adam moments", kind=Kind.ADAM_MOMENTS,
                 role="optimizer", bytes=8,
                 source="exp_avg, exp_avg_sq of the fp32 copy",
             ),
@@ -287,17 +302,17 @@ def _bf16_optimizer(e: float) -> Engine:
                     "bf16 here), whole, never freed",
             ),
             Buffer(
-                name="fp32 master partition",
+                name="fp32 master partition", kind=Kind.MASTER_PARTITION,
                 role="optimizer", bytes=4, sharded=True,
                 source="bf16_optimizer.py: fp32_groups_flat_partition (1/dp of the flat weights)",
             ),
             Buffer(
-                name="Adam moments",
+                name="Adam moments", kind=Kind.ADAM_MOMENTS,
                 role="optimizer", bytes=8, sharded=True,
                 source="the basic optimizer steps the fp32 partition only",
             ),
             Buffer(
-                name="fp32 gradient partition",
+                name="fp32 gradient partition", kind=Kind.FP32_GRAD_PARTITION,
                 role="grads", bytes=4, sharded=True, phase="step",
                 source="bf16_optimizer.py step: grad_partition.to(fp32) when grad_acc_dtype is bf16",
             ),
@@ -336,7 +351,7 @@ def _zero12(stage: int, e: float, overlap: bool, pipeline: bool = False) -> Engi
                 source=s + " __init__: bit16_groups_flat (the module's weights are views)",
             ),
             Buffer(
-                name="owned gradient partition",
+                name="owned gradient partition", kind=Kind.OWNED_GRAD_PARTITION,
                 role="grads", bytes=e, sharded=stage == 2, phase="grads", basis="owned" if stage == 1 else "psi",
                 source=s +
                     ": stage 1: averaged_gradients = views of the whole p.grad of every parameter overlapping the "
@@ -344,17 +359,17 @@ def _zero12(stage: int, e: float, overlap: bool, pipeline: bool = False) -> Engi
                     "freed after the step",
             ),
             Buffer(
-                name="fp32 master partition",
+                name="fp32 master partition", kind=Kind.MASTER_PARTITION,
                 role="optimizer", bytes=4, sharded=True,
                 source=s + " __init__: single_partition_of_fp32_groups (a copy even in fp32)",
             ),
             Buffer(
-                name="Adam moments",
+                name="Adam moments", kind=Kind.ADAM_MOMENTS,
                 role="optimizer", bytes=8, sharded=True,
                 source="state of the fp32 partition",
             ),
             Buffer(
-                name="fp32 gradient partition",
+                name="fp32 gradient partition", kind=Kind.FP32_GRAD_PARTITION,
                 role="grads", bytes=4, sharded=True, phase="step",
                 source=s + " step: single_partition_of_fp32_groups.grad (flattened, cast to fp32)",
             ),
@@ -389,7 +404,7 @@ def _zero3(e: float) -> Engine:
         source=ENGINE_SRC + f": ZeRO-3 -> {s}",
         buffers=(
             Buffer(
-                name="weight partition",
+                name="weight partition", kind=Kind.WEIGHT_PARTITION,
                 role="params", bytes=e, sharded=True, held_by="module",
                 source="partition_parameters.py: ds_tensor",
             ),
@@ -410,22 +425,22 @@ def _zero3(e: float) -> Engine:
                 source="partitioned_param_coordinator.py: at most stage3_max_live_parameters gathered",
             ),
             Buffer(
-                name="gradient partition",
+                name="gradient partition", kind=Kind.GRAD_PARTITION,
                 role="grads", bytes=e, sharded=True,
                 source=s + " __init__: grad_partitions_flat_buffer",
             ),
             Buffer(
-                name="fp32 master partition",
+                name="fp32 master partition", kind=Kind.MASTER_PARTITION,
                 role="optimizer", bytes=4, sharded=True,
                 source=s + " _create_fp32_partitions: fp32_partitioned_groups_flat",
             ),
             Buffer(
-                name="Adam moments",
+                name="Adam moments", kind=Kind.ADAM_MOMENTS,
                 role="optimizer", bytes=8, sharded=True,
                 source="state of the fp32 partition",
             ),
             Buffer(
-                name="fp32 gradient sub-group",
+                name="fp32 gradient sub-group", kind=Kind.FP32_GRAD_PARTITION,
                 role="grads", bytes=4, basis="sub_group", phase="step",
                 source=s + " step: _prepare_fp32_grad_for_sub_group (one sub_group_size sub-group at a time)",
             ),
@@ -452,31 +467,48 @@ def _with_variants(engine: Engine, zero: int, e: float, offload_optimizer: str, 
     device. hpZ (ZeRO++, Wang et al. 2023): a secondary copy of the weights partitioned over
     the hpZ group only (ds_secondary_tensor). qwZ: the int8 gathered weights before
     dequantisation, up to the live parameters."""
-    out = []
     opt = {"cpu": "host", "nvme": "nvme"}.get(offload_optimizer)
-    for b in engine.buffers:
-        if opt and b.name in ("fp32 master partition", "Adam moments"):
-            b = dataclasses.replace(
-                b, location=opt,
-                source=b.source + f"; offload_optimizer {offload_optimizer}")
-        elif opt and b.name in ("fp32 gradient partition", "fp32 gradient sub-group"):
-            b = dataclasses.replace(b, location=opt, phase="always", basis="psi", sharded=True,
-                                    source=SRC_OFFLOAD + ": the host fp32 partition's .grad, accumulated from the "
-                                                         "reduce buckets every micro-batch (nvme: swapped out with "
-                                                         "the optimizer states, partitioned_optimizer_swapper.py)")
-        elif opt and b.name == "owned gradient partition":
-            continue  # ZeRO-1/2: the reduced gradients go straight to the host fp32 gradient
-        elif opt and b.name == "gradient partition":
-            b = dataclasses.replace(b, location="host" if opt == "host" else "nvme",
-                                    source=SRC_ZERO3 + " with offload_optimizer: grad_partitions_flat_buffer in host "
-                                                       "memory (measured: planner/runtime/observe/measure.py); with NVMe "
-                                                       "swapped like the rest (ZeRO-Infinity, Rajbhandari et al. "
-                                                       "2021, sec. 5: gradients offloaded to NVMe)")
-        elif offload_params != "none" and b.name == "weight partition":
-            b = dataclasses.replace(
-                b, location="host" if offload_params == "cpu" else "nvme",
-                source=b.source + f"; offload_param {offload_params}")
-        out.append(b)
+    out = [m for m in (_moved(b, opt, offload_optimizer, offload_params) for b in engine.buffers) if m is not None]
+    out += _variant_buffers(zero, e, opt, offload_optimizer, offload_params, hpz, qwz, accumulates)
+    if not (opt or offload_params != "none" or hpz or qwz):
+        return engine
+    names = [v for v, on in ((f"optimizer offload to {offload_optimizer}", opt),
+                             (f"parameter offload to {offload_params}", offload_params != "none"),
+                             ("hpZ", hpz), ("qwZ", qwz)) if on]
+    return dataclasses.replace(engine, name=f"{engine.name} + {', '.join(names)}", buffers=tuple(out))
+
+
+def _moved(b: Buffer, opt: str | None, offload_optimizer: str, offload_params: str) -> Buffer | None:
+    """Where optimizer / parameter offload puts one buffer (None: offload drops it)."""
+    if opt and b.kind in (Kind.MASTER_PARTITION, Kind.ADAM_MOMENTS):
+        b = dataclasses.replace(
+            b, location=opt,
+            source=b.source + f"; offload_optimizer {offload_optimizer}")
+    elif opt and b.kind is Kind.FP32_GRAD_PARTITION:
+        b = dataclasses.replace(b, location=opt, phase="always", basis="psi", sharded=True,
+                                source=SRC_OFFLOAD + ": the host fp32 partition's .grad, accumulated from the "
+                                                     "reduce buckets every micro-batch (nvme: swapped out with "
+                                                     "the optimizer states, partitioned_optimizer_swapper.py)")
+    elif opt and b.kind is Kind.OWNED_GRAD_PARTITION:
+        return None  # ZeRO-1/2: the reduced gradients go straight to the host fp32 gradient
+    elif opt and b.kind is Kind.GRAD_PARTITION:
+        b = dataclasses.replace(b, location="host" if opt == "host" else "nvme",
+                                source=SRC_ZERO3 + " with offload_optimizer: grad_partitions_flat_buffer in host "
+                                                   "memory (measured: planner/runtime/observe/measure.py); with NVMe "
+                                                   "swapped like the rest (ZeRO-Infinity, Rajbhandari et al. "
+                                                   "2021, sec. 5: gradients offloaded to NVMe)")
+    elif offload_params != "none" and b.kind is Kind.WEIGHT_PARTITION:
+        b = dataclasses.replace(
+            b, location="host" if offload_params == "cpu" else "nvme",
+            source=b.source + f"; offload_param {offload_params}")
+    return b
+
+
+def _variant_buffers(zero: int, e: float, opt: str | None, offload_optimizer: str, offload_params: str, hpz: bool,
+                     qwz: bool, accumulates: bool) -> list[Buffer]:
+    """The buffers the ZeRO variants add: offload's staging and swap buffers, hpZ's secondary
+    partition, qwZ's int8 gathers."""
+    out: list[Buffer] = []
     if opt and zero in (1, 2):
         out += [
             Buffer(
@@ -530,12 +562,7 @@ def _with_variants(engine: Engine, zero: int, e: float, offload_optimizer: str, 
             source="runtime/zero/partition_parameters.py all_gather_coalesced (quantize): int8 buffers before "
                    "dequantisation",
         ))
-    if not (opt or offload_params != "none" or hpz or qwz):
-        return engine
-    names = [v for v, on in ((f"optimizer offload to {offload_optimizer}", opt),
-                             (f"parameter offload to {offload_params}", offload_params != "none"),
-                             ("hpZ", hpz), ("qwZ", qwz)) if on]
-    return dataclasses.replace(engine, name=f"{engine.name} + {', '.join(names)}", buffers=tuple(out))
+    return out
 
 
 @lru_cache(maxsize=256)
