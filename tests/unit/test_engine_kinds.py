@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from planner.cost import engines
+from planner.cost import deepspeed_buffers, engines
 from planner.cost.engines import Kind
 
 
@@ -21,8 +21,8 @@ def _relabelled(engine: engines.Engine) -> engines.Engine:
 def test_offload_moves_buffers_by_kind(zero, offload_optimizer, offload_params) -> None:
     base = engines._base_engine(zero, "bf16", False, True)
     args = (zero, 2.0, offload_optimizer, offload_params, False, False, False)
-    moved = engines._with_variants(base, *args)
-    again = engines._with_variants(_relabelled(base), *args)
+    moved = deepspeed_buffers._with_variants(base, *args)
+    again = deepspeed_buffers._with_variants(_relabelled(base), *args)
     assert [(b.kind, b.location, b.phase) for b in moved.buffers] == [(b.kind, b.location, b.phase)
                                                                        for b in again.buffers]
     off = {b.kind for b in moved.buffers if b.location != "device"}
