@@ -10,9 +10,8 @@ from typing import Any
 import click
 from rich.table import Table
 
-from planner.cli.common import (apply_variants, comparison_table, load_cluster, load_model, model_options,
-                                 serving_comparison, variant_option)
-from planner.cli.search import _command_line, _console
+from planner.cli.common import (apply_variants, command_line, console, comparison_table, load_cluster, load_model,
+                                model_options, serving_comparison, variant_option)
 from planner.errors import SpecError
 from planner.rundir import check_writable
 from planner.serve.cost import engine_budget
@@ -106,7 +105,7 @@ def _table(ranked: list[ServeEstimate], top: int) -> Table:
 def serve(ctx: click.Context, **kw: Any) -> None:
     """Find how to serve a model on the GPUs (TP x replicas, batch, precisions, prefill chunk) and
     write serve_plan.json, serve_top.json, vllm_serve.sh and serve_report.html."""
-    command = _command_line(ctx)
+    command = command_line(ctx)
     model = apply_variants(load_model(kw["model_arg"], kw["scale"]), kw["variants"])
     cluster = load_cluster(kw["gpus"], kw["profile_path"], None, None, None)
     trace = ()
@@ -198,23 +197,23 @@ def serve(ctx: click.Context, **kw: Any) -> None:
     }
     run_dir = out_dir / name
     written = write_serve_run(run_dir, files)
-    console = _console()
-    console.print(f"{model.name} on {cluster.spec}: prompt {workload.prompt_len}, output {workload.output_len}; "
+    out = console()
+    out.print(f"{model.name} on {cluster.spec}: prompt {workload.prompt_len}, output {workload.output_len}; "
                   f"target {target.describe() if target else 'none (ranked by max QPS at 80% load)'}; "
                   f"{result.evaluated} deployments, {result.infeasible} infeasible")
-    console.print(_table(ranked, kw["top"]))
-    console.print(f"best: {best.deployment.describe()} ({calibration_badge(cluster)})")
+    out.print(_table(ranked, kw["top"]))
+    out.print(f"best: {best.deployment.describe()} ({calibration_badge(cluster)})")
     if workload.concurrency:
-        console.print(f"closed loop, {workload.concurrency} users: {best.rate_qps:.2f} requests/s, TTFT p99 "
+        out.print(f"closed loop, {workload.concurrency} users: {best.rate_qps:.2f} requests/s, TTFT p99 "
                       f"{_ms(best.ttft_p99_s)} ms, e2e p99 {_ms(best.e2e_p99_s)} ms")
     if best.overloaded:
-        console.print(f"overloaded: {best.rate_qps:g} requests/s offered, {best.max_qps:.2f} served at most; the queue "
+        out.print(f"overloaded: {best.rate_qps:g} requests/s offered, {best.max_qps:.2f} served at most; the queue "
                       f"grows by {best.backlog_growth_qps:.2f} requests/s (over {kw['requests']} requests the wait "
                       f"reaches p99 {_ms(best.queue_p99_s)} ms, e2e p99 {_ms(best.e2e_p99_s)} ms, and keeps growing)")
     if best.preemptions:
-        console.print(f"KV cache full at this load: {best.preemptions} preemptions (recomputed) in "
+        out.print(f"KV cache full at this load: {best.preemptions} preemptions (recomputed) in "
                       f"{kw['requests']} requests")
     if compare:
-        console.print(comparison_table(f"--variant on {best.deployment.describe()}: {model.describe()}",
+        out.print(comparison_table(f"--variant on {best.deployment.describe()}: {model.describe()}",
                                        compare, model.base().name, model.name))
-    console.print(f"wrote {run_dir}/: {', '.join(written)}")
+    out.print(f"wrote {run_dir}/: {', '.join(written)}")

@@ -9,7 +9,7 @@ import click
 
 from planner import dsconfig
 from planner.cli.plan_options import FLAGS
-from planner.cli.search import estimate
+from planner.cli.estimate import estimate
 from planner.ladder.techniques import DERIVED, FIELDS
 from planner.search.trials import plan_cells, plan_from_row
 from planner.specs import Plan, TrainSpec, parse_cluster, preset
