@@ -199,21 +199,21 @@ def serve(ctx: click.Context, **kw: Any) -> None:
     written = write_serve_run(run_dir, files)
     out = console()
     out.print(f"{model.name} on {cluster.spec}: prompt {workload.prompt_len}, output {workload.output_len}; "
-                  f"target {target.describe() if target else 'none (ranked by max QPS at 80% load)'}; "
-                  f"{result.evaluated} deployments, {result.infeasible} infeasible")
+              f"target {target.describe() if target else 'none (ranked by max QPS at 80% load)'}; "
+              f"{result.evaluated} deployments, {result.infeasible} infeasible")
     out.print(_table(ranked, kw["top"]))
     out.print(f"best: {best.deployment.describe()} ({calibration_badge(cluster)})")
     if workload.concurrency:
         out.print(f"closed loop, {workload.concurrency} users: {best.rate_qps:.2f} requests/s, TTFT p99 "
-                      f"{_ms(best.ttft_p99_s)} ms, e2e p99 {_ms(best.e2e_p99_s)} ms")
+                  f"{_ms(best.ttft_p99_s)} ms, e2e p99 {_ms(best.e2e_p99_s)} ms")
     if best.overloaded:
         out.print(f"overloaded: {best.rate_qps:g} requests/s offered, {best.max_qps:.2f} served at most; the queue "
-                      f"grows by {best.backlog_growth_qps:.2f} requests/s (over {kw['requests']} requests the wait "
-                      f"reaches p99 {_ms(best.queue_p99_s)} ms, e2e p99 {_ms(best.e2e_p99_s)} ms, and keeps growing)")
+                  f"grows by {best.backlog_growth_qps:.2f} requests/s (over {kw['requests']} requests the wait "
+                  f"reaches p99 {_ms(best.queue_p99_s)} ms, e2e p99 {_ms(best.e2e_p99_s)} ms, and keeps growing)")
     if best.preemptions:
         out.print(f"KV cache full at this load: {best.preemptions} preemptions (recomputed) in "
-                      f"{kw['requests']} requests")
+                  f"{kw['requests']} requests")
     if compare:
         out.print(comparison_table(f"--variant on {best.deployment.describe()}: {model.describe()}",
-                                       compare, model.base().name, model.name))
+                                   compare, model.base().name, model.name))
     out.print(f"wrote {run_dir}/: {', '.join(written)}")
