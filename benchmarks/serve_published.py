@@ -24,6 +24,7 @@ predicted / published - 1; MAPE per metric kind over the rows marked in_mape.
     .venv/bin/python benchmarks/serve_published.py --json    # the same as JSON on stdout
     .venv/bin/python benchmarks/serve_published.py --rows T1,N1
     .venv/bin/python benchmarks/serve_published.py --factor decode_bw_efficiency=0.7   # a what-if
+    .venv/bin/python benchmarks/serve_published.py --factor serve_request_overhead_s=0 # no HTTP overhead
 
 Nothing is fitted to these rows: they are the validation set (the rows file's calibration_rows
 is empty). Closed-loop rows (`concurrency` N) are predicted by the queueing simulation of N users.
@@ -87,6 +88,8 @@ class Row:
     concurrency: int = 0
     """Closed loop: N requests in flight (0: a static batch or batch-1 figure)."""
     requests: int = 300
+    mean_output_len: float = 0.0
+    """Requests stopping at end-of-sequence before output_len: their mean generated tokens (0: none)."""
 
 
 def _check(raw: dict[str, Any], data: dict[str, Any]) -> None:
@@ -111,6 +114,9 @@ def _check(raw: dict[str, Any], data: dict[str, Any]) -> None:
         v = raw.get(key, 1)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise SpecError(f"rows[{rid}].{key}", f"must be a positive integer, not {v!r}", "fix the row")
+    mean = raw.get("mean_output_len", 0)
+    if isinstance(mean, bool) or not isinstance(mean, (int, float)) or not 0 <= mean <= raw["output_len"]:
+        raise SpecError(f"rows[{rid}].mean_output_len", f"must lie in [0, output_len], not {mean!r}", "fix the row")
     if raw["gpus"] % raw["tp"]:
         raise SpecError(f"rows[{rid}].tp", f"{raw['tp']} does not divide {raw['gpus']} GPUs", "fix the row")
 
@@ -136,7 +142,8 @@ def load_rows(path: Path = DATA, only: Sequence[str] | None = None) -> list[Row]
             weight_precision=raw["weight_precision"], kv_precision=raw["kv_precision"],
             prompt_len=raw["prompt_len"], output_len=raw["output_len"], batch=raw["batch"], metric=raw["metric"],
             value=float(raw["value"]), in_mape=bool(raw["in_mape"]), assumptions=tuple(raw["assumptions"]),
-            concurrency=int(raw.get("concurrency", 0)), requests=int(raw.get("requests", 300))))
+            concurrency=int(raw.get("concurrency", 0)), requests=int(raw.get("requests", 300)),
+            mean_output_len=float(raw.get("mean_output_len", 0))))
     return rows
 
 
@@ -159,7 +166,8 @@ def deployment(row: Row):
 
 def workload(row: Row):
     _, spec = _serve()
-    return spec.Workload(prompt_len=row.prompt_len, output_len=row.output_len, concurrency=row.concurrency)
+    return spec.Workload(prompt_len=row.prompt_len, output_len=row.output_len, concurrency=row.concurrency,
+                         mean_output_len=row.mean_output_len)
 
 
 def static_prefill_s(row: Row) -> float:
@@ -216,7 +224,8 @@ def predict(row: Row) -> dict[str, Any]:
     est = estimate_serving(row.model, row.cluster, deployment(row), workload(row), requests=row.requests)
     value = primitive_value(row)
     if row.concurrency:  # N users: the simulation's own throughput and latencies at their load
-        value = {"req_s": est.rate_qps, "output_tok_s": est.rate_qps * row.output_len, "ttft_s": est.ttft_s,
+        value = {"req_s": est.rate_qps, "output_tok_s": est.rate_qps * workload(row).mean_lengths()[1],
+                 "ttft_s": est.ttft_s,
                  "ttft_p50_s": est.ttft_p50_s, "tpot_s": est.tpot_p50_s, "e2e_s": est.e2e_p50_s}.get(row.metric)
     elif value is None and row.metric == "e2e_s":
         value = est.e2e_p50_s
@@ -314,15 +323,15 @@ def parse_factors(items: Sequence[str]) -> dict[str, float]:
     for item in items:
         name, _, value = item.partition("=")
         name = name.strip()
-        if name not in cost.SERVE_DEFAULTS:
-            raise SpecError("--factor", f"unknown serving factor {name!r}",
-                            f"use one of {', '.join(cost.SERVE_DEFAULTS)}")
+        known = (*cost.SERVE_DEFAULTS, "serve_request_overhead_s")
+        if name not in known:
+            raise SpecError("--factor", f"unknown serving factor {name!r}", f"use one of {', '.join(known)}")
         try:
             v = float(value)
         except ValueError:
             raise SpecError("--factor", f"{item!r} has no number",
                             "write NAME=VALUE, e.g. decode_bw_efficiency=0.7") from None
-        if not v >= 0 or v != v or v == float("inf") or (v == 0 and name != "serve_step_overhead_s"):
+        if not v >= 0 or v != v or v == float("inf") or (v == 0 and not name.endswith("overhead_s")):
             raise SpecError("--factor", f"{name} must be a positive finite number, got {value!r}", "e.g. 0.7")
         out[name] = v
     return out

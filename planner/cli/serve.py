@@ -70,6 +70,9 @@ def _table(ranked: list[ServeEstimate], top: int) -> Table:
               help="Log-normal sigma of prompt lengths (0: all equal).")
 @click.option("--output-sigma", type=float, default=0.0, show_default=True,
               help="Log-normal sigma of output lengths (0: all equal).")
+@click.option("--mean-output-len", type=float, default=0.0, show_default=True,
+              help="Requests stop at end-of-sequence before --output-len (max_tokens): their mean generated tokens "
+                   "(0: every request generates --output-len).")
 @click.option("--concurrency", type=int, default=0, show_default=True,
               help="Closed loop: N users, each sending its next request when its last one finished (0: Poisson).")
 @click.option("--trace", "trace_path", default=None, metavar="FILE",
@@ -114,7 +117,7 @@ def serve(ctx: click.Context, **kw: Any) -> None:
         trace = read_trace(kw["trace_path"])
     workload = Workload(prompt_len=kw["prompt_len"], output_len=kw["output_len"], prompt_sigma=kw["prompt_sigma"],
                         output_sigma=kw["output_sigma"], seed=kw["seed"], trace=trace, concurrency=kw["concurrency"],
-                        prefix_len=kw["prefix_len"])
+                        prefix_len=kw["prefix_len"], mean_output_len=kw["mean_output_len"])
     if kw["prefix_len"] and kw["prefix_len"] >= workload.prompt_len and not trace:
         raise SpecError("--prefix-len", f"{kw['prefix_len']} is not shorter than the prompt ({workload.prompt_len})",
                         "give the shared part of the prompt, e.g. half of --prompt-len")

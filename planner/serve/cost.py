@@ -78,12 +78,29 @@ SERVE_DEFAULTS: dict[str, float] = {
 }
 
 
+GPU_STEP_OVERHEAD_S = 160e-6
+"""Seconds a GPU sits idle between two engine steps while the engine's CPU side schedules the
+next one (serve_step_overhead_s on GPUs until calibrated). vLLM's async scheduling, on by default
+since v0.14.0 (release notes: "Async scheduling is now enabled by default"; --async-scheduling,
+vLLM PR #19970), schedules step n+1 while step n runs: the gap left between two decode steps
+measured 150-170 us with CUDA graphs at batch 256 (vLLM PR #11133, the V1 async-scheduling
+prototype, against 5-6 ms for the synchronous V1 loop of the time, issue #10634, Llama-2-7B;
+4.6 ms between execute_model calls at batch 10, PR #24174). SGLang's overlap scheduler shows no
+idle gap in its Nsight profile (SGLang v0.4 blog, 2024-12-04); the vLLM figure is used for both.
+An engine run without async scheduling (vLLM < 0.14, --no-async-scheduling) pays the synchronous
+gap: set serve_step_overhead_s in the profile's factors."""
+
+
 def serve_factor(cluster: ClusterSpec, name: str) -> float:
     """The profile's fitted value of a serving factor, or its default: decode_bw_efficiency
     defaults to the share of the bandwidth measured memory-bound kernels reach on this GPU
-    (planner/serve/measured.py bandwidth_share) where it was measured, else 0.8 (assumed)."""
+    (planner/serve/measured.py bandwidth_share) where it was measured, else 0.8 (assumed);
+    serve_step_overhead_s on a GPU to GPU_STEP_OVERHEAD_S (measured), on a CPU to 0 (fitted by
+    planner calibrate)."""
     if name in cluster.device.factors:
         return float(cluster.device.factors[name])
+    if name == "serve_step_overhead_s" and cluster.device.kind != "cpu":
+        return GPU_STEP_OVERHEAD_S
     if name == "decode_bw_efficiency":
         share = measured.bandwidth_share(cluster.device)
         if share is not None:
@@ -122,15 +139,20 @@ def _gemm_s(cluster: ClusterSpec, dep: Deployment, flops: float, one_gemm: float
 
 def _tp_comm_s(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, tokens: int, sampled: int) -> float:
     """TP traffic of one forward of `tokens` tokens [P22 sec. 3.2; Megatron]: two all-reduces of
-    tokens x hidden activations per layer, and the all-gather of the vocab-parallel logits of
-    the `sampled` rows; on the intra-node link (TP stays in a node). 0 at tp 1."""
+    tokens x hidden activations per layer, at their measured time where the GPU and TP degree
+    were measured (measured.allreduce_s: vidur's NCCL timings), else at the intra-node link's
+    busbw and latency, and the all-gather of the vocab-parallel logits of the `sampled` rows on
+    the link (TP stays in a node). 0 at tp 1."""
     t = dep.tp
     if t == 1:
         return 0.0
     link = cluster.intra_node
     bw, lat = link.busbw_gbps * 1e9, link.latency_us * 1e-6
     e = activation_bytes(dep.weight_precision)
-    ar = allreduce_time(tokens * model.hidden * e, t, bw, lat, 1.0)
+    # vidur measured 2-byte (fp16) all-reduces; an fp32 deployment (the CPU lab) takes the link's model
+    ar = measured.allreduce_s(cluster.device, t, tokens * model.hidden) if e == 2.0 else None
+    if ar is None:  # no measured all-reduce on this GPU / TP degree: the link's bandwidth and latency
+        ar = allreduce_time(tokens * model.hidden * e, t, bw, lat, 1.0)
     ag = allgather_time(sampled * model.padded_vocab(t) * e, t, bw, lat, 1.0)
     return 2 * model.layers * ar + ag
 
@@ -157,6 +179,25 @@ def causal_core_flops(model: ModelSpec, tokens: int, context: int, t: int) -> fl
     "FlashAttention-2", sec. 3.1.1: causal attention at about half the FLOPs of the full
     square), so the mask halves the square's cost, not the cache's."""
     return 4.0 * (tokens * context + tokens * (tokens + 1) / 2.0) * model.q_size / t
+
+
+def _prefill_attention_s(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, tokens: int, context: int) -> float:
+    """Seconds of one layer's causal attention core for a prefill chunk on one TP rank
+    (causal_core_flops). Where the profile holds the flash kernels' measured throughput
+    (planner/specs/kernels.py, from the FlashAttention-2/-3 papers' figures: benchmarks/
+    kernel_curves.py) at the chunk's whole sequence (context + tokens), causal, forward: FA3 where
+    measured (vLLM V1's kernel on Hopper: the V1 release post, "FlashAttention 3"), else FA2 (a
+    profile with FA2's forward+backward curve only uses it for the forward: KernelCurves'
+    rule); elsewhere (and fp32, linear attention) at the GEMM efficiency of one head's
+    QK^T."""
+    flops = causal_core_flops(model, tokens, context, dep.tp)
+    curves = cluster.device.kernels
+    if dep.weight_precision != "fp32" and curves.attention:
+        kernel = "fa3" if "fa3" in curves.attention else "fa2"
+        tflops = curves.attention_tflops(kernel, "fwd", model.dim_per_head, context + tokens, True)
+        if tflops:
+            return flops / (tflops * 1e12) * _slowdown(cluster, dep)
+    return _gemm_s(cluster, dep, flops, 2.0 * tokens * (context + tokens) * model.dim_per_head)
 
 
 def step_terms(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, chunks: list[tuple[int, int]],
@@ -208,8 +249,7 @@ def step_terms(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, chunks: 
             w = min(LINEAR_CHUNK, n)
             per_layer += _gemm_s(cluster, dep, linear_core_flops(model, n, 1, t), 2.0 * w * w * model.dim_per_head)
         else:
-            per_layer += _gemm_s(cluster, dep, causal_core_flops(model, n, c, t),
-                                 2.0 * n * (c + n) * model.dim_per_head)
+            per_layer += _prefill_attention_s(model, cluster, dep, n, c)
     core = 0.0
     if batch and model.linear_attention:  # each sequence's new token against its d x d state
         core = _gemm_s(cluster, dep, linear_core_flops(model, 1, batch, t), 2.0 * model.dim_per_head ** 2)
@@ -276,6 +316,24 @@ def decode_step_time_s(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, 
                        context_tokens: int) -> float:
     """Seconds of one decode step of the running batch (one engine step, overhead included)."""
     return combine(decode_terms(model, cluster, dep, batch, context_tokens), serve_factors(cluster), decode=True)
+
+
+REQUEST_OVERHEAD_S = 0.004
+"""Seconds a request spends outside the engine's steps when it is served through the engine's
+OpenAI-compatible HTTP server: the request's HTTP handling, tokenization and hand-over to the
+engine process (ZeroMQ), and the first token's way back. Measured: vLLM's online (API server)
+TTFT was 4 ms above its offline LLM-engine TTFT, 235 vs 231 ms average, batch 32
+("HTTP server + ZMQ latency": tenstorrent/tt-inference-server issue #190, 2025-05-08).
+Assumed the same for SGLang's server."""
+
+
+def request_overhead_s(cluster: ClusterSpec, dep: Deployment) -> float:
+    """Per-request seconds outside the engine steps (REQUEST_OVERHEAD_S) for vLLM and SGLang,
+    the profile's `serve_request_overhead_s` where set; 0 for the CPU executor, whose load
+    generator hands requests to the engine in-process."""
+    if dep.engine == "executor":
+        return 0.0
+    return float(cluster.device.factors.get("serve_request_overhead_s", REQUEST_OVERHEAD_S))
 
 
 def prompt_time_s(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, prompt: int) -> float:

@@ -5,7 +5,7 @@ planner/serve/queue.py)."""
 from __future__ import annotations
 
 from planner.errors import SpecError
-from planner.serve.cost import decode_step_time_s, prompt_time_s, serve_memory
+from planner.serve.cost import decode_step_time_s, prompt_time_s, request_overhead_s, serve_memory
 from planner.serve.spec import Deployment, ServeEstimate, Target, Workload
 from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
@@ -71,7 +71,7 @@ def estimate_serving(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, wo
                 batch_limit=mem["batch_limit"])
     if reasons:
         return ServeEstimate(feasible=False, reasons=tuple(reasons), **base)
-    alone_ttft = prompt_time_s(model, cluster, dep, workload.prompt_len)
+    alone_ttft = prompt_time_s(model, cluster, dep, workload.prompt_len) + request_overhead_s(cluster, dep)
     alone_tpot = decode_step_time_s(model, cluster, dep, 1, workload.prompt_len + 1)
     run = queue.replica_runner(model, cluster, dep, workload, mem, requests=requests, seed=seed)
     max_qps = queue.saturation_qps(run)

@@ -12,7 +12,10 @@ cost model takes from it, instead of assumed fractions:
 - elementwise ops: seconds per layer at that token count, times hidden / 4096;
 - the bandwidth share a memory-bound read reaches (decode_bw_efficiency until a profile fits
   one): the median over 1-16 tokens at TP 1 of the linear weight bytes / their time /
-  hbm_bandwidth_gbps (A100-80GB 0.76, H100-SXM 0.79), used for the KV-cache read.
+  hbm_bandwidth_gbps (A100-80GB 0.76, H100-SXM 0.79), used for the KV-cache read;
+- the TP all-reduce of a step's activations (allreduce_s): vidur's NCCL timings on one DGX node
+  at TP 2, 4, 8 by element count (4096 ... 16.8M elements, log-log between them, in proportion
+  above), instead of the link's assumed bandwidth and latency.
 """
 from __future__ import annotations
 
@@ -73,3 +76,13 @@ def bandwidth_share(device: DeviceProfile) -> float | None:
     shares = [c["ref_bytes"] / (ms * 1e-3) / (device.hbm_bandwidth_gbps * 1e9)
               for n, ms in zip(c["tokens"], c["linear_ms"]) if n <= 16]
     return float(statistics.median(shares))
+
+
+def allreduce_s(device: DeviceProfile, tp: int, elements: float) -> float | None:
+    """Seconds of one all-reduce of `elements` 2-byte elements over tp GPUs of one node, measured
+    (vidur's NCCL medians), or None where not measured (this GPU or TP degree)."""
+    dev = _data()["devices"].get(device.name)
+    c = None if dev is None else dev.get("all_reduce", {}).get(str(tp))
+    if c is None or elements <= 0:
+        return None
+    return _interp(c["elements"], c["ms"], elements, True) * 1e-3

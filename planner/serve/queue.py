@@ -59,7 +59,7 @@ def simulate(prefill_fn: StepFn, decode_fn: StepFn, workload: Workload, rate_qps
              seed: int | None = None, max_batch: int = 1, kv_blocks: int | None = None, block_size: int = 16,
              prefill_chunk: int = 0, max_total: int | None = None, wake_s: float = 0.0, engine: str = "vllm",
              mixed_fn: MixedFn | None = None, concurrency: int | None = None,
-             prefix_caching: bool = False) -> dict[str, Any]:
+             prefix_caching: bool = False, request_overhead_s: float = 0.0) -> dict[str, Any]:
     """Serve `requests` requests arriving at `rate_qps` (math.inf: all at time 0) on one engine
     scheduled as `engine` (planner/serve/scheduler.py: vllm, sglang, executor) with a token
     budget of prefill_chunk per step (0: unbounded) and `kv_blocks` paged blocks (None: unbounded).
@@ -70,7 +70,11 @@ def simulate(prefill_fn: StepFn, decode_fn: StepFn, workload: Workload, rate_qps
     context_tokens) the seconds of any other step (chunks: [(tokens, context)]; default: the
     sum of the chunks' prefill_fn and the decode_fn). concurrency N: closed loop, N users each
     sending its next request when the previous one finishes (rate_qps unused). wake_s: added to
-    the first step after the engine sat idle waiting for an arrival. Returns mean/p50/p99 of
+    the first step after the engine sat idle waiting for an arrival. request_overhead_s: the
+    client's request reaching the engine and its tokens coming back (HTTP, tokenization, IPC:
+    cost.request_overhead_s), added to each client-side TTFT and end-to-end latency; in the closed
+    loop a user's next request reaches the engine that long after its last one finished, so it
+    waits for the step already under way. Returns mean/p50/p99 of
     ttft_s, tpot_s (per output token after the first), e2e_s and queue_s (arrival to first
     scheduled), the achieved throughput, the steps run, the preemptions and the most KV blocks
     held at once (peak_kv_blocks; 0 with an unbounded cache)."""
@@ -132,10 +136,10 @@ def simulate(prefill_fn: StepFn, decode_fn: StepFn, workload: Workload, rate_qps
             finish[i] = now
             finished += 1
             if closed and released < requests:  # the user sends its next request
-                arrival[released] = now
+                arrival[released] = now + request_overhead_s
                 released += 1
-    ttft = [f - a for f, a in zip(first, arrival)]
-    e2e = [f - a for f, a in zip(finish, arrival)]
+    ttft = [f - a + request_overhead_s for f, a in zip(first, arrival)]
+    e2e = [f - a + request_overhead_s for f, a in zip(finish, arrival)]
     tpot = [(e - f) / (o - 1) for e, f, o in zip(finish, first, out) if o > 1]
     span = max(finish) - min(arrival)
     return {"requests": requests, "rate_qps": rate_qps, "ttft_s": _stats(ttft), "tpot_s": _stats(tpot),
@@ -152,11 +156,12 @@ def replica_runner(model: Any, cluster: Any, dep: Any, workload: Workload, mem: 
     concurrency / replicas users each, rounded up, math.inf all requests at once), scheduled as
     dep.engine with its token budget (cost.engine_budget), with its achieved throughput scaled
     back to all replicas."""
-    from planner.serve.cost import engine_budget, mixed_fn, serve_factor, step_fns
+    from planner.serve.cost import engine_budget, mixed_fn, request_overhead_s, serve_factor, step_fns
     prefill, decode = step_fns(model, cluster, dep)
     mixed = mixed_fn(model, cluster, dep)
     wake = serve_factor(cluster, "serve_wake_s")
     budget = engine_budget(cluster, dep)
+    overhead = request_overhead_s(cluster, dep)
     users = math.ceil(workload.concurrency / dep.replicas) if workload.concurrency else None
     cache: dict[float, dict[str, Any]] = {}
 
@@ -166,7 +171,8 @@ def replica_runner(model: Any, cluster: Any, dep: Any, workload: Workload, mem: 
                          max_batch=dep.max_batch, kv_blocks=mem["kv_blocks"], block_size=dep.block_size,
                          prefill_chunk=0 if math.isinf(budget) else int(budget), max_total=workload.max_total(),
                          wake_s=wake, engine=dep.engine, mixed_fn=mixed, prefix_caching=dep.prefix_caching,
-                         concurrency=users if users and not math.isinf(rate) else None)
+                         concurrency=users if users and not math.isinf(rate) else None,
+                         request_overhead_s=overhead)
             r["rate_qps"] = rate
             r["achieved_qps"] *= dep.replicas
             r["output_tokens_per_s"] *= dep.replicas

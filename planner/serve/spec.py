@@ -58,6 +58,13 @@ class Workload:
     arrivals are a Poisson stream at the searched rate)."""
     prefix_len: int = 0
     """Prompt tokens every request shares (a system prompt), reusable with prefix caching."""
+    mean_output_len: float = 0.0
+    """Requests that stop at their end-of-sequence token before output_len (the request's
+    max_tokens): their mean generated tokens. Each generated token ends the request with one
+    probability p (stop_probability: a constant end-of-sequence hazard, the geometric
+    distribution, capped at output_len), so outputs spread and closed-loop users fall out of
+    step as they do against a real engine. 0: every request generates its drawn output length
+    (a benchmark run with --ignore-eos)."""
 
     def __post_init__(self) -> None:
         _int(self.prompt_len, "--prompt-len", 1, "give the prompt length in tokens, e.g. 512")
@@ -67,6 +74,11 @@ class Workload:
         _int(self.seed, "--seed", 0, "give a seed >= 0")
         _int(self.concurrency, "--concurrency", 0, "give the number of users, e.g. 32 (0: Poisson arrivals)")
         _int(self.prefix_len, "--prefix-len", 0, "give the shared prompt prefix in tokens, e.g. 256 (0: none)")
+        _num(self.mean_output_len, "--mean-output-len",
+             "give the mean generated tokens of requests stopping at end-of-sequence, e.g. 100 (0: none stop early)")
+        if self.mean_output_len and not 1 <= self.mean_output_len <= self.output_len:
+            raise SpecError("--mean-output-len", f"must lie in [1, --output-len {self.output_len}], got "
+                            f"{self.mean_output_len:g}", "give the mean generated tokens, at most --output-len")
         if isinstance(self.trace, list):  # from JSON (to_dict writes lists)
             object.__setattr__(self, "trace", tuple(tuple(t) if isinstance(t, list) else t for t in self.trace))
         if not isinstance(self.trace, tuple) or not all(
@@ -74,11 +86,16 @@ class Workload:
                                                            for v in t) for t in self.trace):
             raise SpecError("--trace", "must hold (prompt, output) pairs of integers >= 1",
                             "write one 'prompt_tokens,output_tokens' pair per line")
+        if self.trace and self.mean_output_len:
+            raise SpecError("--mean-output-len", "a trace already gives each request's output length",
+                            "drop --mean-output-len or --trace")
 
     def sample(self, n: int, rng: random.Random, max_total: int | None = None) -> list[tuple[int, int]]:
         """n (prompt, output) lengths: log-normal around the medians (median of exp(mu + sigma Z)
-        is exp(mu)), rounded, at least 1, and clipped so prompt + output <= max_total."""
+        is exp(mu)), rounded, at least 1, and clipped so prompt + output <= max_total; with
+        mean_output_len each output stops first at a geometric draw of stop_probability."""
         out = []
+        stop = self.stop_probability()
         for k in range(n):
             if self.trace:
                 p, o = self.trace[k % len(self.trace)]
@@ -91,11 +108,29 @@ class Workload:
                 if self.prompt_sigma > 0 else self.prompt_len
             o = max(1, round(self.output_len * math.exp(self.output_sigma * rng.gauss(0.0, 1.0)))) \
                 if self.output_sigma > 0 else self.output_len
+            if stop > 0:  # tokens until the end-of-sequence token: geometric, capped at max_tokens
+                o = min(o, max(1, math.ceil(math.log1p(-rng.random()) / math.log1p(-stop))))
             if max_total is not None and p + o > max_total:
                 p = max(1, min(p, max_total - 1))
                 o = max(1, max_total - p)
             out.append((p, o))
         return out
+
+    def stop_probability(self) -> float:
+        """Per-token end-of-sequence probability p whose geometric stop, capped at output_len,
+        has mean mean_output_len: E[min(G, L)] = (1 - (1 - p)^L) / p (bisection; 0 when no
+        request stops early)."""
+        m, cap = self.mean_output_len, self.output_len
+        if not m or m >= cap:
+            return 0.0
+        lo, hi = 0.0, 1.0
+        for _ in range(200):
+            p = 0.5 * (lo + hi)
+            if (1.0 - (1.0 - p) ** cap) / p > m:
+                lo = p
+            else:
+                hi = p
+        return 0.5 * (lo + hi)
 
     def max_prompt(self) -> int:
         """Longest prompt drawn: the median when sigma is 0, else its 99.9th percentile (z = 3.09);
@@ -120,8 +155,8 @@ class Workload:
         exp(sigma^2 / 2))."""
         if self.trace:
             return (sum(p for p, _ in self.trace) / len(self.trace), sum(o for _, o in self.trace) / len(self.trace))
-        return (self.prompt_len * math.exp(self.prompt_sigma ** 2 / 2),
-                self.output_len * math.exp(self.output_sigma ** 2 / 2))
+        out = self.mean_output_len if self.mean_output_len else self.output_len * math.exp(self.output_sigma ** 2 / 2)
+        return (self.prompt_len * math.exp(self.prompt_sigma ** 2 / 2), out)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

@@ -64,6 +64,7 @@ def test_fp8_on_hopper(capsys, tmp_path):
     (["--weight-precision", "fp8"], "FP8"),                  # A100: no FP8 tensor cores
     (["--kv-precision", "int8"], "no int8 KV cache"),        # neither engine has one
     (["--prefix-len", "600"], "--prefix-len"),
+    (["--mean-output-len", "5000"], "--mean-output-len"),    # above --output-len
 ])
 def test_bad_input_one_line(capsys, tmp_path, extra, needle):
     rc, out, err = run(capsys, *BASE, "--max-batch", "16", *extra, "--out-dir", str(tmp_path), "--name", "bad")

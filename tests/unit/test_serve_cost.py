@@ -163,7 +163,8 @@ def test_estimate_alone_latencies():
     w = Workload(prompt_len=100, output_len=50)
     est = estimate_serving(MODEL, cluster(), Deployment(max_batch=8), w, requests=40)
     assert est.feasible
-    assert est.ttft_alone_s == pytest.approx(cost.prefill_time_s(MODEL, cluster(), Deployment(), 100))
+    # the prefill step plus the request's way through the engine's HTTP server (4 ms, measured)
+    assert est.ttft_alone_s == pytest.approx(cost.prefill_time_s(MODEL, cluster(), Deployment(), 100) + 0.004)
     assert est.tpot_alone_s == pytest.approx((128_128 + 101 * 256) / 1e12)
     assert est.max_qps > 0 and math.isfinite(est.e2e_p99_s) and est.e2e_p99_s >= est.e2e_p50_s
     js = est.to_json()
@@ -248,3 +249,16 @@ def test_decode_terms_refuse_an_empty_batch_and_slow_sparse_ffn_gemms():
     t = cost.decode_terms(sp, cluster(), Deployment(), 1, 100)
     gemm = 2 * (64 * 128 + 64 * 64) + 2 * 2 * (2 * 64 * 64)
     assert t["compute_s"] == pytest.approx((2 * (gemm + 25_600) + 12_800) / 5e13)
+
+
+def test_request_and_step_overheads_by_engine_and_device():
+    from planner.specs.hardware import parse_cluster
+    a100, cpu = parse_cluster("1xA100"), parse_cluster("2xcpu")
+    # through the engine's HTTP server: 4 ms measured (tt-inference-server #190); the CPU lab's load
+    # generator hands requests over in-process
+    assert cost.request_overhead_s(a100, Deployment()) == 0.004
+    assert cost.request_overhead_s(a100, Deployment(engine="sglang")) == 0.004
+    assert cost.request_overhead_s(cpu, Deployment(engine="executor")) == 0.0
+    # the GPU gap between steps under async scheduling (160 us); a CPU's is fitted (default 0)
+    assert cost.serve_factor(a100, "serve_step_overhead_s") == cost.GPU_STEP_OVERHEAD_S == 160e-6
+    assert cost.serve_factor(cpu, "serve_step_overhead_s") == 0.0

@@ -54,7 +54,9 @@ def test_step_uses_the_measured_layers_on_a_measured_gpu():
     assert analytic["fixed_s"] == 0.0 and analytic["memory_s"] > t["memory_s"]
     step = cost.decode_step_time_s(m, A100, Deployment(), 1, 600)
     f = cost.serve_factors(A100)
-    assert step == pytest.approx(t["fixed_s"] + max(t["compute_s"], t["memory_s"] / f["decode_bw_efficiency"]))
+    # the measured layers, the roofline max, and the 160 us gap between steps (cost.GPU_STEP_OVERHEAD_S)
+    assert f["serve_step_overhead_s"] == 160e-6
+    assert step == pytest.approx(t["fixed_s"] + max(t["compute_s"], t["memory_s"] / f["decode_bw_efficiency"]) + 160e-6)
 
 
 def test_quantized_weights_scale_the_measured_time_by_their_roofline():
@@ -68,3 +70,43 @@ def test_quantized_weights_scale_the_measured_time_by_their_roofline():
     big_bf = cost.prefill_terms(m, A100, Deployment(), 4096)["fixed_s"]
     big_q = cost.prefill_terms(m, A100, Deployment(weight_precision="int4"), 4096)["fixed_s"]
     assert big_q > big_bf
+
+
+def test_tp_all_reduce_is_vidurs_measured_nccl_time():
+    c = measured._data()["devices"]["A100-80GB"]["all_reduce"]["2"]
+    assert "all_reduce.csv" in measured._data()["all_reduce_source"]
+    assert c["elements"][:3] == [4096, 8192, 16384] and all(b >= a for a, b in zip(c["ms"], c["ms"][1:]))
+    assert measured.allreduce_s(A100.device, 2, 8192) == pytest.approx(c["ms"][1] * 1e-3)
+    # log-log between two measured sizes, in proportion above the largest
+    mid = math.exp(0.5 * (math.log(c["ms"][1]) + math.log(c["ms"][2]))) * 1e-3
+    assert measured.allreduce_s(A100.device, 2, math.sqrt(8192 * 16384)) == pytest.approx(mid)
+    assert measured.allreduce_s(A100.device, 2, 2 * c["elements"][-1]) == pytest.approx(2e-3 * c["ms"][-1])
+    assert measured.allreduce_s(parse_cluster("2xL40S").device, 2, 8192) is None
+    assert measured.allreduce_s(A100.device, 3, 8192) is None
+    # a TP 2 step of 2 tokens: 2 all-reduces of 2 x 4096 elements per layer, plus the logits all-gather on the link
+    from planner.cost.comm import allgather_time
+    m, two = preset("chatglm3-6b"), parse_cluster("2xA100")
+    link = two.intra_node
+    gather = allgather_time(2 * m.padded_vocab(2) * 2.0, 2, link.busbw_gbps * 1e9, link.latency_us * 1e-6, 1.0)
+    t = cost.decode_terms(m, two, Deployment(tp=2), 2, 4)
+    assert t["comm_s"] == pytest.approx(2 * m.layers * measured.allreduce_s(two.device, 2, 2 * m.hidden) + gather)
+
+
+def test_prefill_attention_runs_at_the_flash_kernels_published_throughput():
+    m = preset("chatglm3-6b")
+    h100, a100 = parse_cluster("1xH100"), A100
+    flops = cost.causal_core_flops(m, 2048, 0, 1)
+    # H100: FlashAttention-3's forward, causal, head dim 128, at sequence 2048 (the profile's curve)
+    fa3 = h100.device.kernels.attention_tflops("fa3", "fwd", 128, 2048, True)
+    assert fa3 and cost._prefill_attention_s(m, h100, Deployment(), 2048, 0) == pytest.approx(flops / (fa3 * 1e12))
+    # a later chunk: its queries against the cached context, at the whole sequence's throughput
+    fa3_4k = h100.device.kernels.attention_tflops("fa3", "fwd", 128, 4096, True)
+    assert cost._prefill_attention_s(m, h100, Deployment(), 2048, 2048) == pytest.approx(
+        cost.causal_core_flops(m, 2048, 2048, 1) / (fa3_4k * 1e12))
+    # A100: FA2 (its forward+backward curve stands for the forward)
+    fa2 = a100.device.kernels.attention_tflops("fa2", "fwd_bwd", 128, 2048, True)
+    assert cost._prefill_attention_s(m, a100, Deployment(), 2048, 0) == pytest.approx(flops / (fa2 * 1e12))
+    # no curves (the CPU): one head's QK^T at the GEMM efficiency
+    cpu = parse_cluster("1xcpu")
+    assert cost._prefill_attention_s(m, cpu, Deployment(), 64, 0) == pytest.approx(
+        cost._gemm_s(cpu, Deployment(), cost.causal_core_flops(m, 64, 0, 1), 2.0 * 64 * 64 * 128))

@@ -79,7 +79,8 @@ def test_model_shapes_reproduce_the_published_parameter_counts():
 
 @pytest.mark.parametrize("field,value", [("metric", "qps"), ("gpu", "A200"), ("value", 0), ("batch", 0),
                                          ("source", "blog"), ("weight_precision", "fp4"),
-                                         ("concurrency", 0)])
+                                         ("concurrency", 0), ("mean_output_len", 10_000),
+                                         ("mean_output_len", "100")])
 def test_a_malformed_row_is_refused_with_a_spec_error(tmp_path, field, value):
     data = copy.deepcopy(RAW)
     data["rows"][0][field] = value
@@ -96,3 +97,11 @@ def test_mistral_shape_and_grouped_mape():
     out = sp.compare([rows["V2"], rows["M4q"]])
     assert set(out["groups"]) == {"TPOT", "throughput"}
     assert out["groups"]["TPOT"]["rows"] == 1 and out["groups"]["throughput"]["rows"] == 1
+
+
+def test_closed_loop_rows_stop_at_end_of_sequence_as_the_source_table_says():
+    rows = {r.id: r for r in sp.load_rows()}
+    # Output Tok/s / Req/s of the source's table: ~100 tokens per request, under the 128 cap
+    assert rows["M4t"].mean_output_len == 100 and rows["M4t"].output_len == 128
+    assert sp.workload(rows["M4t"]).stop_probability() > 0
+    assert rows["T1"].mean_output_len == 0 and sp.workload(rows["T1"]).stop_probability() == 0

@@ -135,3 +135,33 @@ def test_loadgen_sends_the_simulated_requests():
     reqs = make_requests(w, 3.0, 12, 9, vocab=100, max_seq=64)
     assert [(len(r.prompt), r.output_len) for r in reqs] == lens
     assert [r.arrival_s for r in reqs] == arrival
+
+
+def test_request_overhead_makes_the_next_closed_loop_request_wait_for_the_step_under_way():
+    """Two users, prefill 1 s, decode 0.5 s (a mixed step costs both). r0 (1 token) and r1 (3
+    tokens) are prefilled together (2 s); r0 is done and its user sends r2, which reaches the
+    engine 0.1 s later: the decode of r1 (2.0-2.5 s) is under way, so r2 joins the next step
+    (2.5-4.0 s). TTFT as the client sees it: r0, r1 2.0 + 0.1; r2 4.0 - 2.1 + 0.1 = 2.0. With no
+    overhead r2 joins at 2.0 (step 2.0-3.5): TTFT 1.5."""
+    pre, dec = constant(1.0, 0.5)
+    w = Workload(prompt_len=10, output_len=3, trace=((10, 1), (10, 3), (10, 1)))
+    r = queue.simulate(pre, dec, w, 1.0, requests=3, max_batch=2, concurrency=2, request_overhead_s=0.1)
+    assert r["ttft_s"]["mean"] == pytest.approx((2.1 + 2.1 + 2.0) / 3)
+    assert r["e2e_s"]["p99"] == pytest.approx(4.0 + 0.1, rel=0.01)  # r1: 0 -> 4.0, plus the overhead
+    r0 = queue.simulate(pre, dec, w, 1.0, requests=3, max_batch=2, concurrency=2)
+    assert r0["ttft_s"]["mean"] == pytest.approx((2.0 + 2.0 + 1.5) / 3)
+
+
+def test_requests_stopping_at_end_of_sequence():
+    from planner.errors import SpecError
+    import random
+    # L = 2: E[min(G, 2)] = 1 + (1 - p) = 2 - p, so a mean of 1.5 is p = 0.5
+    assert Workload(prompt_len=4, output_len=2, mean_output_len=1.5).stop_probability() == pytest.approx(0.5)
+    w = Workload(prompt_len=256, output_len=128, mean_output_len=100)
+    outs = [o for _, o in w.sample(20_000, random.Random(1))]
+    assert max(outs) == 128 and min(outs) >= 1 and sum(outs) / len(outs) == pytest.approx(100, rel=0.01)
+    assert w.mean_lengths()[1] == 100
+    assert Workload(prompt_len=256, output_len=128).stop_probability() == 0.0
+    for bad in (dict(mean_output_len=129), dict(mean_output_len=0.5), dict(mean_output_len=50, trace=((4, 4),))):
+        with pytest.raises(SpecError, match="--mean-output-len"):
+            Workload(prompt_len=256, output_len=128, **bad)
