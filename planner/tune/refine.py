@@ -21,31 +21,8 @@ from planner.calibrate.runs import MeasuredRun
 from planner.cost import estimate
 from planner.errors import PlannerError, SpecError
 from planner.rundir import atomic_write_json, load_run, plan_document
+from planner.search.trials import plan_from_row
 from planner.specs.plan import Plan
-
-_DEFAULTS = Plan()
-_INTS = tuple(f.name for f in dataclasses.fields(Plan) if type(getattr(_DEFAULTS, f.name)) is int)
-_BOOLS = tuple(f.name for f in dataclasses.fields(Plan) if type(getattr(_DEFAULTS, f.name)) is bool)
-_TUPLES = ("stage_layers", "recompute_layers")
-
-
-def plan_from_row(row: dict[str, str]) -> Plan:
-    """A trials.csv row back into a Plan (tuples are `;`-joined, booleans True/False)."""
-    kw: dict[str, Any] = {}
-    for f in dataclasses.fields(Plan):
-        v = row.get(f.name, "")
-        if v in ("", None):
-            continue
-        if f.name in _INTS:
-            kw[f.name] = int(float(v))
-        elif f.name in _BOOLS:
-            kw[f.name] = str(v).strip().lower() in ("true", "1", "yes")
-        elif f.name in _TUPLES:
-            kw[f.name] = tuple(int(x) for x in str(v).split(";") if x.strip())
-        else:
-            kw[f.name] = v
-    return Plan(**kw)
-
 
 def top_plans(trials_csv: Path, k: int) -> list[tuple[int, Plan, float]]:
     """The k fastest distinct feasible plans by predicted step time: (trial, plan, predicted s)."""
@@ -167,4 +144,4 @@ def _rerank(run: Path, model: Any, cluster: Any, train: Any, before: Any, after:
             "best_after": after_order[0] if after_order else None, "plans": len(scored)}
 
 
-__all__ = ["finish", "plan_from_row", "prepare_plan_dir", "refine", "top_plans", "with_device"]
+__all__ = ["finish", "prepare_plan_dir", "refine", "top_plans", "with_device"]
