@@ -3,7 +3,8 @@
 For GLM-130B on 32 A100s (the article: "15 days, over one million yuan", "down to 5 days"),
 a 1T-parameter model on 8 A100s and GLM-130B on 4 A6000s: the plan benchmarks/low_cost.py's
 exhaustive search picks, and the days and dollars to train 400B tokens (GLM-130B's run) on
-it, on-demand and on spot, with each price's source (profiles/prices.json). Figures are the
+it, on-demand and on spot, with each price's source (profiles/prices.json), and the yuan at the
+dated exchange rate on file there (the article counts in yuan). Figures are the
 cost model's predictions; the prices are published list prices; the preemption rate is an
 assumption (no published rate is on file): pass --preemption-rate for yours. Nothing is
 asserted.
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from low_cost import SCENARIOS, TOKENS, missing, search  # noqa: E402
 
 from planner.cost.bill import (BillSpec, bill_lines, check_rate, check_restart, duration_text,  # noqa: E402
-                               plan_bill, price_for)
+                               exchange_rate, plan_bill, price_for)
 from planner.errors import SpecError  # noqa: E402
 
 QUESTIONS = SCENARIOS[:3]
@@ -48,6 +49,12 @@ def question(title: str, model, gpus: str, batch: int, seq: int, rate: float, re
     best = ranked[0]
     b = plan_bill(spec, best.estimate, best.plan, model.params, cluster)
     out.update(plan=best.plan.describe(), tokens_per_s=best.tokens_per_s, bill=b.to_dict(), lines=bill_lines(b))
+    rate = exchange_rate("CNY")
+    if rate is not None:
+        d = b.to_dict()
+        out["cny"] = {"per_usd": rate[0], "source": rate[1],
+                      "on_demand": None if d["cost_usd"] is None else d["cost_usd"] * rate[0],
+                      "spot": None if d["spot"]["cost_usd"] is None else d["spot"]["cost_usd"] * rate[0]}
     return out
 
 
@@ -73,6 +80,9 @@ def main(argv=None) -> list[dict]:
         return rows
     print(f"spot: {rate:g} preemptions per node-hour and {restart:g} min to restart, ASSUMED (no published rate is "
           "on file; --preemption-rate, --restart-min)")
+    cny = exchange_rate("CNY")
+    if cny is not None:
+        print(f"yuan: {cny[0]:g} CNY per USD, {cny[1]}")
     for r in rows:
         print(f"\n{r['question']}  [{r.get('model', '')}, {r.get('params_b', 0):,.0f}B parameters, "
               f"{r.get('plans', 0)} plans]")
@@ -89,6 +99,10 @@ def main(argv=None) -> list[dict]:
             "no spot price on file" if s["finishes"] else "never finishes")
         print(f"  on-demand: {duration_text(b['days'] * 86400)}, {od};  spot: "
               f"{duration_text(s['days'] * 86400) if s['finishes'] else 'never'}, {sp}")
+        cny = r.get("cny")
+        if cny and cny["on_demand"] is not None:
+            sp = f", spot CNY {cny['spot']:,.0f}" if cny["spot"] is not None else ""
+            print(f"  in yuan: on-demand CNY {cny['on_demand']:,.0f}{sp} (at {cny['per_usd']:g} CNY per USD)")
         for line in r["lines"]:
             print(f"  {line}")
     return rows

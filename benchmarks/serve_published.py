@@ -48,7 +48,7 @@ from planner.rundir import atomic_write_json  # noqa: E402
 from planner.specs import ModelSpec, find_device, parse_cluster  # noqa: E402
 from planner.specs.hardware import ClusterSpec  # noqa: E402
 from planner.specs.hf import spec_from_hf  # noqa: E402
-from planner.specs.model import preset  # noqa: E402
+from planner.specs.presets import preset
 
 DATA = Path(__file__).with_name("serve_published_rows.json")
 OUT = ROOT / "reports" / "bench-serve-published" / "comparison.json"

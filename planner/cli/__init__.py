@@ -19,7 +19,7 @@ from planner.errors import PlannerError
 # command name -> "module:attribute" of a click.Command
 COMMANDS: dict[str, str] = {
     "search": "planner.cli.search:search",
-    "estimate": "planner.cli.search:estimate",
+    "estimate": "planner.cli.estimate:estimate",
     "run": "planner.cli.run:run",
     "verify": "planner.cli.run:verify",
     "ladder": "planner.cli.ladder:ladder",

@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 import dataclasses
+import shlex
 from pathlib import Path
 from typing import Any, Callable
 
 import click
+from rich.console import Console
 
 from planner.errors import SpecError
 from planner.specs.compare import comparison_rows
 from planner.specs.hardware import ClusterSpec, load_profile, parse_cluster
-from planner.specs.model import ModelSpec, preset, scale
+from planner.specs.model import ModelSpec
+from planner.specs.presets import preset, scale
 from planner.specs.train import ATTENTION, TrainSpec
 
 SCALE_CHOICES = ["full", "tiny", "small"]
@@ -283,3 +286,63 @@ def load_bill(kw: dict[str, Any], model: ModelSpec, cluster: ClusterSpec) -> Any
                 raise SpecError(flag, "applies to spot capacity only", "add --spot")
     return bill.BillSpec(tokens=tokens, tokens_note=note, price=price, spot=spot, spot_price=spot_price,
                          preemption_rate=rate or 0.0, restart_min=restart)
+
+
+# --- what search, estimate and serve share: console, the command line, runtimes -------------------
+def console(err: bool = False) -> Console:
+    console = Console(stderr=err, highlight=False, soft_wrap=False)
+    if not console.is_terminal:
+        console = Console(stderr=err, highlight=False, soft_wrap=False, width=160)
+    return console
+
+
+def command_line(ctx: click.Context) -> str:
+    """The command as a user would retype it (options given explicitly, in order)."""
+    parts = ["planner", ctx.info_name or "search"]
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if ctx.get_parameter_source(param.name) != click.core.ParameterSource.COMMANDLINE:
+            continue
+        flag = param.opts[0]
+        if isinstance(param, click.Option) and param.is_flag:
+            parts.append(flag)
+        else:
+            parts += [flag, str(value)]
+    return shlex.join(parts)
+
+
+def runtimes_for(name: str, megatron_features: bool) -> list[str]:
+    """The runtimes to search, the one whose run directory is written first; one line naming
+    --runtime for an unknown name (planner.cost.runtime.get_runtime)."""
+    from planner.cost.runtime import NAMES, get_runtime
+    if megatron_features:
+        if name not in ("deepspeed", "megatron-core"):
+            raise SpecError("--megatron-features", f"is --runtime megatron-core, not {name}", "give one of the two")
+        return ["megatron-core"]
+    if name == "all":
+        return list(NAMES)
+    get_runtime(name)
+    return [name]
+
+
+def fp8_offered(train, runtimes: list[str]) -> None:
+    """--precision fp8 needs a runtime with Transformer Engine: one line naming --runtime."""
+    from planner.cost.runtime import get_runtime
+    lacking = [rt for rt in runtimes if train.precision not in get_runtime(rt).precisions]
+    if lacking and len(lacking) == len(runtimes):
+        raise SpecError("--precision", f"{train.precision} is not offered on runtime {lacking[0]} (no Transformer "
+                        "Engine)", "use --runtime megatron-core or fsdp, or --precision bf16")
+
+
+def runtime_comparison(results: dict) -> list[str]:
+    """Which runtime's best plan is fastest for this job and by how much (--runtime all)."""
+    ok = {rt: r.best.estimate.tokens_per_s for rt, r in results.items() if r is not None}
+    lines = [f"runtime {rt}: " + (f"{results[rt].best.estimate.tokens_per_s:,.0f} tokens/s with "
+                                  f"{results[rt].best.plan.describe()}" if rt in ok else "no plan fits")
+             for rt in results]
+    if ok:
+        win = max(ok, key=ok.get)
+        others = ", ".join(f"{ok[win] / v:.2f}x {rt}" for rt, v in ok.items() if rt != win)
+        lines.append(f"fastest runtime: {win}" + (f" ({others} tokens/s)" if others else "")
+                     + ("" if win == "deepspeed" else "; `planner run` executes deepspeed only"))
+    return lines

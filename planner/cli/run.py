@@ -6,6 +6,8 @@ from pathlib import Path
 import click
 
 from planner.cli.common import SCALE_CHOICES
+from planner.data.batching import BATCHING
+from planner.dsconfig import LR_SCHEDULES
 
 
 def _check_scale(run_dir: str, size: str | None) -> None:
@@ -44,7 +46,7 @@ def _err(e) -> str:
 @click.option("--resume-if-present", is_flag=True,
               help="Continue from the latest checkpoint if there is one, else start at step 1 and say so.")
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds before a run counts as hung.")
-@click.option("--batching", type=click.Choice(["dynamic", "static"]), default="dynamic", show_default=True,
+@click.option("--batching", type=click.Choice(sorted(BATCHING)), default="dynamic", show_default=True,
               help="Packed token-budget batches, or one padded sequence per row.")
 @click.option("--checkpoint-every", type=int, default=0, show_default=True,
               help="Save a DeepSpeed checkpoint every K steps (0: never); needed for NaN rollback.")
@@ -61,7 +63,7 @@ def _err(e) -> str:
 @click.option("--lr", type=float, default=None, help="Peak learning rate [default: 3e-4, planner.dsconfig.OPTIMIZER].")
 @click.option("--lr-warmup-steps", type=int, default=0, show_default=True,
               help="Linear warmup steps (DeepSpeed warms up over at least 2).")
-@click.option("--lr-schedule", type=click.Choice(["cosine", "constant"]), default=None,
+@click.option("--lr-schedule", type=click.Choice(LR_SCHEDULES), default=None,
               help="Warmup then cosine decay to 10% (DeepSpeed WarmupCosineLR) or warmup then constant "
                    "(WarmupLR) over --steps [default: a scheduler block in ds_config.json, else constant].")
 @click.option("--metrics-port", type=int, default=0, show_default=True,

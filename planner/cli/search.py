@@ -1,14 +1,8 @@
-"""`planner search` and `planner estimate`.
-
-search:   parse -> load specs -> planner.search.driver.search -> write reports/<name>/
-estimate: parse -> load specs -> planner.cost.estimate for the plan the user gives -> print
-"""
+"""`planner search`: parse -> load specs -> planner.search.driver.search -> write reports/<name>/."""
 from __future__ import annotations
 
-import json
 import os
 import re
-import shlex
 import shutil
 from pathlib import Path
 from typing import Any
@@ -18,48 +12,21 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from planner.search.bill import OBJECTIVES, estimate_bill, search_bill
+from planner.search.bill import OBJECTIVES, search_bill
 from planner.cost.bill import tokens_text
-from planner.cli.common import (bill_options, common_inputs, comparison_table, load_bill, load_inputs,
-                                 variant_option)
+from planner.cli.common import bill_options, common_inputs, load_bill, load_inputs, variant_option
 from planner.cli.tuning import prepare as prepare_tuning
 from planner.cli.tuning import refine_step, tuning_options
 from planner.errors import SpecError
 from planner.rundir import check_writable
-from planner.report.plan_text import (headroom_gb, headroom_text, host_bytes_per_rank, host_memory_text,
-                                      option_labels, plan_memory_flag)
+from planner.report.plan_text import headroom_gb, headroom_text, host_memory_text, option_labels, plan_memory_flag
 from planner.search.claim import claim
-from planner.search.outputs import (MEASUREMENTS, SEARCH_FILES, set_aside, set_aside_line, write_estimate,
-                                    write_outputs)
+from planner.search.outputs import set_aside, set_aside_line, write_outputs
 from planner.specs.estimate import GB, Estimate
-from planner.specs.plan import CP_KINDS, OFFLOAD, RECOMPUTE, Plan
-from planner.specs.validate import plan_problems, runtime_problems
-from planner.specs.compare import comparison_doc, training_comparison
+from planner.specs.plan import Plan
+from planner.cli.common import command_line, console, fp8_offered, runtime_comparison, runtimes_for
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$")
-_PLAN_DEFAULTS = Plan()
-
-
-def _console(err: bool = False) -> Console:
-    console = Console(stderr=err, highlight=False, soft_wrap=False)
-    if not console.is_terminal:
-        console = Console(stderr=err, highlight=False, soft_wrap=False, width=160)
-    return console
-
-
-def _command_line(ctx: click.Context) -> str:
-    """The command as a user would retype it (options given explicitly, in order)."""
-    parts = ["planner", ctx.info_name or "search"]
-    for param in ctx.command.params:
-        value = ctx.params.get(param.name)
-        if ctx.get_parameter_source(param.name) != click.core.ParameterSource.COMMANDLINE:
-            continue
-        flag = param.opts[0]
-        if isinstance(param, click.Option) and param.is_flag:
-            parts.append(flag)
-        else:
-            parts += [flag, str(value)]
-    return shlex.join(parts)
 
 
 def _default_name(model_name: str, gpus: str) -> str:
@@ -217,11 +184,11 @@ def _print_search(console: Console, result, cluster, run_dir: Path, written: lis
 def search(ctx: click.Context, **kw: Any) -> None:
     """Find the fastest plan that fits and write reports/<name>/."""
     from planner.search.driver import search as run_search
-    command = _command_line(ctx)
+    command = command_line(ctx)
     scale, model_arg, gpus = kw["scale"], kw["model_arg"], kw["gpus"]
-    runtimes = _runtimes(kw["runtime"], kw["megatron_features"])
+    runtimes = runtimes_for(kw["runtime"], kw["megatron_features"])
     model, cluster, train = load_inputs(kw)
-    _fp8_offered(train, runtimes)
+    fp8_offered(train, runtimes)
     spec = load_bill(kw, model, cluster)
     name = kw["name"] or _default_name(model.name, gpus)
     if not _NAME_RE.match(name) or name in (".", ".."):
@@ -248,7 +215,7 @@ def search(ctx: click.Context, **kw: Any) -> None:
             shutil.copy2(run_dir / "study.db", tmp_db)
         rdb = _sqlite_storage(tmp_db)
         storage = rdb
-    err = _console(err=True)
+    err = console(err=True)
     bar, progress = _progress(err, "searching")
     try:
         if bar:
@@ -292,57 +259,19 @@ def search(ctx: click.Context, **kw: Any) -> None:
     report = _write_report(run_dir, err)
     if report:
         written.append(report)
-    _print_search(_console(), result, cluster, run_dir, written, kw["top"], train, spec.tokens)
+    _print_search(console(), result, cluster, run_dir, written, kw["top"], train, spec.tokens)
     for line in bill_text:
         click.echo(line)
     if len(runtimes) > 1:
         for line in runtime_comparison(results):
-            _console().print(line)
+            console().print(line)
     elif result.best.plan.runtime != "deepspeed":
-        _console().print(f"note: {result.best.plan.runtime} plans are estimated, not executed here: `planner run` "
+        console().print(f"note: {result.best.plan.runtime} plans are estimated, not executed here: `planner run` "
                          "runs DeepSpeed only (planner export --to megatron-lm writes Megatron-LM arguments)")
     if moved:
         click.echo(moved)
     if kw["refine_k"]:
-        refine_step(run_dir, kw, tuning, err, _console())
-
-
-def _runtimes(name: str, megatron_features: bool) -> list[str]:
-    """The runtimes to search, the one whose run directory is written first; one line naming
-    --runtime for an unknown name (planner.cost.runtime.get_runtime)."""
-    from planner.cost.runtime import NAMES, get_runtime
-    if megatron_features:
-        if name not in ("deepspeed", "megatron-core"):
-            raise SpecError("--megatron-features", f"is --runtime megatron-core, not {name}", "give one of the two")
-        return ["megatron-core"]
-    if name == "all":
-        return list(NAMES)
-    get_runtime(name)
-    return [name]
-
-
-def _fp8_offered(train, runtimes: list[str]) -> None:
-    """--precision fp8 needs a runtime with Transformer Engine: one line naming --runtime."""
-    from planner.cost.runtime import get_runtime
-    lacking = [rt for rt in runtimes if train.precision not in get_runtime(rt).precisions]
-    if lacking and len(lacking) == len(runtimes):
-        raise SpecError("--precision", f"{train.precision} is not offered on runtime {lacking[0]} (no Transformer "
-                        "Engine)", "use --runtime megatron-core or fsdp, or --precision bf16")
-
-
-def runtime_comparison(results: dict) -> list[str]:
-    """Which runtime's best plan is fastest for this job and by how much (--runtime all)."""
-    ok = {rt: r.best.estimate.tokens_per_s for rt, r in results.items() if r is not None}
-    lines = [f"runtime {rt}: " + (f"{results[rt].best.estimate.tokens_per_s:,.0f} tokens/s with "
-                                  f"{results[rt].best.plan.describe()}" if rt in ok else "no plan fits")
-             for rt in results]
-    if ok:
-        win = max(ok, key=ok.get)
-        others = ", ".join(f"{ok[win] / v:.2f}x {rt}" for rt, v in ok.items() if rt != win)
-        lines.append(f"fastest runtime: {win}" + (f" ({others} tokens/s)" if others else "")
-                     + ("" if win == "deepspeed" else "; `planner run` executes deepspeed only"))
-    return lines
-
+        refine_step(run_dir, kw, tuning, err, console())
 
 
 def _sqlite_storage(path: Path) -> Any:
@@ -385,209 +314,3 @@ def _write_report(run_dir: Path, err: Console) -> str | None:
         err.print(f"warning: report.html not written: {type(exc).__name__}: {exc} "
                   "(set PLANNER_DEBUG=1 for a traceback and report it)")
         return None
-
-
-# Plan fields `planner estimate` sets from a flag: a rule the Plan enforces names the flag
-_PLAN_FLAGS = {"tp": "--tp", "pp": "--pp", "zero": "--zero", "micro_batch": "--micro-batch",
-               "recompute": "--recompute", "recompute_layers": "--recompute-layers",
-               "stage_layers": "--stage-layers", "sequence_parallel": "--sequence-parallel",
-               "interleave": "--interleave", "schedule": "--interleave",
-               "offload_optimizer": "--offload-optimizer", "offload_params": "--offload-params", "hpz": "--hpz",
-               "quantized_weights": "--qwz", "quantized_gradients": "--qgz", "mics_shard": "--mics-shard",
-               "bucket_elements": "--bucket-elements", "prefetch_elements": "--prefetch-elements",
-               "live_elements": "--live-elements", "persistence_elements": "--persistence-elements",
-               "ep": "--ep", "cp": "--cp", "cp_kind": "--cp-kind"}
-
-
-def _build_plan(**fields: Any) -> Plan:
-    """Plan(**fields); a rule it breaks is reported under the flag that set the field."""
-    try:
-        return Plan(**fields)
-    except SpecError as exc:
-        name = exc.field.removeprefix("plan.")
-        flag = _PLAN_FLAGS.get(name)
-        if flag is None:
-            raise
-        fix = exc.fix.replace("zero=3", "--zero 3").replace("zero >= 1", "--zero 1, 2 or 3")
-        raise SpecError(flag, exc.problem, fix) from None
-
-
-def _int_list(text: str | None, flag: str) -> tuple[int, ...]:
-    if not text:
-        return ()
-    try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise SpecError(flag, f"cannot read {text!r}", "give comma-separated integers, e.g. 9,9,9,8") from None
-
-
-@click.command()
-@common_inputs
-@variant_option
-@bill_options
-@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree.")
-@click.option("--pp", type=int, default=1, show_default=True, help="Pipeline-parallel degree.")
-@click.option("--zero", type=int, default=0, show_default=True, help="ZeRO stage 0-3 (0-1 with --pp > 1).")
-@click.option("--micro-batch", type=int, default=1, show_default=True, help="Sequences per micro-batch.")
-@click.option("--recompute", type=click.Choice(list(RECOMPUTE)), default="none", show_default=True)
-@click.option("--recompute-layers", default=None, metavar="K0,K1,...",
-              help="With --recompute full: checkpointed blocks per stage (default: all).")
-@click.option("--stage-layers", default=None, metavar="N0,N1,...", help="Blocks per stage (default: even split).")
-@click.option("--sequence-parallel", is_flag=True, help="Megatron sequence parallelism (needs --tp > 1).")
-@click.option("--ep", type=int, default=1, show_default=True,
-              help="Expert-parallel size (MoE models; divides the experts and the data-parallel degree).")
-@click.option("--cp", type=int, default=1, show_default=True,
-              help="Context-parallel degree: ranks splitting each sequence (docs/long-context.md).")
-@click.option("--cp-kind", type=click.Choice(list(CP_KINDS)), default="ulysses", show_default=True,
-              help="ulysses (DeepSpeed-Ulysses all-to-all) or ring (Megatron-Core context parallelism).")
-@click.option("--interleave", type=int, default=1, show_default=True,
-              help="Virtual chunks per stage (> 1: interleaved 1F1B).")
-@click.option("--offload-optimizer", type=click.Choice(list(OFFLOAD)), default="none", show_default=True,
-              help="ZeRO-Offload / ZeRO-Infinity: fp32 master weights, Adam moments and gradients on the host "
-                   "(cpu, ZeRO 1-3) or NVMe (nvme, ZeRO-3); Adam runs on the CPU.")
-@click.option("--offload-params", type=click.Choice(list(OFFLOAD)), default="none", show_default=True,
-              help="ZeRO-Infinity (ZeRO-3): the 16-bit weight partition on the host (cpu) or NVMe (nvme).")
-@click.option("--hpz", type=int, default=1, show_default=True, metavar="N",
-              help="ZeRO++ hpZ (ZeRO-3): secondary weight partition over N ranks inside a node; 1 = off.")
-@click.option("--qwz", is_flag=True, help="ZeRO++ qwZ (ZeRO-3): gather weights in int8.")
-@click.option("--qgz", is_flag=True, help="ZeRO++ qgZ (ZeRO-3): reduce gradients hierarchically in int4.")
-@click.option("--mics-shard", type=int, default=0, show_default=True, metavar="N",
-              help="MiCS (ZeRO-3): shard model states over groups of N ranks, replicated across groups; 0 = off.")
-@click.option("--bucket-elements", type=int, default=_PLAN_DEFAULTS.bucket_elements, show_default=True,
-              help="reduce/allgather bucket size in elements (ZeRO-3: also sub_group_size).")
-@click.option("--prefetch-elements", type=int, default=0, show_default=True,
-              help="ZeRO-3 stage3_prefetch_bucket_size in elements; 0 = --bucket-elements.")
-@click.option("--live-elements", type=int, default=0, show_default=True,
-              help="ZeRO-3 stage3_max_live_parameters (and max_reuse_distance) in elements; 0 = --bucket-elements.")
-@click.option("--persistence-elements", type=int, default=0, show_default=True,
-              help="ZeRO-3 stage3_param_persistence_threshold in elements; 0 = 10 x hidden.")
-@click.option("--runtime", default="deepspeed", show_default=True, metavar="NAME",
-              help="deepspeed, megatron-core or fsdp (docs/runtimes.md); only deepspeed plans can be --write'n "
-                   "and run here.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@click.option("--write", "write_dir", default=None, metavar="DIR", type=click.Path(path_type=Path),
-              help="Also write DIR as a run directory for this plan (plan.json, estimate.json with the baseline, "
-                   "ds_config.json, launch.sh, hostfile on several nodes), the files `planner search` writes "
-                   "for its pick; then `planner run DIR` or `planner export DIR`.")
-@click.pass_context
-def estimate(ctx: click.Context, **kw: Any) -> None:
-    """Predict step time, throughput and per-GPU memory of a plan you give."""
-    from planner.cost import estimate as cost_estimate
-    command = _command_line(ctx)
-    scale, model_arg, write_dir = kw["scale"], kw["model_arg"], kw["write_dir"]
-    if write_dir is not None and write_dir.exists() and not write_dir.is_dir():
-        raise SpecError("--write", f"{write_dir} is not a directory", "give a directory path (it is created)")
-    if write_dir is not None:
-        check_writable(write_dir, "--write")
-    model, cluster, train = load_inputs(kw)
-    spec = load_bill(kw, model, cluster)
-    tp, pp, mb, cp = kw["tp"], kw["pp"], kw["micro_batch"], kw["cp"]
-    for flag, v in (("--tp", tp), ("--pp", pp), ("--micro-batch", mb), ("--interleave", kw["interleave"]),
-                    ("--ep", kw["ep"]), ("--cp", cp)):
-        if v < 1:
-            raise SpecError(flag, f"must be a positive integer, got {v}", "give 1 or more")
-    world = cluster.world_size
-    if world % (tp * pp * cp):
-        raise SpecError("--tp/--pp/--cp", f"tp {tp} x pp {pp} x cp {cp} = {tp * pp * cp} does not divide the "
-                        f"{world} devices", f"choose degrees whose product divides {world}")
-    dp = world // (tp * pp * cp)
-    plan = _build_plan(dp=dp, tp=tp, pp=pp, zero=kw["zero"], micro_batch=mb,
-                       grad_accum=max(1, train.global_batch // (mb * dp)), recompute=kw["recompute"],
-                       sequence_parallel=kw["sequence_parallel"], ep=kw["ep"], cp=cp, cp_kind=kw["cp_kind"],
-                       schedule="interleaved" if kw["interleave"] > 1 else "1f1b",
-                       interleave=kw["interleave"], precision=train.precision,
-                       stage_layers=_int_list(kw["stage_layers"], "--stage-layers"),
-                       recompute_layers=_int_list(kw["recompute_layers"], "--recompute-layers"),
-                       offload_optimizer=kw["offload_optimizer"], offload_params=kw["offload_params"],
-                       hpz=kw["hpz"], quantized_weights=kw["qwz"], quantized_gradients=kw["qgz"],
-                       mics_shard=kw["mics_shard"], bucket_elements=kw["bucket_elements"],
-                       prefetch_elements=kw["prefetch_elements"], live_elements=kw["live_elements"],
-                       persistence_elements=kw["persistence_elements"], runtime=_runtimes(kw["runtime"], False)[0])
-    _fp8_offered(train, [plan.runtime])
-    from planner.cost import runtime as runtimes
-    lacking = runtimes.problems(runtimes.get_runtime(plan.runtime), plan)
-    if lacking:
-        raise lacking[0].error(field="--runtime")
-    batch_ok = train.global_batch % (mb * dp) == 0
-    problems = [p for p in plan_problems(model, cluster, train, plan) if batch_ok or p.code != "global-batch"]
-    if problems:
-        raise SpecError("plan", problems[0].line, "change the flags named above")
-    if not batch_ok:
-        raise SpecError("--micro-batch", f"micro-batch {mb} x dp {dp} = {mb * dp} does not divide the global "
-                        f"batch {train.global_batch}", "choose --micro-batch and --global-batch so that "
-                        "global batch = micro-batch x accumulation x dp")
-    est = cost_estimate(model, cluster, train, plan)
-    compare = training_comparison(model.base(), cost_estimate(model.base(), cluster, train, plan), model, est) \
-        if model.variant_label else None
-    runtime = [p.line for p in runtime_problems(plan)]
-    bill, bill_text = estimate_bill(spec, est, plan, model, cluster)
-    written: list[str] = []
-    moved = None
-    if write_dir is not None:
-        if plan.runtime != "deepspeed":
-            raise SpecError("--write", f"a {plan.runtime} plan is estimated, not run here (`planner run` executes "
-                            "DeepSpeed only)", "estimate it without --write, or use --runtime deepspeed")
-        if runtime:
-            raise SpecError("--write", f"DeepSpeed cannot run this plan ({runtime[0]})",
-                            "drop --interleave / --mics-shard to write a run directory; estimate it without --write")
-        if not est.feasible:
-            raise SpecError("--write", f"the plan does not fit: {'; '.join(est.reasons)}",
-                            "write a plan that fits (less micro-batch, more recompute, ZeRO or TP/PP)")
-        moved = set_aside_line(*set_aside(write_dir, MEASUREMENTS + SEARCH_FILES))
-        written = write_estimate(write_dir, plan, est, model, cluster, train, scale=scale, model_arg=model_arg,
-                                 command=command, extra={"bill": bill})
-    if kw["as_json"]:
-        doc = est.to_json()
-        flag = plan_memory_flag(est, cluster)
-        host = host_bytes_per_rank(est)
-        doc.update(plan=plan.to_dict(), description=plan.describe(), note=cluster.note,
-                   variants=list(plan.variants), memory_headroom_gb=headroom_gb(cluster, est),
-                   usable_memory_gb=cluster.usable_bytes / GB, memory_warning=flag.text() if flag else None,
-                   host_memory_per_node_gb=host * cluster.gpus_per_node / GB,
-                   host_memory_capacity_gb=cluster.host.cpu_memory_gb, runtime_warnings=runtime,
-                   written=[str(write_dir / n) for n in written], bill=bill)
-        if compare:
-            doc["variant_comparison"] = comparison_doc(model, compare)
-        click.echo(json.dumps(doc))
-        return
-    out = _console()
-    _print_estimate(out, plan, est, cluster)
-    if compare:
-        out.print(comparison_table(f"--variant: {model.describe()}", compare, model.base().name, model.name))
-    for problem in runtime:
-        out.print(f"warning: {problem}; this estimate is for comparison with Megatron-LM only")
-    for line in bill_text:
-        click.echo(line)
-    if write_dir is not None:
-        out.print(f"wrote {write_dir}/: {', '.join(written)}")
-        if moved:
-            click.echo(moved)
-
-
-def _print_estimate(console: Console, plan: Plan, est: Estimate, cluster) -> None:
-    table = Table(title=plan.describe(), show_header=False)
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    rows = [("fits", "yes" if est.feasible else "NO: " + "; ".join(est.reasons)),
-            ("step time", f"{est.step_time_s:.3f} s"), ("tokens/s", f"{est.tokens_per_s:,.0f}"),
-            ("TFLOP/s per GPU", f"{est.tflops_per_gpu:.1f}"), ("MFU / HFU", f"{est.mfu:.1%} / {est.hfu:.1%}"),
-            ("pipeline bubble", f"{est.bubble_fraction:.1%}"),
-            ("peak memory per GPU", f"{est.peak_memory_gb:.1f} / {est.capacity_bytes / GB:.1f} GB "
-                                    f"(stage {est.peak_stage})"),
-            ("usable memory per GPU", f"{cluster.usable_bytes / GB:.1f} GB (headroom "
-                                      f"{headroom_text(headroom_gb(cluster, est))} counted in the peak)")]
-    if plan.variants:
-        rows.insert(1, ("ZeRO variants", ", ".join(plan.variants)))
-    host = host_memory_text(est, cluster.gpus_per_node, cluster.host.cpu_memory_gb)
-    if host:
-        rows.append(("host memory", host))
-    rows += [(f"  memory: {k}", f"{v:.2f} GB") for k, v in est.stage_memory[est.peak_stage].to_gb().items()]
-    rows += [(f"  time: {k}", f"{v:.4f} s") for k, v in est.time.to_dict().items()]
-    for r in rows:
-        table.add_row(*r)
-    console.print(table)
-    flag = plan_memory_flag(est, cluster)
-    if flag:
-        console.print(f"warning: {flag.text()}")
-    if cluster.note:
-        console.print(f"note: {cluster.note}")

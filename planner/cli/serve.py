@@ -10,9 +10,8 @@ from typing import Any
 import click
 from rich.table import Table
 
-from planner.cli.common import (apply_variants, comparison_table, load_cluster, load_model, model_options,
-                                 serving_comparison, variant_option)
-from planner.cli.search import _command_line, _console
+from planner.cli.common import (apply_variants, command_line, console, comparison_table, load_cluster, load_model,
+                                model_options, serving_comparison, variant_option)
 from planner.errors import SpecError
 from planner.rundir import check_writable
 from planner.serve.cost import engine_budget
@@ -109,7 +108,7 @@ def _table(ranked: list[ServeEstimate], top: int) -> Table:
 def serve(ctx: click.Context, **kw: Any) -> None:
     """Find how to serve a model on the GPUs (TP x replicas, batch, precisions, prefill chunk) and
     write serve_plan.json, serve_top.json, vllm_serve.sh and serve_report.html."""
-    command = _command_line(ctx)
+    command = command_line(ctx)
     model = apply_variants(load_model(kw["model_arg"], kw["scale"]), kw["variants"])
     cluster = load_cluster(kw["gpus"], kw["profile_path"], None, None, None)
     trace = ()
@@ -128,41 +127,8 @@ def serve(ctx: click.Context, **kw: Any) -> None:
     if rate is not None and kw["concurrency"]:
         raise SpecError("--rate-qps", "and --concurrency both set the load", "give one of them")
     target = _target(kw)
-    space = Space(engine=kw["engine"], prefix_caching=kw["prefix_caching"])
-    if kw["tp"] is not None:
-        if kw["tp"] < 1 or cluster.world_size % kw["tp"]:
-            raise SpecError("--tp", f"{kw['tp']} does not divide the {cluster.world_size} GPUs",
-                            "give a divisor of the GPU count")
-        space = dataclasses.replace(space, tp=(kw["tp"],))
-    if kw["max_batch"] is not None:
-        if kw["max_batch"] < 1:
-            raise SpecError("--max-batch", f"must be >= 1, got {kw['max_batch']}", "e.g. 64")
-        space = dataclasses.replace(space, max_batch=(kw["max_batch"],))
-    if kw["prefill_chunk"] is not None:
-        if kw["prefill_chunk"] < 0:
-            raise SpecError("--prefill-chunk", f"must be >= 0, got {kw['prefill_chunk']}", "0 or e.g. 512")
-        space = dataclasses.replace(space, prefill_chunk=(kw["prefill_chunk"],))
-    kv = space.kv_precision
-    if kw["kv_precision"] is not None:
-        if kw["kv_precision"] == "fp8" and not cluster.device.fp8:
-            raise SpecError("--kv-precision", f"{cluster.device.name} cannot run an fp8 KV cache (no FP8 support; "
-                            "profile field fp8)", "use --kv-precision bf16, or an Ada/Hopper GPU")
-        if kw["kv_precision"] == "int8":
-            raise SpecError("--kv-precision", f"{kw['engine']} has no int8 KV cache (vLLM --kv-cache-dtype auto|fp8; "
-                            "SGLang auto|fp8_e5m2|fp8_e4m3)", "use --kv-precision bf16, or fp8 on a Hopper/Ada GPU")
-        kv = (kw["kv_precision"],)
-    wp = (kw["weight_precision"],) if kw["weight_precision"] else space.weight_precision
-    if kw["weight_precision"] == "fp8" and not cluster.device.fp8:
-        raise SpecError("--weight-precision", f"{cluster.device.name} has no FP8 tensor cores for fp8 weights "
-                        "(profile field fp8)", "use bf16, int8 or int4 weights, or a Hopper/Ada GPU")
-    space = dataclasses.replace(space, weight_precision=wp, kv_precision=kv)
-    name = kw["name"] or re.sub(r"[^A-Za-z0-9_.+-]+", "-", f"serve_{model.name}_{kw['gpus']}").strip("-.")[:120]
-    if not _NAME_RE.match(name) or name in (".", ".."):
-        raise SpecError("--name", f"{name!r} is not a plain directory name", "use letters, digits, '.', '_', '+', '-'")
-    out_dir = Path(kw["out_dir"])
-    if out_dir.exists() and not out_dir.is_dir():
-        raise SpecError("--out-dir", f"{out_dir} is not a directory", "give a directory path")
-    check_writable(out_dir / name, "--out-dir")
+    space = _space(kw, cluster)
+    out_dir, name = _destination(kw, model)
 
     result = search_deployments(model, cluster, workload, target=target, space=space, requests=kw["requests"],
                                 seed=kw["seed"], rate_qps=rate)
@@ -201,23 +167,75 @@ def serve(ctx: click.Context, **kw: Any) -> None:
     }
     run_dir = out_dir / name
     written = write_serve_run(run_dir, files)
-    console = _console()
-    console.print(f"{model.name} on {cluster.spec}: prompt {workload.prompt_len}, output {workload.output_len}; "
-                  f"target {target.describe() if target else 'none (ranked by max QPS at 80% load)'}; "
-                  f"{result.evaluated} deployments, {result.infeasible} infeasible")
-    console.print(_table(ranked, kw["top"]))
-    console.print(f"best: {best.deployment.describe()} ({calibration_badge(cluster)})")
+    _print_result(model, cluster, workload, target, result, ranked, best, compare, kw)
+    console().print(f"wrote {run_dir}/: {', '.join(written)}")
+
+
+def _space(kw: dict[str, Any], cluster: Any) -> Space:
+    """The deployments to search: the engine's space narrowed by --tp, --max-batch,
+    --prefill-chunk, --kv-precision and --weight-precision (each checked against the GPUs)."""
+    space = Space(engine=kw["engine"], prefix_caching=kw["prefix_caching"])
+    if kw["tp"] is not None:
+        if kw["tp"] < 1 or cluster.world_size % kw["tp"]:
+            raise SpecError("--tp", f"{kw['tp']} does not divide the {cluster.world_size} GPUs",
+                            "give a divisor of the GPU count")
+        space = dataclasses.replace(space, tp=(kw["tp"],))
+    if kw["max_batch"] is not None:
+        if kw["max_batch"] < 1:
+            raise SpecError("--max-batch", f"must be >= 1, got {kw['max_batch']}", "e.g. 64")
+        space = dataclasses.replace(space, max_batch=(kw["max_batch"],))
+    if kw["prefill_chunk"] is not None:
+        if kw["prefill_chunk"] < 0:
+            raise SpecError("--prefill-chunk", f"must be >= 0, got {kw['prefill_chunk']}", "0 or e.g. 512")
+        space = dataclasses.replace(space, prefill_chunk=(kw["prefill_chunk"],))
+    kv = space.kv_precision
+    if kw["kv_precision"] is not None:
+        if kw["kv_precision"] == "fp8" and not cluster.device.fp8:
+            raise SpecError("--kv-precision", f"{cluster.device.name} cannot run an fp8 KV cache (no FP8 support; "
+                            "profile field fp8)", "use --kv-precision bf16, or an Ada/Hopper GPU")
+        if kw["kv_precision"] == "int8":
+            raise SpecError("--kv-precision", f"{kw['engine']} has no int8 KV cache (vLLM --kv-cache-dtype auto|fp8; "
+                            "SGLang auto|fp8_e5m2|fp8_e4m3)", "use --kv-precision bf16, or fp8 on a Hopper/Ada GPU")
+        kv = (kw["kv_precision"],)
+    wp = (kw["weight_precision"],) if kw["weight_precision"] else space.weight_precision
+    if kw["weight_precision"] == "fp8" and not cluster.device.fp8:
+        raise SpecError("--weight-precision", f"{cluster.device.name} has no FP8 tensor cores for fp8 weights "
+                        "(profile field fp8)", "use bf16, int8 or int4 weights, or a Hopper/Ada GPU")
+    space = dataclasses.replace(space, weight_precision=wp, kv_precision=kv)
+    return space
+
+
+def _destination(kw: dict[str, Any], model: Any) -> tuple[Path, str]:
+    """--out-dir and --name (default serve_<model>_<gpus>), checked before the search runs."""
+    name = kw["name"] or re.sub(r"[^A-Za-z0-9_.+-]+", "-", f"serve_{model.name}_{kw['gpus']}").strip("-.")[:120]
+    if not _NAME_RE.match(name) or name in (".", ".."):
+        raise SpecError("--name", f"{name!r} is not a plain directory name", "use letters, digits, '.', '_', '+', '-'")
+    out_dir = Path(kw["out_dir"])
+    if out_dir.exists() and not out_dir.is_dir():
+        raise SpecError("--out-dir", f"{out_dir} is not a directory", "give a directory path")
+    check_writable(out_dir / name, "--out-dir")
+    return out_dir, name
+
+
+def _print_result(model: Any, cluster: Any, workload: Workload, target: Target | None, result: Any,
+                  ranked: list[ServeEstimate], best: ServeEstimate, compare: Any, kw: dict[str, Any]) -> None:
+    """What the search found, for the terminal."""
+    out = console()
+    out.print(f"{model.name} on {cluster.spec}: prompt {workload.prompt_len}, output {workload.output_len}; "
+              f"target {target.describe() if target else 'none (ranked by max QPS at 80% load)'}; "
+              f"{result.evaluated} deployments, {result.infeasible} infeasible")
+    out.print(_table(ranked, kw["top"]))
+    out.print(f"best: {best.deployment.describe()} ({calibration_badge(cluster)})")
     if workload.concurrency:
-        console.print(f"closed loop, {workload.concurrency} users: {best.rate_qps:.2f} requests/s, TTFT p99 "
-                      f"{_ms(best.ttft_p99_s)} ms, e2e p99 {_ms(best.e2e_p99_s)} ms")
+        out.print(f"closed loop, {workload.concurrency} users: {best.rate_qps:.2f} requests/s, TTFT p99 "
+                  f"{_ms(best.ttft_p99_s)} ms, e2e p99 {_ms(best.e2e_p99_s)} ms")
     if best.overloaded:
-        console.print(f"overloaded: {best.rate_qps:g} requests/s offered, {best.max_qps:.2f} served at most; the queue "
-                      f"grows by {best.backlog_growth_qps:.2f} requests/s (over {kw['requests']} requests the wait "
-                      f"reaches p99 {_ms(best.queue_p99_s)} ms, e2e p99 {_ms(best.e2e_p99_s)} ms, and keeps growing)")
+        out.print(f"overloaded: {best.rate_qps:g} requests/s offered, {best.max_qps:.2f} served at most; the queue "
+                  f"grows by {best.backlog_growth_qps:.2f} requests/s (over {kw['requests']} requests the wait "
+                  f"reaches p99 {_ms(best.queue_p99_s)} ms, e2e p99 {_ms(best.e2e_p99_s)} ms, and keeps growing)")
     if best.preemptions:
-        console.print(f"KV cache full at this load: {best.preemptions} preemptions (recomputed) in "
-                      f"{kw['requests']} requests")
+        out.print(f"KV cache full at this load: {best.preemptions} preemptions (recomputed) in "
+                  f"{kw['requests']} requests")
     if compare:
-        console.print(comparison_table(f"--variant on {best.deployment.describe()}: {model.describe()}",
-                                       compare, model.base().name, model.name))
-    console.print(f"wrote {run_dir}/: {', '.join(written)}")
+        out.print(comparison_table(f"--variant on {best.deployment.describe()}: {model.describe()}",
+                                   compare, model.base().name, model.name))

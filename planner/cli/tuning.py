@@ -32,6 +32,10 @@ def tuning_options(f: Callable) -> Callable:
                      help="--refine: this worker's node group within --hostfile (deepspeed --include syntax)."),
         click.option("--exclude", default="", metavar="NODE[:SLOTS][@...]",
                      help="--refine: hosts/slots of --hostfile this worker leaves out (deepspeed --exclude)."),
+        click.option("--cores", default="", metavar="LIST",
+                     help="--refine with a local --hostfile group: run this group's launcher and ranks on these "
+                          "CPU cores only (taskset -c; the launcher's --bind_core_list syntax, e.g. 0-3,8), so "
+                          "workers sharing a machine do not share cores."),
         click.option("--dry-run", is_flag=True,
                      help="--refine: print the launch command of each top plan and run nothing."),
         click.option("--trial-timeout", type=click.FloatRange(1, 86400), default=1800, show_default=True,
@@ -63,7 +67,7 @@ def prepare(kw: dict[str, Any], model: Any, cluster: Any, train: Any, runtime: s
     from planner.search.storage import check_study, open_storage, safe_url
     k = kw["refine_k"]
     for flag, given in (("--hostfile", kw["hostfile"]), ("--include", kw["include"]), ("--exclude", kw["exclude"]),
-                        ("--dry-run", kw["dry_run"])):
+                        ("--cores", kw["cores"]), ("--dry-run", kw["dry_run"])):
         if given and not k:
             raise SpecError(flag, "only applies to --refine K (the trials run for real)",
                             f"add --refine K, or drop {flag}")
@@ -73,7 +77,7 @@ def prepare(kw: dict[str, Any], model: Any, cluster: Any, train: Any, runtime: s
     t = Tuning(url=kw["storage"], study=study)
     if kw["refine_k"]:
         from planner.runtime.train.group_launch import NodeGroup
-        t.group = NodeGroup.parse(kw["hostfile"], kw["include"], kw["exclude"])
+        t.group = NodeGroup.parse(kw["hostfile"], kw["include"], kw["exclude"], kw["cores"])
         if t.group is not None:
             t.group.check(cluster)
     if t.url is None or kw["exhaustive"]:
@@ -125,6 +129,11 @@ def refine_step(run_dir: Path, kw: dict[str, Any], t: Tuning, err: Console, out:
             prepare_plan_dir(sub, plan, model, c, train, doc, run_dir)
             out.print(f"# plan {i + 1}: {plan.describe()}", soft_wrap=True)
             click.echo(describe(sub, steps, 1))
+        if t.group is not None and not t.group.local:
+            first = t.group.hosts[0]
+            out.print(f"# before each launch the run directory is copied over ssh to the hosts of "
+                      f"{t.group.describe()} that do not share it; after it metrics.json is read back from "
+                      f"{first} (ssh {first} cat RUN_DIR/metrics.json) unless {first} shares it", soft_wrap=True)
         out.print("dry run: nothing launched, nothing written to a study")
         return
     if t.runs_storage is not None:

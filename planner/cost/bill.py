@@ -134,6 +134,13 @@ def price_for(device: str, kind: str, prices: dict[str, Any] | None = None) -> P
                  note=o.get("note", ""))
 
 
+def exchange_rate(currency: str, prices: dict[str, Any] | None = None) -> tuple[float, str] | None:
+    """(units of `currency` per US dollar, "as of ...; source") from prices.json, or None."""
+    prices = load_prices() if prices is None else prices
+    r = prices.get("exchange_rates", {}).get(currency)
+    return None if not isinstance(r, dict) else (float(r["per_usd"]), f"{r['as_of']}; {r['source']}")
+
+
 # --- checkpoints ---------------------------------------------------------------------------------
 def checkpoint_seconds(params: float, precision: str, *, nodes: int, gpus_per_node: int, tp: int, pp: int,
                        zero: int, write_gbps: float) -> float:

@@ -30,11 +30,11 @@ def padding_shares(model: ModelSpec, train: TrainSpec, rows: int, *, seed: int =
     """Real-token share of each batching mode over the first `rows` rows of the document
     stream (synthetic corpus of `seed`, or the --data corpus): static pads one document chunk
     per row; dynamic packs chunks into rows."""
+    from planner.data.batching import BATCHING, Layout, Rows, padding_stats  # numpy only, no torch
     from planner.data.corpus import DataSpec
-    from planner.data.batching import Layout, Rows, padding_stats  # numpy only, no torch
     spec = DataSpec(seq_len=train.seq_len, vocab=model.vocab, seed=seed, token_file=data, tokenizer=tokenizer)
     out = {}
-    for mode in ("static", "dynamic"):
+    for mode in BATCHING:
         real, pad = padding_stats(Rows(spec, mode), Layout(1, 1, rows), 1)
         out[mode] = real / (real + pad)
     return out

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 from planner.errors import PlannerError, SpecError
 from planner.specs.plan import DEFAULT_BUCKET, Plan
+from planner.specs.knobs import KNOBS, TECHNIQUES as KNOB_TECHNIQUES, technique_fields
 
-TECHNIQUES = ("precision", "overlap", "batching", "zero", "recompute", "layout")
+TECHNIQUES = KNOB_TECHNIQUES
 """The article's order: mixed precision, communication overlap and buckets, dynamic batching,
 ZeRO, activation checkpointing, the parallel layout (communication first, then batching,
 then checkpointing)."""
@@ -39,18 +40,11 @@ LABELS = {
     "layout": "parallel layout",
 }
 
-FIELDS: dict[str, tuple[str, ...]] = {
-    "precision": ("precision",),
-    "overlap": ("overlap_comm", "bucket_elements"),
-    "batching": (),
-    "zero": ("zero", "prefetch_elements", "live_elements", "persistence_elements", "offload_optimizer",
-             "offload_params", "hpz", "quantized_weights", "quantized_gradients", "mics_shard"),
-    "recompute": ("recompute", "recompute_layers", "micro_batch"),
-    "layout": ("dp", "tp", "pp", "stage_layers", "sequence_parallel", "schedule", "interleave", "ep", "cp", "cp_kind"),
-}
-"""Plan fields each technique sets; grad_accum is derived (global batch / (dp x micro-batch))."""
+FIELDS: dict[str, tuple[str, ...]] = technique_fields()
+"""Plan fields each technique sets (planner/specs/knobs.py); grad_accum is derived (global
+batch / (dp x micro-batch))."""
 
-DERIVED = ("grad_accum", "runtime")
+DERIVED = tuple(name for name, knob in KNOBS.items() if knob.technique is None)
 """Fields no technique sets: grad_accum follows from the others; runtime is the ladder's own
 (every rung runs on DeepSpeed, the runtime the executor measures)."""
 

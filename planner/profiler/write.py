@@ -92,6 +92,9 @@ def build(raw: dict[str, Any], env: dict[str, Any], opts: ProfileOptions, *, nam
         "memory_gb": memory_gb, "peak_tflops": peaks, "hbm_bandwidth_gbps": raw["copy"]["gbps"],
         "gemm_efficiency": curve, "gemm_efficiency_by_precision": by_precision, "gpus_per_node": per_node, **links, "factors": {}, "sources": sources,
     }
+    if kind == "cpu" and builtin is not None and builtin.lab:
+        data["lab"] = dict(builtin.lab)
+        sources["lab"] = f"not measured: copied from built-in profile {builtin.name} (its sources say how)"
     data["measured"] = measured_section(raw, env, opts, best, data)
     profile_from_dict(data, name)  # the schema check the loader applies
     return data

@@ -18,6 +18,12 @@ from planner.specs.estimate import GB
 from planner.specs import MemoryBreakdown, Plan, TimeBreakdown
 from planner.specs.estimate import MEMORY_LABELS, TIME_LABELS as TIME_BREAKDOWN_LABELS
 from planner.specs.problems import MEMORY
+from planner.search.trials import plan_from_row as trials_plan_from_row
+from planner import dsconfig
+from planner.specs.hardware import ClusterSpec
+from planner.specs.knobs import KNOBS
+from planner.specs.model import ModelSpec
+from planner.specs.train import TrainSpec
 
 TIME_PARTS = [f.name for f in dataclasses.fields(TimeBreakdown)]
 MEM_PARTS = [f.name for f in dataclasses.fields(MemoryBreakdown)]
@@ -31,26 +37,9 @@ Hoffmann et al. 2022 ("Chinchilla", arXiv 2203.15556, Table 3)."""
 
 
 def plan_from_row(row: pd.Series | dict[str, Any]) -> Plan | None:
-    """The Plan of a trials.csv row (None when the row is not a valid plan)."""
-    kw: dict[str, Any] = {}
-    for name in PLAN_FIELDS:
-        if name not in row:
-            continue
-        v = row[name]
-        if name in ("stage_layers", "recompute_layers"):
-            text = "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
-            kw[name] = tuple(int(x) for x in text.split(";") if x.strip())
-        elif name in ("sequence_parallel", "overlap_comm", "quantized_weights", "quantized_gradients"):
-            kw[name] = v if isinstance(v, bool) else str(v).strip().lower() in ("true", "1")
-        elif name in ("recompute", "schedule", "precision", "offload_optimizer", "offload_params", "runtime",
-                      "cp_kind"):
-            kw[name] = str(v)
-        else:
-            if v is None or (isinstance(v, float) and math.isnan(v)):
-                return None
-            kw[name] = int(v)
+    """A trials.csv row as a Plan (planner.search.trials.plan_from_row), or None if it is not one."""
     try:
-        return Plan(**kw)
+        return trials_plan_from_row(row)
     except (PlannerError, TypeError, ValueError):
         return None
 
@@ -100,12 +89,27 @@ def reason_category(reason: str, code: str = "") -> str:
     return _NUM.sub("#", first.split(" (", 1)[0].strip())
 
 
-def knobs(plan: Plan, layers: int) -> list[tuple[str, str, str]]:
-    """The DeepSpeed settings a plan turns into: (short label, value, full config key)."""
-    out = [("zero", str(plan.zero), "zero_optimization.stage"),
-           ("micro", str(plan.micro_batch), "train_micro_batch_size_per_gpu"),
-           ("accum", str(plan.grad_accum), "gradient_accumulation_steps"),
-           (plan.precision, "", f"{plan.precision}.enabled" if plan.precision != "fp32" else "fp32 (no bf16/fp16 block)")]
+def knobs(plan: Plan, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec) -> list[tuple[str, str, str]]:
+    """The settings a plan turns into: (short label, value, full config key). The DeepSpeed ones
+    are read from the config planner/dsconfig.py writes for the plan (one row per key of
+    planner/specs/knobs.py: always, or when the plan moves it off its default); the layout the
+    executor builds itself (TP, sequence parallelism, stages, checkpointing) is said in words."""
+    cfg = dsconfig.ds_config(plan, model, train, cluster)
+    default = Plan()
+    deepspeed = []
+    for name, knob in KNOBS.items():
+        value = _lookup(cfg, knob.ds_key) if knob.ds_key and knob.label else None
+        if value is None or not (knob.always or getattr(plan, name) != getattr(default, name)):
+            continue
+        if isinstance(value, bool):
+            text = ("on" if value else "off") if knob.always else ""
+        else:
+            text = _elements(value) if name.endswith("_elements") else str(value)
+        deepspeed.append((name, (knob.label, text, knob.ds_key + (f" ({knob.note})" if knob.note else ""))))
+    out = [row for name, row in deepspeed if name in ("zero", "micro_batch", "grad_accum")]
+    out.append((plan.precision, "", f"{plan.precision}.enabled" if plan.precision != "fp32"
+                else "fp32 (no bf16/fp16 block)"))
+    layers = model.layers
     if plan.tp > 1:
         # not a DeepSpeed key: the executor's own Megatron-style layers (docs/runtime.md)
         out.append(("tp", str(plan.tp), "tensor parallel degree: Megatron-style layers in planner/model/parallel"))
@@ -121,30 +125,16 @@ def knobs(plan: Plan, layers: int) -> list[tuple[str, str, str]]:
         out.append(("ckpt", f"{sum(ck)}/{layers}", "activation checkpointing: full recompute of these blocks"))
     elif plan.recompute == "selective":
         out.append(("ckpt", "selective", "activation checkpointing of the attention core only"))
-    out.append(("overlap", "on" if plan.overlap_comm else "off", "zero_optimization.overlap_comm"))
-    out.append(("bucket", _elements(plan.bucket_elements), "zero_optimization.reduce_bucket_size"))
-    if plan.offload_optimizer != "none":
-        out.append(("off-opt", plan.offload_optimizer, "zero_optimization.offload_optimizer.device "
-                    "(fp32 master weights, Adam moments, gradients; Adam on the CPU)"))
-    if plan.offload_params != "none":
-        out.append(("off-par", plan.offload_params, "zero_optimization.offload_param.device (16-bit weights)"))
-    if plan.hpz > 1:
-        out.append(("hpZ", str(plan.hpz), "zero_optimization.zero_hpz_partition_size (ZeRO++ secondary partition)"))
-    if plan.quantized_weights:
-        out.append(("qwZ", "", "zero_optimization.zero_quantized_weights (ZeRO++ int8 weight gathers)"))
-    if plan.quantized_gradients:
-        out.append(("qgZ", "", "zero_optimization.zero_quantized_gradients (ZeRO++ int4 gradient reduce)"))
-    if plan.mics_shard:
-        out.append(("MiCS", str(plan.mics_shard), "zero_optimization.mics_shard_size"))
-    if plan.zero == 3:
-        for short, set_, value, key in (("prefetch", plan.prefetch_elements, plan.prefetch,
-                                         "stage3_prefetch_bucket_size"),
-                                        ("live", plan.live_elements, plan.live, "stage3_max_live_parameters"),
-                                        ("persist", plan.persistence_elements, plan.persistence_elements,
-                                         "stage3_param_persistence_threshold")):
-            if set_:
-                out.append((short, _elements(value), f"zero_optimization.{key}"))
-    return out
+    return out + [row for name, row in deepspeed if name not in ("zero", "micro_batch", "grad_accum")]
+
+
+def _lookup(cfg: dict[str, Any], key: str) -> Any:
+    """cfg at a dotted key, or None where the config has no such entry."""
+    for part in key.split("."):
+        if not isinstance(cfg, dict) or part not in cfg:
+            return None
+        cfg = cfg[part]
+    return cfg
 
 
 def _elements(n: int) -> str:
@@ -208,7 +198,7 @@ def top_plans(run: RunData, n: int = 10) -> pd.DataFrame:
                 "tokens_per_s": r["tokens_per_s"], "step_time_s": r.get("step_time_s", math.nan),
                 "mfu": r.get("mfu", math.nan), "peak_memory_gb": r["peak_memory_gb"],
                 "capacity_gb": r.get("capacity_gb", math.nan), "bubble_fraction": r.get("bubble_fraction", math.nan),
-                "knobs": knobs(plan, run.model.layers) if plan is not None else [],
+                "knobs": knobs(plan, run.model, run.train, run.cluster) if plan is not None else [],
                 "why": "chosen plan" if chosen else why_lost(r, run.estimate),
                 "time": {p: r.get(f"time_{p}", math.nan) for p in TIME_PARTS},
                 "mem": {p: r.get(f"mem_{p}", math.nan) for p in MEM_PARTS},

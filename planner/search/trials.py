@@ -10,8 +10,9 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
+import math
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from planner.rundir import atomic_write_text
 from planner.search.evaluate import Trial
@@ -26,10 +27,34 @@ MEM_FIELDS = [f"mem_{f.name}" for f in dataclasses.fields(MemoryBreakdown)]
 COLUMNS = ["trial", "source", *PLAN_FIELDS, "feasible", "reason", "reason_code", *SCALARS, *TIME_FIELDS, *MEM_FIELDS]
 
 
+def plan_cells(plan: Plan) -> dict[str, Any]:
+    """A Plan as trials.csv cells: one per field, tuples `;`-joined."""
+    return {name: ";".join(str(x) for x in value) if isinstance(value, list) else value
+            for name, value in plan.to_dict().items()}
+
+
+def plan_from_row(row: Mapping[str, Any]) -> Plan:
+    """A trials.csv row back into a Plan: csv strings, or a frame's values (NaN where empty);
+    each field read as its type (Plan's defaults say which); an empty cell keeps the default."""
+    kw: dict[str, Any] = {}
+    for f in dataclasses.fields(Plan):
+        v = row.get(f.name)
+        if v is None or (isinstance(v, str) and not v.strip()) or (isinstance(v, float) and math.isnan(v)):
+            continue
+        if isinstance(f.default, bool):
+            kw[f.name] = v if isinstance(v, bool) else str(v).strip().lower() in ("true", "1", "yes")
+        elif isinstance(f.default, int):
+            kw[f.name] = int(float(v))
+        elif isinstance(f.default, tuple):
+            kw[f.name] = tuple(int(x) for x in str(v).split(";") if x.strip())
+        else:
+            kw[f.name] = str(v)
+    return Plan(**kw)
+
+
 def row(number: int, trial: Trial) -> dict[str, Any]:
     out: dict[str, Any] = {"trial": number, "source": trial.source}
-    for name, value in trial.plan.to_dict().items():
-        out[name] = ";".join(str(x) for x in value) if isinstance(value, list) else value
+    out.update(plan_cells(trial.plan))
     out["feasible"] = trial.feasible
     out["reason"] = trial.reason
     out["reason_code"] = trial.reason_code

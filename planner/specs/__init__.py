@@ -2,7 +2,8 @@
 from planner.specs.estimate import GB, Estimate, MemoryBreakdown, TimeBreakdown
 from planner.specs.hardware import (ClusterSpec, DeviceProfile, Link, find_device, load_profile,
                                     parse_cluster, profile_from_dict)
-from planner.specs.model import PRESETS, ModelSpec, preset, scale
+from planner.specs.model import ModelSpec
+from planner.specs.presets import PRESETS, preset, scale
 from planner.specs.plan import Plan
 from planner.specs.train import TrainSpec
 

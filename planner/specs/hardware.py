@@ -113,6 +113,9 @@ class DeviceProfile:
     fp8: bool = False
     """Hardware FP8 (E4M3/E5M2) tensor cores: Ada (SM 8.9) and Hopper (SM 9.0) yes, Ampere and
     older no. Serving (planner/serve) offers an fp8 KV cache only where this is true."""
+    lab: Mapping[str, float] = field(default_factory=dict)
+    """Limits observed on a CPU host running the lab's ranks (profiles/cpu.json: host_memory_fraction,
+    ranks_per_core; "sources" says how each was observed); empty for GPUs."""
     kernels: KernelCurves = field(default_factory=KernelCurves)
     """Measured kernel curves (planner/specs/kernels.py): SMs, GEMM tiles and ceiling, achievable
     HBM bandwidth, attention kernels' throughput. Empty: GEMMs from gemm_efficiency alone."""
@@ -238,6 +241,10 @@ def profile_from_dict(data: Any, path: str = "") -> DeviceProfile:
     if not isinstance(raw_host, dict) or set(raw_host) - set(HOST_FIELDS):
         raise ProfileError("host", f"must map {', '.join(HOST_FIELDS)} to numbers", "see profiles/A100-80GB.json")
     host = Host(**raw_host)
+    lab = data.get("lab", {})
+    if not isinstance(lab, dict) or any(isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0
+                                        for v in lab.values()):
+        raise ProfileError("lab", "must map names to positive numbers", "see profiles/cpu.json")
     fp8 = data.get("fp8", False)
     if not isinstance(fp8, bool):
         raise ProfileError("fp8", f"must be true or false, got {fp8!r}", "true only for GPUs with FP8 tensor cores")
@@ -253,6 +260,7 @@ def profile_from_dict(data: Any, path: str = "") -> DeviceProfile:
         intra_node=links["intra_node"], inter_node=links["inter_node"],
         factors={k: float(v) for k, v in factors.items()}, host=host,
         sources=dict(data.get("sources", {})), measured=dict(data.get("measured", {})), fp8=fp8,
+        lab={k: float(v) for k, v in lab.items()},
         kernels=kernels_from_dict(data.get("kernels"), TRAIN_PRECISIONS), path=path)
 
 

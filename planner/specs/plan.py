@@ -123,12 +123,12 @@ class Plan:
                            ("quantized_gradients", self.quantized_gradients), ("mics_shard", self.mics_shard > 0)):
                 if off:
                     raise SpecError(f"plan.{f}", f"needs ZeRO-3 (plan has ZeRO-{self.zero})",
-                                    f"set zero=3 or drop {f}")
+                                    f"use ZeRO-3, or drop {f}")
             if self.offload_optimizer == "nvme":
                 raise SpecError("plan.offload_optimizer", "NVMe offload needs ZeRO-3 (ZeRO-Infinity)",
-                                "use offload_optimizer=cpu or zero=3")
+                                "offload to cpu, or use ZeRO-3")
         if self.offload_optimizer != "none" and self.zero == 0:
-            raise SpecError("plan.offload_optimizer", "optimizer offload needs ZeRO 1-3", "set zero >= 1")
+            raise SpecError("plan.offload_optimizer", "optimizer offload needs ZeRO 1-3", "use ZeRO 1, 2 or 3")
         if self.mics_shard > 0 and self.hpz > 1:
             raise SpecError("plan.hpz", "ZeRO++ hpZ and MiCS are separate ZeRO-3 variants",
                             "use either hpz or mics_shard")

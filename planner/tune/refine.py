@@ -21,31 +21,8 @@ from planner.calibrate.runs import MeasuredRun
 from planner.cost import estimate
 from planner.errors import PlannerError, SpecError
 from planner.rundir import atomic_write_json, load_run, plan_document
+from planner.search.trials import plan_from_row
 from planner.specs.plan import Plan
-
-_DEFAULTS = Plan()
-_INTS = tuple(f.name for f in dataclasses.fields(Plan) if type(getattr(_DEFAULTS, f.name)) is int)
-_BOOLS = tuple(f.name for f in dataclasses.fields(Plan) if type(getattr(_DEFAULTS, f.name)) is bool)
-_TUPLES = ("stage_layers", "recompute_layers")
-
-
-def plan_from_row(row: dict[str, str]) -> Plan:
-    """A trials.csv row back into a Plan (tuples are `;`-joined, booleans True/False)."""
-    kw: dict[str, Any] = {}
-    for f in dataclasses.fields(Plan):
-        v = row.get(f.name, "")
-        if v in ("", None):
-            continue
-        if f.name in _INTS:
-            kw[f.name] = int(float(v))
-        elif f.name in _BOOLS:
-            kw[f.name] = str(v).strip().lower() in ("true", "1", "yes")
-        elif f.name in _TUPLES:
-            kw[f.name] = tuple(int(x) for x in str(v).split(";") if x.strip())
-        else:
-            kw[f.name] = v
-    return Plan(**kw)
-
 
 def top_plans(trials_csv: Path, k: int) -> list[tuple[int, Plan, float]]:
     """The k fastest distinct feasible plans by predicted step time: (trial, plan, predicted s)."""
@@ -101,6 +78,7 @@ def refine(run_dir: str | Path, k: int, steps: int = 5, *, warmup: int = 1, prof
             m = runner(sub, steps, warmup)
         except PlannerError as exc:
             failures.append({"trial": trial, "plan": plan.describe(), "error": exc.line()})
+            echo(f"refine {i + 1}/{len(top)} failed: {exc.line()}")
             continue
         runs.append(MeasuredRun(path=str(sub), model=model, cluster=c, train=train, plan=plan,
                                 step_time_s=float(m["step_time_s"]), peak_memory_gb=float(m["peak_memory_gb"])))
@@ -127,7 +105,9 @@ def finish(run: Path, runs: list[MeasuredRun], failures: list[dict[str, Any]], *
            device: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Refit the factors to `runs`, re-rank trials.csv, write profile-calibrated.json and refine.json."""
     if not runs:
-        raise SpecError("--refine", "no plan ran successfully", "see refine.json and each plan's metrics.json")
+        first = f"; the first: {failures[0]['plan']}: {failures[0]['error']}" if failures else ""
+        raise SpecError("--refine", f"no plan ran successfully{first}",
+                        "see each plan's launcher.log and metrics.json under refine/")
     _, model, cluster, train, _ = load_run(run)
     cal = calibrate(device, runs)
     ranking = _rerank(run, model, cluster, train, device, cal.device)
@@ -164,4 +144,4 @@ def _rerank(run: Path, model: Any, cluster: Any, train: Any, before: Any, after:
             "best_after": after_order[0] if after_order else None, "plans": len(scored)}
 
 
-__all__ = ["finish", "plan_from_row", "prepare_plan_dir", "refine", "top_plans", "with_device"]
+__all__ = ["finish", "prepare_plan_dir", "refine", "top_plans", "with_device"]

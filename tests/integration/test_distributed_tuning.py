@@ -68,10 +68,12 @@ def postgres():
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _worker(url: str, study: str, out: Path, hostfile: Path, include: str, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "planner", "search", *INPUTS, "--out-dir", str(out), "--name", "w",
+def _worker(url: str, study: str, out: Path, hostfile: Path, include: str, core: int, *extra: str) -> subprocess.Popen:
+    """One worker on CPU core `core` (its search too), its trials on `include` of the hostfile
+    pinned there by --cores."""
+    cmd = ["taskset", "-c", str(core), sys.executable, "-m", "planner", "search", *INPUTS, "--out-dir", str(out), "--name", "w",
            "--refine", "2", "--refine-steps", "4", "--storage", url, "--study", study, "--heartbeat", "1",
-           "--trial-timeout", "240", "--hostfile", str(hostfile), "--include", include, *extra]
+           "--trial-timeout", "240", "--hostfile", str(hostfile), "--include", include, "--cores", str(core), *extra]
     out.mkdir(parents=True, exist_ok=True)
     # DeepSpeed's JIT ops built for this venv only: a machine-wide ~/.cache/torch_extensions shared
     # by other venvs rebuilds the op for each of them, and a stale lock there hangs every run
@@ -135,17 +137,23 @@ def test_storage_url_and_study_inputs_are_checked(postgres: str, tmp_path: Path,
 
 
 def test_two_workers_one_killed_mid_trial(postgres: str, tmp_path: Path) -> None:
-    """Two workers, each with its own 2-slot group of one 4-slot host; one is kill -9-ed while its
-    first trial runs. Its trial fails on the survivor's next look and is retried there: every plan
-    completes exactly once, nothing waits or runs, and a single worker runs the same plans."""
+    """Two workers, each with its own 2-slot group of one 4-slot host and its own core; one is
+    kill -9-ed while its first trial runs. Its trial fails on the survivor's next look and is
+    retried there: every plan completes exactly once, nothing waits or runs. A single worker
+    on a fresh study, started on the killed worker's core as soon as it is free, runs the same
+    plans (whether it finds the same best plan is printed, not asserted: see the end)."""
     import optuna
 
     from planner.tune.shared import retried_trial
     S = optuna.trial.TrialState
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip(f"two workers need a core each; this process may use {len(cores)}")
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost slots=4\n")
-    a = _worker(postgres, "two", tmp_path / "a", hosts, "localhost:0,1")
-    b = _worker(postgres, "two", tmp_path / "b", hosts, "localhost:2,3")
+    a = _worker(postgres, "two", tmp_path / "a", hosts, "localhost:0,1", cores[0])
+    b = _worker(postgres, "two", tmp_path / "b", hosts, "localhost:2,3", cores[1])
+    one = None
     try:
         deadline = time.monotonic() + 300
         # kill a once both ranks of its first trial are past deepspeed.init_distributed: a rank
@@ -156,15 +164,18 @@ def test_two_workers_one_killed_mid_trial(postgres: str, tmp_path: Path) -> None
             time.sleep(0.1)
         a.send_signal(signal.SIGKILL)
         a.wait()
+        deadline = time.monotonic() + 30           # the killed worker's launcher got SIGTERM: no ranks left
+        while _pids_under(tmp_path / "a") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _pids_under(tmp_path / "a") == []
+        # one worker alone on a fresh study, on the core a had: each group keeps its own core
+        one = _worker(postgres, "one", tmp_path / "one", hosts, "localhost:0,1", cores[0])
         assert b.wait(timeout=600) == 0, (tmp_path / "b" / "worker.log").read_text()
+        assert one.wait(timeout=600) == 0, (tmp_path / "one" / "worker.log").read_text()
     finally:
-        for p in (a, b):
-            if p.poll() is None:
+        for p in (a, b, one):
+            if p is not None and p.poll() is None:
                 p.kill()
-    deadline = time.monotonic() + 30               # the killed worker's launcher got SIGTERM: no ranks left
-    while _pids_under(tmp_path / "a") and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert _pids_under(tmp_path / "a") == []
     trials = _trials(postgres, "two.runs")
     assert {t.state for t in trials} <= {S.COMPLETE, S.FAIL}
     done = [t for t in trials if t.state == S.COMPLETE]
@@ -177,20 +188,19 @@ def test_two_workers_one_killed_mid_trial(postgres: str, tmp_path: Path) -> None
         assert set(t.user_attrs) >= {"plan", "predicted", "measured", "host", "command"}
         assert t.value == t.user_attrs["measured"]["tokens_per_s"] > 0
         assert "--include localhost:2,3" in t.user_attrs["command"]
+        assert t.user_attrs["command"].split("&& ")[1].startswith(f"taskset -c {cores[1]} ")
     refine = json.loads((tmp_path / "b" / "w" / "refine.json").read_text())
     assert refine["summary"]["runs"] == 2 and refine["best_measured"]["trial"] == max(done, key=lambda t: t.value).number
 
-    # one worker alone on a fresh study: the same plans, each study's best its own fastest (see below)
-    one = _worker(postgres, "one", tmp_path / "one", hosts, "localhost:0,1")
-    assert one.wait(timeout=600) == 0, (tmp_path / "one" / "worker.log").read_text()
     alone = [t for t in _trials(postgres, "one.runs") if t.state == S.COMPLETE]
     assert len(alone) == 2 and len(_trials(postgres, "one.runs")) == 2
     plans = lambda ts: {t.params["plan"]: t.user_attrs["plan"] for t in ts}    # noqa: E731
     assert plans(alone) == plans(done)
     refine_one = json.loads((tmp_path / "one" / "w" / "refine.json").read_text())
     assert refine_one["best_measured"]["trial"] == max(alone, key=lambda t: t.value).number
-    # Which of the two plans measures fastest is not compared across the studies: they are
-    # predicted within a few percent of each other, and in the two-worker study the runs share
-    # this machine's two cores with the other worker's ranks (measured here: 2,135 vs 1,220
-    # tokens/s for the plans a lone worker measured the other way round), so the best of each
-    # study is checked to be that study's own fastest measurement over the same plans.
+    speed = lambda ts: {t.params["plan"]: round(t.value) for t in ts}    # noqa: E731
+    print(f"\nTUNING | two workers (core {cores[1]}): {speed(done)} | one worker (core {cores[0]}): {speed(alone)}"
+          " tokens/s by plan")
+    # The two studies' best plans are not compared: the top two plans here are the same ZeRO-3 DP 2
+    # plan with and without 200M-element buckets (predicted equal), and which measures faster
+    # follows the order they ran in; four runs agreed once (docs/distributed-tuning.md, Tests).

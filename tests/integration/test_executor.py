@@ -1,4 +1,7 @@
-"""Real DeepSpeed on CPU (gloo), tiny GLM, few steps: every parallel axis the planner emits.
+"""Real DeepSpeed on CPU (gloo), tiny GLM, few steps: ZeRO stages, mixed precision with
+selective recompute, NaN rollback, refusals and timeouts, kill and resume. The parallel axes
+(TP slices, pipeline stages and their checkpointing, four-process layouts) are checked on
+test_parity.py's runs, which also reproduce the single-process run.
 
 Run one at a time (2 cores): `flock /tmp/planner-cpu.lock .venv/bin/pytest -q tests/integration/test_executor.py`.
 """
@@ -41,9 +44,11 @@ def result(d: Path) -> dict:
 
 
 def test_zero_stages_agree_in_fp32(tmp_path: Path) -> None:
-    """ZeRO 0-3 with DP 2, fp32, accumulation 2: same loss curve (DeepSpeed partitions, math unchanged)."""
+    """ZeRO-0 and ZeRO-1 (with full recompute) with DP 2, fp32, accumulation 2: the same loss
+    curve, and ZeRO-1 holds less per rank. (ZeRO-2 and -3 reproduce the single-process run's
+    losses and gradients in test_parity.py; where ZeRO-3 keeps its shards: test_zero_variants.py.)"""
     curves, states = {}, {}
-    for z in (0, 1, 2, 3):
+    for z in (0, 1):
         kw = {"recompute": "full"} if z == 1 else {}  # recompute must not change the math either
         d = make_run(tmp_path, f"z{z}", dp=2, zero=z, micro_batch=2, grad_accum=2, precision="fp32",
                      bucket_elements=2_000_000, **kw)
@@ -53,12 +58,9 @@ def test_zero_stages_agree_in_fp32(tmp_path: Path) -> None:
         curves[z], states[z] = m["loss"], m["model_state_breakdown_gb_per_rank"][0]
         if z == 1:
             assert all(r["checkpointed_blocks"] == [True] * 4 for r in result(d)["ranks"])
-    for z in (1, 2, 3):
-        assert curves[z] == pytest.approx(curves[0], rel=1e-4), z
-    # ZeRO-1 shards optimizer states (and reduced gradients); ZeRO-3 also the parameters.
-    # (ZeRO-3's total here includes its 2M-element reduce bucket, larger than this tiny model.)
+    assert curves[1] == pytest.approx(curves[0], rel=1e-4)
+    # ZeRO-1 shards optimizer states (and reduced gradients)
     assert sum(states[1].values()) < sum(states[0].values())
-    assert states[3]["params"] == pytest.approx(states[0]["params"] / 2, rel=0.05)
     logs = tmp_path / "z0" / "logs"
     assert list(logs.rglob("events.out.tfevents*")) and list(logs.rglob("*.csv"))
 
@@ -69,46 +71,6 @@ def test_bf16_zero2_selective(tmp_path: Path) -> None:
     m = run_plan(d, steps=3, warmup=1)
     assert m["status"] == "ok" and all(x == x for x in m["loss"])
     assert all(r["selective_blocks"] == [True] * 4 for r in result(d)["ranks"])
-
-
-def test_pipeline_two_stages_checkpoints_as_planned(tmp_path: Path) -> None:
-    d = make_run(tmp_path, "pp2", pp=2, zero=1, micro_batch=2, grad_accum=4, precision="fp32",
-                 stage_layers=(3, 1), recompute="full", recompute_layers=(2, 0))
-    m = run_plan(d, steps=3, warmup=1)
-    ranks = result(d)["ranks"]
-    assert [r["checkpointed_blocks"] for r in ranks] == [[True, True, False], [False]]
-    assert ranks[0]["local_params"] != ranks[1]["local_params"]
-    assert m["status"] == "ok" and len(m["loss"]) == 3
-
-
-def test_tensor_parallel_layers_hold_their_slice(tmp_path: Path) -> None:
-    """TP 2 with the executor's Megatron-style layers (no AutoTP): each rank holds half the
-    heads and KV groups, half the FFN, half the padded vocabulary; norms are replicated."""
-    d = make_run(tmp_path, "tp2", tp=2, zero=1, micro_batch=2, grad_accum=2, precision="bf16")
-    m = run_plan(d, steps=3, warmup=1)
-    assert m["status"] == "ok"
-    h, q, kv, f, v = 128, 128, 64, 432, 1024  # chatglm3-6b tiny: 4 heads x 32, 2 KV groups, SwiGLU, vocab 1024
-    # per rank: embedding V/2 x h; per block QKV (q + 2kv)/2 x h + bias, dense h x q/2, gate|up 2 (f/2) x h,
-    # down h x f/2, two RMSNorm weights; final norm; output layer V/2 x h (no linear biases in ChatGLM3)
-    block = (q + 2 * kv) // 2 * h + (q + 2 * kv) // 2 + h * q // 2 + 2 * (f // 2) * h + h * f // 2 + 2 * h
-    per_rank = v // 2 * h + 4 * block + h + v // 2 * h
-    assert per_rank == 562_816
-    for r in result(d)["ranks"]:
-        shapes = r["param_shapes"]
-        assert shapes["layers.0.self_attention.query_key_value.weight"] == [(q + 2 * kv) // 2, h]
-        assert shapes["layers.0.mlp.dense_h_to_4h.weight"] == [f, h] and shapes["layers.0.mlp.dense_4h_to_h.weight"] == [h, f // 2]
-        assert shapes["embedding.word_embeddings.weight"] == [v // 2, h]
-        assert shapes["head.output_layer.weight"] == [v // 2, h]
-        assert shapes["layers.0.input_layernorm.weight"] == [h]
-        assert r["local_params"] == per_rank
-
-
-def test_four_processes_dp2_pp2(tmp_path: Path) -> None:
-    d = make_run(tmp_path, "dp2pp2", gpus="4xcpu", dp=2, pp=2, zero=1, micro_batch=1, grad_accum=2,
-                 precision="fp32")
-    m = run_plan(d, steps=2, warmup=1)
-    assert m["status"] == "ok" and m["world_size"] == 4
-    assert [r["coords"] for r in result(d)["ranks"]] == [[0, 0, 0], [0, 1, 0], [1, 0, 0], [1, 1, 0]]
 
 
 def test_nan_is_caught_and_rolled_back(tmp_path: Path) -> None:

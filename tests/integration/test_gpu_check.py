@@ -28,6 +28,9 @@ def test_dry_run_runs_every_phase_and_prints_the_verdict(tmp_path: Path, capsys)
     out = capsys.readouterr().out
     prof = json.loads((tmp_path / "profile.json").read_text())
     assert prof["kind"] == "cpu" and prof["builtin"] is False
+    # one process (--procs 1): the collectives are skipped and the profile says the links are not measured
+    assert "collectives skipped" in (tmp_path / "profile.log").read_text()
+    assert prof["measured"]["comm"]["groups"] == {} and "not measured" in prof["sources"]["intra_node"]
     v = json.loads((tmp_path / "plan" / "verify.json").read_text())
     for key in ("baseline", "planned"):
         m = v[key]

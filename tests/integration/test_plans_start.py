@@ -7,7 +7,7 @@ every feasible plan). The sample always holds a TP x PP plan, a TP x PP x DP pla
 TP, sequence parallelism (when the search offers it), full recompute of part of the blocks
 (searched with a tighter memory profile: on this machine's CPU profile nothing needs
 checkpointing), eager attention with selective recompute, and plans drawn at random from the
-rest (2-4 processes, to keep the test near 3 minutes), covering every tiny model. The seed is
+rest (one, of 2-4 processes, to keep the test near 2 minutes), covering every tiny model. The seed is
 fixed so a failure reproduces; PLANNER_PLANS_SEED=<n> draws another sample. The plans are
 printed as they start.
 
@@ -30,8 +30,10 @@ pytestmark = pytest.mark.integration
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 SEED = int(os.environ.get("PLANNER_PLANS_SEED", "8"))
-FILL = 3
-"""Plans drawn at random besides the named kinds (at least one per tiny model not yet in the sample)."""
+FILL = 1
+"""Plans drawn at random besides the named kinds (first a tiny model or process count not yet in the
+sample). One: with seed 8 the named kinds already cover every tiny model and 2, 4 and 8
+processes, and each 4-process start costs ~12 s of CI."""
 FILL_MAX_PROCESSES = 4
 
 

@@ -1,4 +1,5 @@
-"""`planner profile --quick` for real on this machine: a loadable profile with measured figures."""
+"""`planner profile --quick` for real on this machine: a loadable profile with measured figures.
+(One process, which skips the collectives: the profile phase of test_gpu_check.py.)"""
 from __future__ import annotations
 
 import json
@@ -43,13 +44,3 @@ def test_quick_profile_writes_a_usable_profile(tmp_path):
     assert {p["tp"] for p in m["layers"]} == {1, 2}
     assert not list(tmp_path.glob(".*.tmp"))
     assert f"wrote {out}" in r.stdout
-
-
-def test_one_process_skips_collectives(tmp_path):
-    out = tmp_path / "one.json"
-    r, _ = _profile(tmp_path, "--out", str(out), "--procs", "1", "--max-tp", "1")
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "collectives skipped" in r.stdout
-    data = json.loads(out.read_text())
-    assert data["measured"]["comm"]["groups"] == {}
-    assert "not measured" in data["sources"]["intra_node"]

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from planner.cli import main
 from planner.errors import PlannerError
 from planner.specs.hf import FAMILIES, load_hf_config, spec_from_hf
-from planner.specs.model import PRESETS
+from planner.specs.presets import PRESETS
 
 KEYS = ["hidden_size", "num_layers", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
         "multi_query_attention", "multi_query_group_num", "ffn_hidden_size", "intermediate_size", "inner_hidden_size",

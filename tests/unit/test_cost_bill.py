@@ -140,3 +140,10 @@ def test_a_year_is_365_days():
     tps = 400e9 / (365.0 * 86400)                       # exactly 365 days: not flagged; a little slower: flagged
     assert not bill.train_bill(_spec(), tps * 1.001, 8, nodes=1, checkpoint_s=1.0).over_a_year
     assert bill.train_bill(_spec(), tps * 0.999, 8, nodes=1, checkpoint_s=1.0).over_a_year
+
+
+def test_the_yuan_rate_is_dated_and_sourced() -> None:
+    from planner.cost.bill import exchange_rate
+    rate, source = exchange_rate("CNY")
+    assert rate == 7.2734 and "February 2025" in source and "EXCHUS" in source
+    assert exchange_rate("XYZ") is None and exchange_rate("CNY", {"offers": {}}) is None

@@ -7,7 +7,7 @@ import pytest
 
 from planner.errors import SpecError
 from planner.specs.hf import FAMILIES, load_hf_config, spec_from_hf
-from planner.specs.model import PRESETS
+from planner.specs.presets import PRESETS
 
 # Field values copied from the public config.json files named in each case.
 CHATGLM3_6B = {  # THUDM/chatglm3-6b

@@ -8,7 +8,7 @@ from planner.cost import compute, engines, estimate, layer_costs, longctx, moe
 from planner.cost.factors import Factors
 from planner.cost.model import moe_state_bytes
 from planner.specs.hardware import parse_cluster
-from planner.specs.model import preset, scale
+from planner.specs.presets import preset, scale
 from planner.specs.moe import MoESpec
 from planner.specs.plan import Plan
 from planner.specs.train import TrainSpec

@@ -6,7 +6,8 @@ import pytest
 
 from planner.errors import SpecError
 from planner.specs.hf import spec_from_hf
-from planner.specs.model import ModelSpec, preset, scale
+from planner.specs.model import ModelSpec
+from planner.specs.presets import preset, scale
 from planner.specs.moe import MoESpec
 from planner.specs.plan import Plan
 

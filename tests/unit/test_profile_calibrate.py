@@ -10,7 +10,8 @@ import pytest
 
 from planner.calibrate import calibrate, load_measured, mape
 from planner.calibrate.fit import with_factors
-from planner.tune.refine import plan_from_row, refine, top_plans
+from planner.search.trials import plan_from_row
+from planner.tune.refine import refine, top_plans
 from planner.calibrate.runs import MeasuredRun
 from planner.calibrate.solver import least_squares
 from planner.cost import estimate

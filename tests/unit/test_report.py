@@ -1,6 +1,7 @@
 """The report: hand-computed numbers for its pieces, then whole pages from sample run directories."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -15,7 +16,7 @@ from planner.report import analysis, cluster, fmt, timeline
 from planner.report.build import render, write_report
 from planner.report.data import MIN_TRIALS_FOR_IMPORTANCE, load
 from planner.report.sample import write_sample_run
-from planner.specs import Plan
+from planner.specs import Plan, TrainSpec, parse_cluster, preset
 
 FIGURES = ("frontier", "memory", "time", "gantt", "history", "importances", "cluster", "measured", "loss", "bill")
 
@@ -129,7 +130,9 @@ def test_train_cost_and_formatting() -> None:
 def test_knobs_name_the_deepspeed_settings() -> None:
     plan = Plan(dp=2, tp=4, pp=2, zero=1, micro_batch=2, grad_accum=8, recompute="full",
                 stage_layers=(5, 5), recompute_layers=(3, 1), sequence_parallel=True)
-    keys = {full: (short, v) for short, v, full in analysis.knobs(plan, 10)}
+    model = dataclasses.replace(preset("glm-10b"), layers=10)
+    train = TrainSpec(global_batch=32, seq_len=1024)
+    keys = {full: (short, v) for short, v, full in analysis.knobs(plan, model, train, parse_cluster("16xA100"))}
     assert keys["zero_optimization.stage"] == ("zero", "1")
     assert keys["gradient_accumulation_steps"] == ("accum", "8")
     assert not any("autotp" in k for k in keys)  # TP is the executor's own layers, not a DeepSpeed AutoTP key

@@ -103,7 +103,7 @@ def test_variants_and_host_memory_on_the_page(run: RunData) -> None:
 def test_variant_knobs_name_the_deepspeed_keys(run: RunData) -> None:
     plan = dataclasses.replace(run.plan, zero=3, offload_optimizer="nvme", offload_params="cpu", hpz=8,
                                quantized_gradients=True, prefetch_elements=10_000_000)
-    keys = {full.split(" ")[0]: (short, v) for short, v, full in analysis.knobs(plan, 48)}
+    keys = {full.split(" ")[0]: (short, v) for short, v, full in analysis.knobs(plan, run.model, run.train, run.cluster)}
     assert keys["zero_optimization.offload_optimizer.device"] == ("off-opt", "nvme")
     assert keys["zero_optimization.offload_param.device"] == ("off-par", "cpu")
     assert keys["zero_optimization.zero_hpz_partition_size"] == ("hpZ", "8")
@@ -111,7 +111,7 @@ def test_variant_knobs_name_the_deepspeed_keys(run: RunData) -> None:
     assert keys["zero_optimization.stage3_prefetch_bucket_size"] == ("prefetch", "1e7")
     assert "zero_optimization.mics_shard_size" not in keys
     mics = dataclasses.replace(run.plan, zero=3, mics_shard=4)
-    assert ("MiCS", "4") in [(s, v) for s, v, _ in analysis.knobs(mics, 48)]
+    assert ("MiCS", "4") in [(s, v) for s, v, _ in analysis.knobs(mics, run.model, run.train, run.cluster)]
     # every option away from its default, so two plans differing only in one never share a label
     assert analysis.short_label(plan).endswith("off-opt:nvme off-par:cpu hpZ8 qgZ bucket=2e8 prefetch=1e7")
 

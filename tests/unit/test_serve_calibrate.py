@@ -12,7 +12,7 @@ from planner.serve import calibrate
 from planner.serve.cost import combine, decode_terms, prefill_terms
 from planner.serve.spec import Deployment
 from planner.specs.hardware import PROFILES_DIR, find_device, load_profile, parse_cluster
-from planner.specs.model import preset, scale
+from planner.specs.presets import preset, scale
 
 TRUE = {"prefill_compute_scale": 1.7, "decode_bw_efficiency": 0.35, "serve_comm_scale": 3.0,
         "serve_step_overhead_s": 0.002, "decode_compute_scale": 4.0, "serve_tp_step_s": 0.004}

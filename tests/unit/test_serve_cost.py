@@ -174,7 +174,7 @@ def test_estimate_alone_latencies():
 @pytest.mark.parametrize("gpus,size", [("1xA100", None), ("2xcpu", "tiny"), ("2xH100", None)])
 def test_memoised_step_functions_match_the_direct_ones(gpus, size):
     from planner.specs.hardware import parse_cluster
-    from planner.specs.model import preset, scale
+    from planner.specs.presets import preset, scale
     model, c = scale(preset("chatglm3-6b"), size), parse_cluster(gpus)
     for dep in (Deployment(max_batch=256), Deployment(tp=2, weight_precision="int4")):
         if dep.tp > c.world_size:

@@ -11,7 +11,7 @@ from planner.serve import launch
 from planner.serve.kernels import kernel_efficiency
 from planner.serve.spec import Deployment, ServeEstimate, Workload
 from planner.serve.trace import read_trace
-from planner.specs.model import preset
+from planner.specs.presets import preset
 
 EST = ServeEstimate(deployment=Deployment(), feasible=True, ttft_s=0.05, tpot_s=0.01, e2e_p50_s=1.0, e2e_p99_s=2.0,
                     rate_qps=3.0, max_qps=4.0)

@@ -251,10 +251,32 @@ def test_verify_passes_the_tokenizer_and_refuses_a_missing_one_before_the_baseli
 def test_worker_paths_are_absolute_before_the_rank_moves_into_the_run_directory(tmp_path: Path, monkeypatch) -> None:
     """launch.sh passes the user's flags as typed; the rank later chdirs into the run directory,
     where a relative --data / --tokenizer / --init-hf / --save-hf would point elsewhere."""
-    from planner.runtime.train.worker import absolute_paths, parse
+    from planner.runtime.train.options import TrainerOptions
     monkeypatch.delenv("PLANNER_DUMP_GRADS", raising=False)
     monkeypatch.chdir(tmp_path)
-    args = absolute_paths(parse(["--run-dir", "run", "--data", "data/pydoc", "--tokenizer", "data/tok",
-                                 "--init-hf", "/abs/hf", "--save-hf", "out/hf"]))
-    assert (args.data, args.tokenizer) == (str(tmp_path / "data/pydoc"), str(tmp_path / "data/tok"))
-    assert (args.init_hf, args.save_hf, args.dump_grads) == ("/abs/hf", str(tmp_path / "out/hf"), "")
+    run, opts = TrainerOptions.from_argv(["--run-dir", "run", "--data", "data/pydoc", "--tokenizer", "data/tok",
+                                          "--init-hf", "/abs/hf", "--save-hf", "out/hf"])
+    assert run == Path("run")
+    assert (opts.data, opts.tokenizer) == (str(tmp_path / "data/pydoc"), str(tmp_path / "data/tok"))
+    assert (opts.init_hf, opts.save_hf, opts.dump_grads) == ("/abs/hf", str(tmp_path / "out/hf"), "")
+
+
+def test_trainer_options_travel_to_the_worker_unchanged(monkeypatch) -> None:
+    """`planner run`'s flags reach the rank as the launcher wrote them: to_argv then from_argv is
+    the identity for every field (each moved off its default), and the defaults travel as no flag."""
+    import dataclasses
+
+    from planner.runtime.train.options import TrainerOptions
+    monkeypatch.delenv("PLANNER_DUMP_GRADS", raising=False)
+    monkeypatch.delenv("PLANNER_MEASURE_ACTIVATIONS", raising=False)
+    moved = dict(steps=7, warmup=3, resume=True, batching="static", checkpoint_every=2, inject_nan=4, data="/c",
+                 tokenizer="/t", eval_every=5, eval_batches=3, lr=1.5e-4, lr_warmup_steps=6, lr_schedule="cosine",
+                 metrics_port=9400, metrics_host="0.0.0.0", init_hf="/i", save_hf="/s", seed=7, data_workers=0,
+                 measure_activations=True, dump_grads="/g", step_sleep=0.25, save_sleep=0.5)
+    assert set(moved) == {f.name for f in dataclasses.fields(TrainerOptions)}
+    opts = TrainerOptions(**moved)
+    run, back = TrainerOptions.from_argv(["--run-dir", "/r", *opts.to_argv()])
+    assert back == opts and run == Path("/r")
+    assert TrainerOptions().to_argv() == [] and TrainerOptions.from_argv(["--run-dir", "/r"])[1] == TrainerOptions()
+    monkeypatch.setenv("PLANNER_MEASURE_ACTIVATIONS", "1")   # the measuring benchmarks set it for every rank
+    assert TrainerOptions.from_argv(["--run-dir", "/r"])[1].measure_activations is True

@@ -32,25 +32,25 @@ from typing import Any
 
 from planner.errors import ExecutionError, SpecError
 from planner.specs.estimate import GB
-from planner.specs.hardware import ClusterSpec
+from planner.specs.hardware import ClusterSpec, DeviceProfile, find_device
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
 from planner.specs.train import TrainSpec
 from planner.specs.problems import Problem
 from planner.specs.validate import executor_problems, plan_problems, runtime_problems
 
-HOST_MEMORY_FRACTION = 0.6
-"""A CPU plan's predicted peak memory, summed over its ranks, may use at most this share of
-the host's MemAvailable. Measured here (chatglm3-6b, bf16, seq 128, DP only, gloo; peak of the
-summed PSS of the ranks and their DataLoader worker processes): 1.10x the predicted sum at
-tiny scale (16 ranks) and 1.60x at small scale (4 ranks), 1.06x there without the DataLoader
-workers (--data-workers 0), which the cost model does not count. 0.6 keeps a 1.66x
-under-prediction inside the available memory."""
+def lab_limit(device: DeviceProfile, name: str) -> float:
+    """A limit observed on the CPU lab host (profiles/cpu.json "lab", with its source): the
+    device profile's, else the built-in cpu profile's."""
+    return float(device.lab.get(name) or find_device("cpu")[0].lab[name])
 
-RANKS_PER_CORE = 16
-"""Most ranks per usable core: 32 DP ranks of the tiny model trained on 2 cores (4 steps,
-1.9 s per step, 90 s with start-up); more were not tried. Each rank is a full Python process
-with torch and DeepSpeed (about 0.3 GB each), so start-up time grows with the count."""
+
+HOST_MEMORY_FRACTION = float(find_device("cpu")[0].lab["host_memory_fraction"])
+"""A CPU plan's predicted peak memory, summed over its ranks, may use at most this share of
+the host's MemAvailable (profiles/cpu.json lab.host_memory_fraction says how it was measured)."""
+
+RANKS_PER_CORE = int(find_device("cpu")[0].lab["ranks_per_core"])
+"""Most ranks per usable core (profiles/cpu.json lab.ranks_per_core: the most measured to train)."""
 
 REWRITE = ("make the two agree: delete ds_config.json (`planner run` writes it again from plan.json), "
            "edit that field back, or re-plan with `planner search`")
@@ -280,20 +280,22 @@ def check_host(plan: Plan, model: ModelSpec, cluster: ClusterSpec, train: TrainS
                                      f"has {total / GB:.1f} GB",
                                      "run it on GPUs with more memory, or re-plan with `planner search` for this GPU")
         return
-    limit = RANKS_PER_CORE * host.cores
+    per_core = int(lab_limit(cluster.device, "ranks_per_core"))
+    limit = per_core * host.cores
     if world > limit:
         raise ExecutionError("plan.json dp/tp/pp", f"{world} ranks on {host.cores} core(s): more than "
-                             f"{RANKS_PER_CORE} ranks per core, the most measured to train here",
+                             f"{per_core} ranks per core, the most measured to train here",
                              f"re-plan with at most --gpus {limit}xcpu (or `planner run --ignore-host-checks`)")
     if host.mem_available_bytes is None:
         return
     per_stage = [m.total for m in est.stage_memory]
     total = sum(per_stage) * plan.dp * plan.tp
-    allowed = host.mem_available_bytes * HOST_MEMORY_FRACTION
+    fraction = lab_limit(cluster.device, "host_memory_fraction")
+    allowed = host.mem_available_bytes * fraction
     if total > allowed:
         raise ExecutionError("plan.json cluster",
                              f"{world} ranks need {total / GB:.1f} GB predicted ({max(per_stage) / GB:.2f} GB "
-                             f"per rank at most), more than {HOST_MEMORY_FRACTION:.0%} "
+                             f"per rank at most), more than {fraction:.0%} "
                              f"({allowed / GB:.1f} GB) of this host's "
                              f"{host.mem_available_bytes / GB:.1f} GB available (MemAvailable)",
                              "re-plan with a smaller --scale or fewer --gpus, free memory (or `planner run "
@@ -328,13 +330,9 @@ def check_run(run_dir: str | Path, *, ignore_host: bool = False) -> None:
 
 # --- 4. the trainer's inputs (issue 10) ----------------------------------------------------------
 
-def check_trainer(run_dir: str | Path, plan: Plan, model: ModelSpec, train: TrainSpec, *, data: str = "",
-                  tokenizer: str = "", seed: int = 1234, batching: str = "dynamic", eval_every: int = 0,
-                  eval_batches: int = 2, checkpoint_every: int = 0, lr: float | None = None,
-                  lr_warmup_steps: int = 0, lr_schedule: str | None = None, metrics_port: int = 0,
-                  metrics_host: str = "127.0.0.1", init_hf: str = "", save_hf: str = "",
-                  data_workers: int | None = None) -> None:
-    """The flags of `planner run` that the ranks would otherwise trip over after start-up: the
+def check_trainer(run_dir: str | Path, plan: Plan, model: ModelSpec, train: TrainSpec, opts: Any) -> None:
+    """The trainer's options (planner.runtime.train.options.TrainerOptions, `planner run`'s flags)
+    that the ranks would otherwise trip over after start-up: the
     schedule's numbers, the corpus and tokenizer (planner.data.batching.check_data: corpus at
     least one global batch, tokenizer present and its vocabulary within the model's), the
     metrics port (a bind test on the address rank 0 will serve), and the Hugging Face
@@ -342,6 +340,10 @@ def check_trainer(run_dir: str | Path, plan: Plan, model: ModelSpec, train: Trai
     import math
 
     from planner.dsconfig import LR_SCHEDULES
+    data, tokenizer, lr, lr_schedule = opts.data, opts.tokenizer, opts.lr, opts.lr_schedule
+    init_hf, save_hf, metrics_port, data_workers = opts.init_hf, opts.save_hf, opts.metrics_port, opts.data_workers
+    eval_every, eval_batches, checkpoint_every = opts.eval_every, opts.eval_batches, opts.checkpoint_every
+    lr_warmup_steps = opts.lr_warmup_steps
     for name, value, low in (("--eval-every", eval_every, 0), ("--eval-batches", eval_batches, 1),
                              ("--checkpoint-every", checkpoint_every, 0), ("--lr-warmup-steps", lr_warmup_steps, 0),
                              ("--metrics-port", metrics_port, 0),
@@ -355,7 +357,7 @@ def check_trainer(run_dir: str | Path, plan: Plan, model: ModelSpec, train: Trai
     if tokenizer and not data:
         raise SpecError("--tokenizer", "given without --data", "add --data CORPUS (a .txt or .jsonl of text)")
     if data:
-        _check_data(data, tokenizer, seed, model, train, plan, batching)
+        _check_data(data, tokenizer, opts.seed, model, train, plan)
     if init_hf:
         p = Path(init_hf)
         if not p.is_dir():
@@ -376,14 +378,13 @@ def check_trainer(run_dir: str | Path, plan: Plan, model: ModelSpec, train: Trai
             raise SpecError("--save-hf", f"cannot write under {parent}", "give a writable directory")
     if metrics_port:
         from planner.runtime.observe.prom import port_problem
-        problem = port_problem(metrics_port, metrics_host)
+        problem = port_problem(metrics_port, opts.metrics_host)
         if problem:
             raise ExecutionError("--metrics-port", problem, "pick a free port (e.g. --metrics-port 9400) or stop "
                                  "what listens there")
 
 
-def _check_data(data: str, tokenizer: str, seed: int, model: ModelSpec, train: TrainSpec, plan: Plan,
-                batching: str) -> None:
+def _check_data(data: str, tokenizer: str, seed: int, model: ModelSpec, train: TrainSpec, plan: Plan) -> None:
     """The corpus as the ranks will read it (data.check_data)."""
     from planner.data import batching as datamod
     from planner.data.corpus import data_spec

@@ -1,6 +1,6 @@
 """Run a plan's run directory on a node group through the DeepSpeed launcher.
 
-    group = NodeGroup.parse(hostfile="hosts", include="localhost:0,1")
+    group = NodeGroup.parse(hostfile="hosts", include="localhost:0,1", cores="0")
     group.check(cluster)                          # refuses a group of the wrong size or shape
     cmd = group.command(run_dir, steps=5, warmup=1, port=29511)
     metrics = group.run(run_dir, steps=5, warmup=1, timeout=900)   # -> metrics.json of the run
@@ -8,15 +8,24 @@
 A group is what the `deepspeed` launcher is given: a hostfile (`<host> slots=<n>` lines) and
 optionally `--include` / `--exclude` (NODE[:SLOT,...][@NODE...]); it is resolved with the
 launcher's own parser (deepspeed.launcher.runner), so the hosts and slots here are the ones
-the launch uses. A group of one local host (localhost, 127.0.0.1 or this host's name) runs
-without ssh on 127.0.0.1, so on one machine several workers can each own some of its slots;
-other groups start their ranks over ssh/pdsh as the launcher does. Rank 0 writes metrics.json
-into the run directory on the first host of the group: for a group whose first host is not
-this one, the run directory must be on a filesystem both hosts share.
+the launch uses.
+
+- A group of one local host (localhost, 127.0.0.1 or this host's name) runs without ssh on
+  127.0.0.1, so on one machine several workers can each own some of its slots; `cores` pins
+  such a group's launcher and ranks to its own CPU cores (`taskset -c`), so that workers
+  sharing a machine do not share cores.
+- Any other group starts its ranks over ssh with the launcher's pdsh backend (`--force_multi`
+  for a single host that is not this one: without it the launcher would run the ranks here).
+  The run directory is made to exist on those hosts and metrics.json is brought back from the
+  group's first host (rank 0) over the same ssh, unless the hosts share the directory
+  (planner/runtime/train/remote.py). The worker's DS_ACCELERATOR, OMP_NUM_THREADS,
+  TORCH_EXTENSIONS_DIR and MALLOC_MMAP_THRESHOLD_ reach the remote ranks through the
+  directory's `.deepspeed_env` (the launcher exports PYTHON* itself).
 
 The launcher runs in its own session (a timeout stops the whole tree) under
 `setpriv --pdeathsig TERM` where util-linux has it, so a worker killed with SIGKILL does not
-leave its ranks running: the launcher gets SIGTERM and stops its ranks.
+leave its ranks running: the launcher gets SIGTERM and stops its ranks (remote ones through
+pdsh, as the launcher's own SIGTERM handler does).
 """
 from __future__ import annotations
 
@@ -33,9 +42,18 @@ from typing import Any
 
 from planner.dsconfig import ENTRY_MODULE
 from planner.errors import ExecutionError, SpecError
-from planner.rundir import read_json
+from planner.rundir import atomic_write_text, read_json
 from planner.runtime.procs import free_port, stop_group
+from planner.runtime.train import remote
+
 _LOCAL = ("localhost", "127.0.0.1")
+_REMOTE_ENV = ("DS_ACCELERATOR", "OMP_NUM_THREADS", "TORCH_EXTENSIONS_DIR", "MALLOC_MMAP_THRESHOLD_")
+"""What the worker's environment gives remote ranks besides PYTHON* (.deepspeed_env)."""
+
+
+def is_here(host: str) -> bool:
+    """Whether `host` names this machine (as the launcher would reach it without ssh)."""
+    return host in (*_LOCAL, socket.gethostname(), socket.getfqdn())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +65,17 @@ class NodeGroup:
     exclude: str = ""
     resources: tuple[tuple[str, tuple[int, ...]], ...] = ()
     """(host, slots) in launch order, as the DeepSpeed launcher resolves the filters."""
+    cores: tuple[int, ...] = ()
+    """CPU cores a local group's launcher and ranks run on (empty: wherever the OS puts them)."""
 
     @classmethod
-    def parse(cls, hostfile: str | None, include: str = "", exclude: str = "") -> "NodeGroup | None":
+    def parse(cls, hostfile: str | None, include: str = "", exclude: str = "",
+              cores: str = "") -> "NodeGroup | None":
         """None without a hostfile, include or exclude (trials then run locally with `planner run`)."""
         if not (hostfile or include or exclude):
+            if cores:
+                raise SpecError("--cores", "pins a node group's ranks, and no --hostfile is given",
+                                "give --hostfile with a local host (e.g. 'localhost slots=2') and --include")
             return None
         if include and exclude:
             raise SpecError("--include/--exclude", "give one of them, not both", "keep --include or --exclude")
@@ -69,15 +93,20 @@ class NodeGroup:
         res = tuple((h, tuple(int(s) for s in slots)) for h, slots in active.items() if slots)
         if not res:
             raise SpecError("--include" if include else "--exclude", "selects no slot", "keep at least one slot")
-        return cls(hostfile=str(Path(hostfile).resolve()), include=include, exclude=exclude, resources=res)
+        group = cls(hostfile=str(Path(hostfile).resolve()), include=include, exclude=exclude, resources=res)
+        return dataclasses.replace(group, cores=_cores(cores, group)) if cores else group
 
     @property
     def slots(self) -> int:
         return sum(len(s) for _, s in self.resources)
 
     @property
+    def hosts(self) -> list[str]:
+        return [h for h, _ in self.resources]
+
+    @property
     def local(self) -> bool:
-        return len(self.resources) == 1 and self.resources[0][0] in (*_LOCAL, socket.gethostname())
+        return len(self.resources) == 1 and is_here(self.resources[0][0])
 
     def describe(self) -> str:
         return "@".join(f"{h}:{','.join(map(str, s))}" for h, s in self.resources)
@@ -98,13 +127,16 @@ class NodeGroup:
     def command(self, run_dir: str | Path, *, steps: int, warmup: int, port: int) -> list[str]:
         """The exact launcher command line (run from `run_dir`)."""
         launcher = Path(sys.executable).with_name("deepspeed")
-        cmd = [str(launcher) if launcher.exists() else "deepspeed", "--hostfile", self.hostfile]
+        cmd = ["taskset", "-c", ",".join(map(str, self.cores))] if self.cores else []
+        cmd += [str(launcher) if launcher.exists() else "deepspeed", "--hostfile", self.hostfile]
         if self.include:
             cmd += ["--include", self.include]
         if self.exclude:
             cmd += ["--exclude", self.exclude]
         if self.local:
             cmd += ["--no_ssh_check", "--master_addr", "127.0.0.1"]
+        elif len(self.resources) == 1:
+            cmd += ["--force_multi"]         # one host that is not this one: over pdsh, not here
         cmd += ["--master_port", str(port), "--module", ENTRY_MODULE, "--run-dir", str(Path(run_dir).resolve()),
                 "--steps", str(steps), "--warmup", str(warmup)]
         return cmd
@@ -114,13 +146,15 @@ class NodeGroup:
         """Launch, wait at most `timeout` s, and return the run's metrics.json (ExecutionError if none)."""
         run = Path(run_dir).resolve()
         (run / "metrics.json").unlink(missing_ok=True)
+        fetch_from = self._stage(run)
         cmd = self.command(run, steps=steps, warmup=warmup, port=free_port())
         if shutil.which("setpriv"):
             cmd = ["setpriv", "--pdeathsig", "TERM", "--", *cmd]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        if os.environ.get("DS_ACCELERATOR") == "cpu":
+        if os.environ.get("DS_ACCELERATOR") == "cpu" and self.local:
             env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, self.slots))))
+            cpus = len(self.cores) or os.cpu_count() or 1
+            env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // max(1, self.slots))))
         with open(run / log_name, "w") as log:
             proc = subprocess.Popen(cmd, cwd=str(run), env=env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
@@ -133,6 +167,12 @@ class NodeGroup:
             except BaseException:
                 _stop(proc)
                 raise
+        if fetch_from:
+            try:
+                atomic_write_text(run / "metrics.json", remote.collect(run, fetch_from))
+            except ExecutionError:
+                if code == 0:           # the run says it succeeded: the lost metrics are the error
+                    raise
         try:
             metrics = read_json(run / "metrics.json", "metrics.json")
         except Exception:
@@ -142,6 +182,39 @@ class NodeGroup:
             raise ExecutionError("launcher", f"exited with status {code}" + (f": {why}" if why else ""),
                                  f"see {run / log_name} and {run}/metrics.json")
         return metrics
+
+    def _stage(self, run: Path) -> str:
+        """For a group reached over ssh: the run directory (and .deepspeed_env) on each host
+        that does not share it; returns the first host when metrics.json must be fetched from it."""
+        if self.local:
+            return ""
+        lines = [f"{k}={os.environ[k]}" for k in _REMOTE_ENV if os.environ.get(k)]
+        (run / ".deepspeed_env").unlink(missing_ok=True)
+        if lines:
+            atomic_write_text(run / ".deepspeed_env", "\n".join(lines) + "\n")
+        away = [h for h in self.hosts if not is_here(h)]
+        shared = remote.stage(run, away)
+        first = self.hosts[0]
+        return first if not is_here(first) and first not in shared else ""
+
+
+def _cores(spec: str, group: NodeGroup) -> tuple[int, ...]:
+    """--cores LIST (the launcher's --bind_core_list syntax: 0-3,8) for a local group."""
+    from deepspeed.utils.numa import parse_range_list
+    if not group.local:
+        raise SpecError("--cores", f"pins a group on this machine; {group.describe()} starts its ranks over ssh",
+                        "drop --cores, and bind remote ranks with your scheduler (e.g. Slurm's --cpu-bind)")
+    try:
+        cores = tuple(parse_range_list(spec))
+    except ValueError as exc:
+        raise SpecError("--cores", f"{spec!r} is not a core list: {exc}", "write e.g. 0-3,8") from None
+    have = sorted(os.sched_getaffinity(0))
+    if not set(cores) <= set(have):
+        raise SpecError("--cores", f"{spec!r} names cores this process may not use (it may use "
+                        f"{','.join(map(str, have))})", "give cores of this machine (see `taskset -p $$`)")
+    if not shutil.which("taskset"):
+        raise SpecError("--cores", "taskset (util-linux) is not installed", "install util-linux or drop --cores")
+    return cores
 
 
 def _read_hostfile(path: str) -> "OrderedDict[str, int]":

@@ -9,6 +9,7 @@ same worker.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ from planner.runtime.preflight.buildlock import stale_lock_problem
 from planner.runtime.train.checkpoints import latest_tag
 from planner.runtime.files import CKPT_DIR, RANKS_DIR
 from planner.runtime.procs import RankGroup, rank_env
+from planner.runtime.train.options import TrainerOptions
 from planner.runtime.observe.watch import ALERTS_FILE, DASHBOARD_FILE, format_progress
 from planner.rundir import atomic_write_json, check_writable, load_run, read_json
 
@@ -74,15 +76,11 @@ def check_counts(steps: int, warmup: int, timeout: float) -> None:
                              "e.g. --timeout 600")
 
 
-def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: bool = False,
-             timeout: float = 600.0, batching: str = "dynamic", checkpoint_every: int = 0,
-             inject_nan: int = -1, data: str = "", seed: int = 1234, data_workers: int | None = None,
-             ignore_host_checks: bool = False, tokenizer: str = "", eval_every: int = 0, eval_batches: int = 2,
-             lr: float | None = None, lr_warmup_steps: int = 0, lr_schedule: str | None = None,
-             metrics_port: int = 0, metrics_host: str = "127.0.0.1", init_hf: str = "", save_hf: str = "",
-             step_sleep: float = 0.0, save_sleep: float = 0.0, resume_if_present: bool = False,
-             echo: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """Run the plan in `run_dir` for `steps` optimizer steps; returns (and writes) metrics.json.
+def run_plan(run_dir: str | Path, *, timeout: float = 600.0, ignore_host_checks: bool = False,
+             resume_if_present: bool = False, echo: Callable[[str], None] = lambda s: None,
+             **options: Any) -> dict[str, Any]:
+    """Run the plan in `run_dir` with the trainer's `options` (TrainerOptions' fields: steps,
+    warmup, resume, data, ...); returns (and writes) metrics.json.
 
     Refuses first, starting nothing, what cannot run here (planner.runtime.preflight.checks): bad
     plan.json, a ds_config.json that disagrees with it, unless `ignore_host_checks` a plan this
@@ -91,25 +89,14 @@ def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: b
     train, rank 0's progress lines (DIR/.ranks/progress.jsonl) go to `echo`; rank 0 writes
     metrics.json at the end (the launcher rebuilds it from result.json if it did not).
     `step_sleep` and `save_sleep` are test hooks (a pause after each step / checkpoint file)."""
+    opts = TrainerOptions(**options)
     run = Path(run_dir).resolve()
-    check_counts(steps, warmup, timeout)
+    check_counts(opts.steps, opts.warmup, timeout)
     plan, model, cluster, train, doc = load_run(run)
-    resume_tag = latest_tag(run / CKPT_DIR)
-    if resume and resume_tag is None:
-        if not resume_if_present:
-            raise ExecutionError("--resume", f"no checkpoint to resume from in {run / CKPT_DIR} "
-                                 "(no complete tag named in `latest`)",
-                                 "run without --resume to start at step 1, or pass --resume-if-present to "
-                                 "resume when a checkpoint exists and start fresh otherwise")
-        echo(f"no checkpoint in {run / CKPT_DIR}: starting at step 1 (--resume-if-present)")
-        resume = False
+    opts = _resume_or_start(run, opts, resume_if_present, echo)
     # every refusal comes before the run directory is touched (planner/runtime/preflight/checks.py)
     missing_cfg = preflight.check(run, plan, model, cluster, train, doc, ignore_host=ignore_host_checks)
-    preflight.check_trainer(run, plan, model, train, data=data, tokenizer=tokenizer, seed=seed, batching=batching,
-                            eval_every=eval_every, eval_batches=eval_batches, checkpoint_every=checkpoint_every,
-                            lr=lr, lr_warmup_steps=lr_warmup_steps, lr_schedule=lr_schedule,
-                            metrics_port=metrics_port, metrics_host=metrics_host, init_hf=init_hf, save_hf=save_hf,
-                            data_workers=data_workers)
+    preflight.check_trainer(run, plan, model, train, opts)
     check_writable(run, "RUN_DIR")
     lock = stale_lock_problem()
     if lock is not None:
@@ -117,6 +104,51 @@ def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: b
     if missing_cfg is not None:
         atomic_write_json(run / "ds_config.json", missing_cfg)
         echo("ds_config.json was missing: written from plan.json")
+    progress_file, shown = _prepare_run_dir(run, opts.resume)
+    world = plan.world_size
+    env = rank_env(world, LOCAL_WORLD_SIZE=str(world), DEEPSPEED_TIMEOUT=str(max(1, int(timeout // 60) + 1)))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
+    if cluster.device.kind == "cpu":
+        env.update(DS_ACCELERATOR="cpu", MALLOC_MMAP_THRESHOLD_="65536")
+    cmd = [sys.executable, "-m", dsconfig.ENTRY_MODULE, "--run-dir", str(run), *opts.absolute().to_argv()]
+    echo(f"launching {world} rank(s): {plan.describe()}")
+    if opts.metrics_port:
+        echo(f"metrics: http://{opts.metrics_host}:{opts.metrics_port}/metrics (rules {ALERTS_FILE}, "
+             f"dashboard {DASHBOARD_FILE})")
+    failure = _launch(run, cmd, env, world, timeout, _Follower(progress_file, echo, shown))
+    if failure is not None:
+        rank, cause = failure
+        metrics = failure_metrics(run, plan, model, world, cluster, opts.warmup, opts.steps, opts.batching, rank,
+                                  cause)
+        atomic_write_json(run / "metrics.json", metrics)
+        raise ExecutionError(f"rank {rank}" if rank is not None else "run", cause,
+                             f"see {run / RANKS_DIR}/rank{rank if rank is not None else 0}.log; metrics.json records "
+                             "the failure")
+    if (run / "metrics.json").exists():  # written by rank 0 (planner/runtime/train/loop.py)
+        return read_json(run / "metrics.json", "metrics.json")
+    result = read_json(run / RANKS_DIR / "result.json", "result.json")
+    metrics = build_metrics(result, plan, model, opts.warmup, opts.steps, _read(run / "estimate.json"), run)
+    atomic_write_json(run / "metrics.json", metrics)
+    return metrics
+
+
+def _resume_or_start(run: Path, opts: TrainerOptions, resume_if_present: bool,
+                     echo: Callable[[str], None]) -> TrainerOptions:
+    """--resume needs a checkpoint; --resume-if-present starts fresh without one."""
+    if not opts.resume or latest_tag(run / CKPT_DIR) is not None:
+        return opts
+    if not resume_if_present:
+        raise ExecutionError("--resume", f"no checkpoint to resume from in {run / CKPT_DIR} "
+                             "(no complete tag named in `latest`)",
+                             "run without --resume to start at step 1, or pass --resume-if-present to "
+                             "resume when a checkpoint exists and start fresh otherwise")
+    echo(f"no checkpoint in {run / CKPT_DIR}: starting at step 1 (--resume-if-present)")
+    return dataclasses.replace(opts, resume=False)
+
+
+def _prepare_run_dir(run: Path, resume: bool) -> tuple[Path, int]:
+    """Clear what a previous run left (kept when resuming: its checkpoints and progress lines);
+    returns the progress file and the offset from which this run's lines are shown."""
     ranks = run / RANKS_DIR
     if not resume:
         shutil.rmtree(run / CKPT_DIR, ignore_errors=True)
@@ -130,43 +162,12 @@ def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: b
     # a resumed run shows its own lines only: the killed run's records stay in the file
     shown = progress_file.stat().st_size if resume and progress_file.exists() else 0
     (run / "metrics.json").unlink(missing_ok=True)  # rank 0 writes this run's at the end
-    world = plan.world_size
-    cpu = cluster.device.kind == "cpu"
-    env = rank_env(world, LOCAL_WORLD_SIZE=str(world), DEEPSPEED_TIMEOUT=str(max(1, int(timeout // 60) + 1)))
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
-    if cpu:
-        env.update(DS_ACCELERATOR="cpu", MALLOC_MMAP_THRESHOLD_="65536")
-    cmd = [sys.executable, "-m", dsconfig.ENTRY_MODULE, "--run-dir", str(run), "--steps", str(steps),
-           "--batching", batching, "--checkpoint-every", str(checkpoint_every), "--inject-nan", str(inject_nan),
-           "--seed", str(seed)]
-    if data_workers is not None:
-        cmd += ["--data-workers", str(data_workers)]
-    if data:
-        cmd += ["--data", str(Path(data).resolve())]
-    if tokenizer:
-        cmd += ["--tokenizer", str(Path(tokenizer).resolve())]
-    if eval_every:
-        cmd += ["--eval-every", str(eval_every), "--eval-batches", str(eval_batches)]
-    if lr is not None:
-        cmd += ["--lr", repr(float(lr))]
-    if lr_schedule is not None:
-        cmd += ["--lr-schedule", lr_schedule]
-    cmd += ["--lr-warmup-steps", str(lr_warmup_steps), "--warmup", str(warmup)]
-    if metrics_port:
-        cmd += ["--metrics-port", str(metrics_port), "--metrics-host", metrics_host]
-    if init_hf:
-        cmd += ["--init-hf", str(Path(init_hf).resolve())]
-    if save_hf:
-        cmd += ["--save-hf", str(Path(save_hf).resolve())]
-    if step_sleep:
-        cmd += ["--step-sleep", str(step_sleep)]
-    if save_sleep:
-        cmd += ["--save-sleep", str(save_sleep)]
-    if resume:
-        cmd.append("--resume")
-    echo(f"launching {world} rank(s): {plan.describe()}")
-    if metrics_port:
-        echo(f"metrics: http://{metrics_host}:{metrics_port}/metrics (rules {ALERTS_FILE}, dashboard {DASHBOARD_FILE})")
+    return progress_file, shown
+
+
+def _launch(run: Path, cmd: list[str], env: dict[str, str], world: int, timeout: float,
+            follow: "_Follower") -> tuple[int | None, str] | None:
+    """Start the world's ranks, watch them until they finish, fail or hang; stop what is left."""
     import threading
     if threading.current_thread() is threading.main_thread():
         # SIGTERM to the launcher still runs the cleanup below (ranks are in their own group)
@@ -176,29 +177,16 @@ def run_plan(run_dir: str | Path, *, steps: int = 10, warmup: int = 2, resume: b
     start = time.monotonic()
     try:
         for r in range(world):
-            log = open(ranks / f"rank{r}.log", "w")
+            log = open(run / RANKS_DIR / f"rank{r}.log", "w")
             logs.append(log)
             group.start(cmd, r, env, log, cwd=str(run))
-        follow = _Follower(progress_file, echo, shown)
         failure = _watch(run, group.procs, start, timeout, follow)
         follow()
     finally:
         group.stop()
         for log in logs:
             log.close()
-    estimate = _read(run / "estimate.json")
-    if failure is not None:
-        rank, cause = failure
-        metrics = failure_metrics(run, plan, model, world, cluster, warmup, steps, batching, rank, cause)
-        atomic_write_json(run / "metrics.json", metrics)
-        raise ExecutionError(f"rank {rank}" if rank is not None else "run", cause,
-                             f"see {ranks}/rank{rank if rank is not None else 0}.log; metrics.json records the failure")
-    if (run / "metrics.json").exists():  # written by rank 0 (planner/runtime/train/loop.py)
-        return read_json(run / "metrics.json", "metrics.json")
-    result = read_json(ranks / "result.json", "result.json")
-    metrics = build_metrics(result, plan, model, warmup, steps, estimate, run)
-    atomic_write_json(run / "metrics.json", metrics)
-    return metrics
+    return failure
 
 
 class _Follower:

@@ -47,124 +47,185 @@ def _grad_norm(engine) -> float | None:
     return float(g.item() if isinstance(g, torch.Tensor) else g)
 
 
-def train(args, run_dir: Path, rank: int, status) -> None:
-    rss_before = rss_bytes()
-    import deepspeed
-    import deepspeed.comm as dist
+def train(opts, run_dir: Path, rank: int, status) -> None:
+    """Train this rank as `opts` (TrainerOptions) say: set up, step until opts.steps, measure."""
+    run = Training(opts, run_dir, rank, status)
+    run.loop()
+    run.finish()
 
-    from planner.errors import ExecutionError
-    from planner.runtime.observe.metrics import build_metrics
-    from planner.runtime.observe.watch import (ALERTS_FILE, DASHBOARD_FILE, AllReduceTimer, alert_rules, dashboard,
-                                               format_progress)
-    from planner.rundir import atomic_write_text
 
-    if args.steps < 1 or args.warmup < 0 or args.warmup >= args.steps:
-        raise ExecutionError("--steps/--warmup", f"need steps >= 1 and 0 <= warmup < steps, got "
-                             f"{args.steps}/{args.warmup}", "e.g. --steps 10 --warmup 2")
-    plan, spec, cluster, trainspec, doc = load_run(run_dir)
-    cfg = read_json(run_dir / "ds_config.json", "ds_config.json")
-    device = "cuda" if cluster.device.kind != "cpu" and torch.cuda.is_available() else "cpu"
-    # CPU: live tensor bytes counted from before the model is built (planner.runtime.observe.measure)
-    meter = AllocatedMeter() if device == "cpu" else None
-    allocated, allocated_steps = None, None
-    exporter = None
-    if rank == 0 and args.metrics_port:
-        from planner.runtime.observe.prom import Exporter
-        try:  # first: a busy port fails before the model is built
-            exporter = Exporter(args.metrics_port, args.metrics_host)
-        except OSError as exc:
-            raise ExecutionError("--metrics-port", f"cannot listen on {args.metrics_host}:{args.metrics_port}: "
-                                 f"{exc.strerror or exc}", "pick a free port or stop what listens there") from None
-        atomic_write_text(run_dir / ALERTS_FILE, alert_rules())
-        atomic_write_json(run_dir / DASHBOARD_FILE, dashboard(f"planner: {spec.name} {plan.describe()}"))
-    timer = AllReduceTimer(cuda=device == "cuda").install() if args.metrics_port else None
-    deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
-    world = dist.get_world_size()
-    if world != plan.world_size:
-        raise RuntimeError(f"launched {world} processes, the plan needs {plan.world_size}")
-    torch.manual_seed(args.seed)
-    status.write(phase="init")
-    os.chdir(run_dir)  # the monitor's relative output paths land in the run directory
-    lr_info = configure_lr(cfg, args, args.steps)
-    build_kw = {}
-    if args.init_hf:
-        build_kw["init_weights"] = _init_from_hf(Path(args.init_hf), spec, plan)
-    engine, groups = build_engine(plan, spec, cfg, attention=trainspec.attention, seed=args.seed, **build_kw)
-    check_topology(engine, groups, plan, rank)
-    pp_i, dp_i, _, tp_i = plan.coords(rank)
-    if args.dump_grads:
-        dump_first_grads(engine, Path(args.dump_grads), rank, (pp_i, dp_i, tp_i))
-    slow_save = slow_saves(engine, args.save_sleep) if args.save_sleep else {}
-    pipe = plan.pp > 1
-    last_stage = pp_i == plan.pp - 1
-    # --measure-activations: what each layer keeps for backward in the first micro-batch of the
-    # second step (the first is warm-up), or of the only step
-    recorder = ActivationRecorder(engine.module) if args.measure_activations else None
-    measure_step = min(1, args.steps - 1)
-    if recorder is not None and pipe:
-        record_first_forward(engine, recorder)
+class Training:
+    """One rank's run. Set-up in the order the ranks must meet (the metrics port before the
+    process group, the process group before the model, the model before the data), then the
+    step loop (rollback on non-finite loss), then the measurements rank 0 writes."""
 
-    data = data_spec(args.data, args.tokenizer, args.seed, trainspec, spec)
-    loading = loader_settings(doc, args.data_workers, device)
-    rows = Rows(data, args.batching)
-    layout = Layout(plan.micro_batch, plan.grad_accum, plan.dp)
-    eval_loader = None
-    if args.eval_every:
-        eval_rows = Rows(data, args.batching, split="eval")
-        eval_ids = list(range(args.eval_batches))
-    ckpt = run_dir / CKPT_DIR
-    monitor = StabilityMonitor()
-    state = {"step": 0, "cursor": 0, "skip": [], "loss": [], "events": [], "times": [], "tokens": 0, "padding": 0,
-             "lr": [], "eval": [], "allreduce_s": []}
-    tag = checkpoints.resume(engine, ckpt, state) if args.resume else None
-    if args.resume and tag is None:  # launch.sh runs: `planner run` refuses this before starting ranks
-        raise ExecutionError("--resume", f"no checkpoint to resume from in {ckpt}", "run without --resume")
-    resumed_at = state["step"]
-    if rank == 0 and tag is not None:
-        rec = {"step": resumed_at, "kind": "resume", "tag": tag, "dir": str(ckpt / tag)}
-        progress(run_dir, rec)
-        print(format_progress(rec), flush=True)
-    saved = {"step": state["step"] if tag is not None else None}
+    def __init__(self, opts, run_dir: Path, rank: int, status) -> None:
+        self.rss_before = rss_bytes()
+        import deepspeed
+        import deepspeed.comm as dist
 
-    def save(step: int) -> None:  # every rank; `latest` names the tag once all have saved it
-        checkpoints.save(engine, ckpt, run_dir, rank, state, step, slow_save)
-        saved["step"] = step
+        from planner.errors import ExecutionError
+        if opts.steps < 1 or opts.warmup < 0 or opts.warmup >= opts.steps:
+            raise ExecutionError("--steps/--warmup", f"need steps >= 1 and 0 <= warmup < steps, got "
+                                 f"{opts.steps}/{opts.warmup}", "e.g. --steps 10 --warmup 2")
+        self.opts, self.run_dir, self.rank, self.status, self.dist = opts, run_dir, rank, status, dist
+        self.plan, self.spec, self.cluster, self.trainspec, self.doc = load_run(run_dir)
+        self.cfg = read_json(run_dir / "ds_config.json", "ds_config.json")
+        self.device = "cuda" if self.cluster.device.kind != "cpu" and torch.cuda.is_available() else "cpu"
+        # CPU: live tensor bytes counted from before the model is built (planner.runtime.observe.measure)
+        self.meter = AllocatedMeter() if self.device == "cpu" else None
+        self.allocated, self.allocated_steps = None, None
+        self._services()
+        deepspeed.init_distributed(dist_backend="nccl" if self.device == "cuda" else "gloo")
+        self.world = dist.get_world_size()
+        if self.world != self.plan.world_size:
+            raise RuntimeError(f"launched {self.world} processes, the plan needs {self.plan.world_size}")
+        torch.manual_seed(opts.seed)
+        status.write(phase="init")
+        os.chdir(run_dir)  # the monitor's relative output paths land in the run directory
+        self.lr_info = configure_lr(self.cfg, opts, opts.steps)
+        self._build()
+        self._data()
+        self._resume()
 
-    if args.checkpoint_every and latest_tag(ckpt) is None:
-        save(0)  # a good state to roll back to before the first checkpoint interval
-    reset_peak(device)
-    if meter is not None:
-        meter.reset()
-    status.write(phase="train")
-    times: dict[int, float] = {int(k): v for k, v in state.get("times_by_step", {}).items()}
-    poisoned_batches: set[int] = set()
-    stream = None
-    states = None
-    rollbacks = 0
-    if timer is not None:
-        timer.take()
-    while state["step"] < args.steps:
-        step = state["step"]
-        if stream is None:  # (re)started after init or a rollback: one DataLoader for the rest of the run
-            ids_left, c = [], state["cursor"]
-            for _ in range(args.steps - step):
-                c = _next_batch(c, set(state["skip"]))
+    # --- set-up -------------------------------------------------------------------------------
+    def _services(self) -> None:
+        """The Prometheus endpoint (rank 0; a busy port fails before the model is built), its
+        rules and dashboard, and the all-reduce timer they read."""
+        from planner.errors import ExecutionError
+        from planner.rundir import atomic_write_text
+        from planner.runtime.observe.watch import ALERTS_FILE, DASHBOARD_FILE, AllReduceTimer, alert_rules, dashboard
+        opts, run_dir = self.opts, self.run_dir
+        self.exporter = None
+        if self.rank == 0 and opts.metrics_port:
+            from planner.runtime.observe.prom import Exporter
+            try:
+                self.exporter = Exporter(opts.metrics_port, opts.metrics_host)
+            except OSError as exc:
+                raise ExecutionError("--metrics-port", f"cannot listen on {opts.metrics_host}:{opts.metrics_port}: "
+                                     f"{exc.strerror or exc}", "pick a free port or stop what listens there") from None
+            atomic_write_text(run_dir / ALERTS_FILE, alert_rules())
+            atomic_write_json(run_dir / DASHBOARD_FILE, dashboard(f"planner: {self.spec.name} {self.plan.describe()}"))
+        self.timer = AllReduceTimer(cuda=self.device == "cuda").install() if opts.metrics_port else None
+
+    def _build(self) -> None:
+        """The engine on this rank's groups, checked against the plan's layout, and the test and
+        measurement hooks it carries."""
+        opts, plan, spec = self.opts, self.plan, self.spec
+        build_kw = {}
+        if opts.init_hf:
+            build_kw["init_weights"] = _init_from_hf(Path(opts.init_hf), spec, plan)
+        self.engine, self.groups = build_engine(plan, spec, self.cfg, attention=self.trainspec.attention,
+                                                seed=opts.seed, **build_kw)
+        check_topology(self.engine, self.groups, plan, self.rank)
+        self.pp_i, self.dp_i, _, self.tp_i = plan.coords(self.rank)
+        if opts.dump_grads:
+            dump_first_grads(self.engine, Path(opts.dump_grads), self.rank, (self.pp_i, self.dp_i, self.tp_i))
+        self.slow_save = slow_saves(self.engine, opts.save_sleep) if opts.save_sleep else {}
+        self.pipe = plan.pp > 1
+        self.last_stage = self.pp_i == plan.pp - 1
+        # --measure-activations: what each layer keeps for backward in the first micro-batch of the
+        # second step (the first is warm-up), or of the only step
+        self.recorder = ActivationRecorder(self.engine.module) if opts.measure_activations else None
+        self.measure_step = min(1, opts.steps - 1)
+        if self.recorder is not None and self.pipe:
+            record_first_forward(self.engine, self.recorder)
+
+    def _data(self) -> None:
+        opts, plan = self.opts, self.plan
+        data = data_spec(opts.data, opts.tokenizer, opts.seed, self.trainspec, self.spec)
+        self.loading = loader_settings(self.doc, opts.data_workers, self.device)
+        self.rows = Rows(data, opts.batching)
+        self.layout = Layout(plan.micro_batch, plan.grad_accum, plan.dp)
+        self.eval_loader = None
+        if opts.eval_every:
+            self.eval_rows = Rows(data, opts.batching, split="eval")
+            self.eval_ids = list(range(opts.eval_batches))
+
+    def _resume(self) -> None:
+        """Resume from the latest checkpoint (--resume), or start; save step 0 when checkpointing."""
+        from planner.errors import ExecutionError
+        from planner.runtime.observe.watch import format_progress
+        opts, run_dir = self.opts, self.run_dir
+        self.ckpt = run_dir / CKPT_DIR
+        self.monitor = StabilityMonitor()
+        self.state = {"step": 0, "cursor": 0, "skip": [], "loss": [], "events": [], "times": [], "tokens": 0,
+                      "padding": 0, "lr": [], "eval": [], "allreduce_s": []}
+        tag = checkpoints.resume(self.engine, self.ckpt, self.state) if opts.resume else None
+        if opts.resume and tag is None:  # launch.sh runs: `planner run` refuses this before starting ranks
+            raise ExecutionError("--resume", f"no checkpoint to resume from in {self.ckpt}", "run without --resume")
+        self.resumed_at = self.state["step"]
+        if self.rank == 0 and tag is not None:
+            rec = {"step": self.resumed_at, "kind": "resume", "tag": tag, "dir": str(self.ckpt / tag)}
+            progress(run_dir, rec)
+            print(format_progress(rec), flush=True)
+        self.saved_step = self.state["step"] if tag is not None else None
+        if opts.checkpoint_every and latest_tag(self.ckpt) is None:
+            self.save(0)  # a good state to roll back to before the first checkpoint interval
+
+    def save(self, step: int) -> None:
+        """Every rank saves; `latest` names the tag once all have saved it."""
+        checkpoints.save(self.engine, self.ckpt, self.run_dir, self.rank, self.state, step, self.slow_save)
+        self.saved_step = step
+
+    # --- the step loop ------------------------------------------------------------------------
+    def loop(self) -> None:
+        reset_peak(self.device)
+        if self.meter is not None:
+            self.meter.reset()
+        self.status.write(phase="train")
+        self.times: dict[int, float] = {int(k): v for k, v in self.state.get("times_by_step", {}).items()}
+        self.poisoned: set[int] = set()
+        self.stream = None
+        self.states = None
+        rollbacks = 0
+        if self.timer is not None:
+            self.timer.take()
+        while self.state["step"] < self.opts.steps:
+            step = self.state["step"]
+            b, micro = self._next_micro_batches(step)
+            lr, loss, dt, gnorm = self._train_step(step, b, micro)
+            ar_s, ar_n = self.timer.take() if self.timer is not None else (0.0, 0)
+            step_loss, bad, real, total, per_rank = self._gather_step(b, loss, gnorm, dt, ar_s, ar_n)
+            if bad:
+                rollbacks += 1
+                if rollbacks > 3:
+                    raise RuntimeError(f"non-finite loss/gradients persist after {rollbacks - 1} rollbacks at step "
+                                       f"{step}")
+                checkpoints.rollback(self.engine, self.run_dir, self.rank, self.state, step, b, loss, gnorm, self.ckpt,
+                                     self.layout)
+                self.stream = None
+                continue
+            rollbacks = 0
+            self._record_step(step, b, lr, dt, gnorm, step_loss, real, total, per_rank)
+
+    def _next_micro_batches(self, step: int) -> tuple[int, list]:
+        """The next global batch's id and this rank's micro-batches of it."""
+        if self.stream is None:  # (re)started after init or a rollback: one DataLoader for the rest of the run
+            ids_left, c = [], self.state["cursor"]
+            for _ in range(self.opts.steps - step):
+                c = _next_batch(c, set(self.state["skip"]))
                 ids_left.append(c)
                 c += 1
-            stream = iter(loader(rows, layout, ids_left, dp_i, device, loading))
-            pending = list(ids_left)
-        b = pending.pop(0)
-        micro = [next(stream) for _ in range(plan.grad_accum)]
-        poison = step == args.inject_nan and not poisoned_batches  # the test injects once
+            self.stream = iter(loader(self.rows, self.layout, ids_left, self.dp_i, self.device, self.loading))
+            self.pending = list(ids_left)
+        b = self.pending.pop(0)
+        return b, [next(self.stream) for _ in range(self.plan.grad_accum)]
+
+    def _train_step(self, step: int, b: int, micro: list) -> tuple[float, float, float, float | None]:
+        """Forward, backward and the optimizer step of one global batch: (lr, mean loss, seconds,
+        gradient norm). Counts the model states after the second step's last backward."""
+        engine, device, recorder = self.engine, self.device, self.recorder
+        poison = step == self.opts.inject_nan and not self.poisoned  # the test injects once
         if poison:
-            poisoned_batches.add(b)
+            self.poisoned.add(b)
         set_poison(engine, poison)
-        record = recorder is not None and step == measure_step and recorder.result is None
-        if record and pipe:
+        record = recorder is not None and step == self.measure_step and recorder.result is None
+        if record and self.pipe:
             recorder.armed = True
         lr = float(engine.get_lr()[0])  # the rate this step's optimizer update uses
         t0 = time.perf_counter()
-        if pipe:
+        if self.pipe:
             it = iter(((ids.to(device), pos.to(device), seg.to(device)), lab.to(device)) for ids, pos, seg, lab in micro)
             loss = float(engine.train_batch(data_iter=it))
         else:
@@ -175,146 +236,179 @@ def train(args, run_dir: Path, rank: int, status) -> None:
                     l = engine.module.loss_fn(logits, lab.to(device))
                 del logits  # not kept for backward: only the loss's fp32 softmax is (docs/runtime.md)
                 engine.backward(l)
-                if step >= 1 and k == len(micro) - 1 and states is None:
+                if step >= 1 and k == len(micro) - 1 and self.states is None:
                     # gradients reduced and optimizer state allocated: count model states here
-                    states = model_states(engine.module, engine.optimizer, device)
+                    self.states = model_states(engine.module, engine.optimizer, device)
                 engine.step()
                 losses.append(float(l.detach()))
             loss = sum(losses) / len(losses)
         dt = time.perf_counter() - t0
         gnorm = _grad_norm(engine)
         set_poison(engine, False)
-        ar_s, ar_n = timer.take() if timer is not None else (0.0, 0)
-        # one collective per step: loss (from ranks holding it), bad flag, real/padded tokens, and
-        # each rank's own slot: step time, peak memory, time and calls in all-reduce, GPU utilisation
-        holds_loss = (last_stage or not pipe) and tp_i == 0
-        reads = pp_i == 0 and tp_i == 0
-        real = sum(rows.real_tokens(i) for m in range(plan.grad_accum) for i in layout.rows(b, m, dp_i)) if reads else 0
-        total = plan.grad_accum * plan.micro_batch * trainspec.seq_len if reads else 0
+        return lr, loss, dt, gnorm
+
+    def _gather_step(self, b: int, loss: float, gnorm: float | None, dt: float, ar_s: float,
+                     ar_n: int) -> tuple[float, bool, int, int, list[dict]]:
+        """One collective per step: loss (from ranks holding it), bad flag, real/padded tokens, and
+        each rank's own slot: step time, peak memory, time and calls in all-reduce, GPU
+        utilisation. Returns (step loss, any rank bad, real tokens, tokens, per-rank figures)."""
+        plan, world, rank = self.plan, self.world, self.rank
+        self.holds_loss = (self.last_stage or not self.pipe) and self.tp_i == 0
+        reads = self.pp_i == 0 and self.tp_i == 0
+        real = sum(self.rows.real_tokens(i) for m in range(plan.grad_accum)
+                   for i in self.layout.rows(b, m, self.dp_i)) if reads else 0
+        total = plan.grad_accum * plan.micro_batch * self.trainspec.seq_len if reads else 0
         bad = 0.0 if (math.isfinite(loss) and (gnorm is None or math.isfinite(gnorm))) else 1.0
         vec = torch.zeros(5 + PER_RANK * world, dtype=torch.float64)
-        vec[:5] = torch.tensor([loss if (holds_loss and not bad) else 0.0, 1.0 if holds_loss else 0.0, bad,
+        vec[:5] = torch.tensor([loss if (self.holds_loss and not bad) else 0.0, 1.0 if self.holds_loss else 0.0, bad,
                                 float(real), float(total)], dtype=torch.float64)
         vec[5 + PER_RANK * rank:5 + PER_RANK * (rank + 1)] = torch.tensor(
-            [dt, float(peak_bytes(device)), ar_s, float(ar_n), _gpu_util(device)], dtype=torch.float64)
-        dist.all_reduce(vec)
-        if timer is not None:
-            timer.take()  # not the step's own traffic
-        step_loss = vec[0].item() / max(vec[1].item(), 1.0)
-        if vec[2].item() > 0:
-            rollbacks += 1
-            if rollbacks > 3:
-                raise RuntimeError(f"non-finite loss/gradients persist after {rollbacks - 1} rollbacks at step {step}")
-            checkpoints.rollback(engine, run_dir, rank, state, step, b, loss, gnorm, ckpt, layout)
-            stream = None
-            continue
+            [dt, float(peak_bytes(self.device)), ar_s, float(ar_n), _gpu_util(self.device)], dtype=torch.float64)
+        self.dist.all_reduce(vec)
+        if self.timer is not None:
+            self.timer.take()  # not the step's own traffic
         per_rank = [dict(zip(("time_s", "peak_memory_bytes", "allreduce_seconds", "allreduce_calls",
                               "gpu_utilization_percent"), vec[5 + PER_RANK * r:5 + PER_RANK * (r + 1)].tolist()))
                     for r in range(world)]
         for m in per_rank:
             if m["gpu_utilization_percent"] < 0:
                 m["gpu_utilization_percent"] = None
-        times[step] = dt
-        rollbacks = 0
-        step_tokens = int(vec[3].item())
+        return (vec[0].item() / max(vec[1].item(), 1.0), vec[2].item() > 0, int(vec[3].item()), int(vec[4].item()),
+                per_rank)
+
+    def _record_step(self, step: int, b: int, lr: float, dt: float, gnorm: float | None, step_loss: float,
+                     step_tokens: int, total: int, per_rank: list[dict]) -> None:
+        """A step that counts: the run's state, the allocated-bytes window, the held-out loss,
+        the progress line (and DeepSpeed's monitor, Prometheus), a checkpoint when due."""
+        opts, state = self.opts, self.state
+        self.times[step] = dt
         state["tokens"] += step_tokens
-        state["padding"] += int(vec[4].item() - vec[3].item())
+        state["padding"] += total - step_tokens
         state["loss"] = state["loss"][:step] + [step_loss]
         state["lr"] = state.get("lr", [])[:step] + [lr]
         state["step_tokens"] = state.get("step_tokens", [])[:step] + [step_tokens]
         state["allreduce_s"] = state.get("allreduce_s", [])[:step] + [
-            max(m["allreduce_seconds"] for m in per_rank) if timer is not None else None]
-        for ev in monitor.observe(step + 1, step_loss, gnorm):  # step numbers as the progress lines count
+            max(m["allreduce_seconds"] for m in per_rank) if self.timer is not None else None]
+        for ev in self.monitor.observe(step + 1, step_loss, gnorm):  # step numbers as the progress lines count
             state["events"].append(ev)
         state["step"], state["cursor"] = step + 1, b + 1
-        if meter is not None and meter.running and state["step"] >= min(max(args.warmup, ALLOCATED_STEPS), args.steps):
+        if self.meter is not None and self.meter.running and \
+                state["step"] >= min(max(opts.warmup, ALLOCATED_STEPS), opts.steps):
             # the warm-up steps' peak (at least the first two: the optimizer allocates its states in
             # the first step, the second is the steady state); peak RSS from here on
-            allocated, allocated_steps = meter.stop(), state["step"] - resumed_at
-            reset_peak(device)
-        state["times_by_step"] = {str(k): v for k, v in times.items()}
-        eval_loss = None
-        if args.eval_every and (step + 1) % args.eval_every == 0:
-            if eval_loader is None:
-                eval_loader = loader(eval_rows, layout, eval_ids, dp_i, device,
-                                          loader_settings({}, 0, device))
-            eval_loss = evaluate(engine, eval_loader, plan, device, holds_loss, pipe)
-            state["eval"] = [e for e in state.get("eval", []) if e["step"] <= step] + [
-                {"step": step + 1, "loss": eval_loss}]
+            self.allocated, self.allocated_steps = self.meter.stop(), state["step"] - self.resumed_at
+            reset_peak(self.device)
+        state["times_by_step"] = {str(k): v for k, v in self.times.items()}
+        eval_loss = self._evaluate(step)
         slowest = max(m["time_s"] for m in per_rank)
-        rec = {"step": step + 1, "total": args.steps, "kind": "step", "loss": step_loss, "lr": lr,
+        rec = {"step": step + 1, "total": opts.steps, "kind": "step", "loss": step_loss, "lr": lr,
                "time_s": slowest, "tokens_per_s": step_tokens / slowest if slowest > 0 else None,
                "grad_norm": gnorm, "peak_memory_bytes": max(m["peak_memory_bytes"] for m in per_rank),
                "eval_loss": eval_loss}
-        if rank == 0 and getattr(engine, "monitor", None) is not None and engine.monitor.enabled:
-            # DeepSpeed's own monitor (tensorboard/csv in ds_config.json) logs what we measure
-            events = [("Train/planner/loss", step_loss, step + 1), ("Train/planner/step_time_s", dt, step + 1),
-                      ("Train/planner/peak_memory_gb", peak_bytes(device) / 1e9, step + 1),
-                      ("Train/planner/lr", lr, step + 1)]
-            if eval_loss is not None:
-                events.append(("Train/planner/eval_loss", eval_loss, step + 1))
-            engine.monitor.write_events(events)
-        if rank == 0:
-            progress(run_dir, rec)
-            print(format_progress(rec), flush=True)
-            if exporter is not None:
-                exporter.step(rec, per_rank)
-        status.write(step=step + 1)
-        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-            save(step + 1)
+        self._show(step, rec, dt, per_rank)
+        self.status.write(step=step + 1)
+        if opts.checkpoint_every and (step + 1) % opts.checkpoint_every == 0:
+            self.save(step + 1)
             state["events"].append({"step": step + 1, "kind": "checkpoint", "message": f"saved step{step + 1}"})
-        if args.step_sleep:
-            time.sleep(args.step_sleep)
+        if opts.step_sleep:
+            time.sleep(opts.step_sleep)
 
-    if args.checkpoint_every and saved["step"] != args.steps:
-        save(args.steps)  # the final state, whatever K is
-        state["events"].append({"step": args.steps, "kind": "checkpoint", "message": f"saved step{args.steps}"})
-    if args.save_hf:
-        status.write(phase="save-hf")
-        from planner.hf.weights import save_hf_weights
-        save_hf_weights(engine, args.save_hf, spec, plan, groups, source=args.init_hf or None)
-    status.write(phase="measure")
-    if states is None or pipe:  # pipeline: after the last step (train_batch has freed the gradients)
-        states = model_states(engine.module, engine.optimizer, device)
-    if meter is not None and meter.running:  # a run too short for the window
-        allocated, allocated_steps = meter.stop(), state["step"] - resumed_at
-    mine = {"rank": rank, "coords": [pp_i, dp_i, tp_i], "peak_bytes": peak_bytes(device),
-            "allocated_peak_bytes": peak_bytes(device) if device == "cuda" else allocated,
-            "allocated_steps": allocated_steps,
-            "rss_before_model_bytes": rss_before, "model_state": states["device"],
-            "host_model_state": states["host"], "model_state_buffers": states["buffers"],
-            "checkpointed_blocks": [bool(m.checkpoint) for m in engine.module.modules() if isinstance(m, Block)],
-            "selective_blocks": [bool(m.self_attention.checkpoint_core) for m in engine.module.modules()
-                                 if isinstance(m, Block)],
-            "local_params": sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters()),
-            "param_shapes": {p.canonical: list(getattr(p, "ds_shape", p.shape)) for p in engine.module.parameters()},
-            "step_times_s": [times.get(s) for s in range(args.steps)]}
-    if recorder is not None:
-        mine["activations"] = recorder.result
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    if rank == 0:
+    def _evaluate(self, step: int) -> float | None:
+        """The held-out loss every --eval-every steps (None between)."""
+        if not (self.opts.eval_every and (step + 1) % self.opts.eval_every == 0):
+            return None
+        if self.eval_loader is None:
+            self.eval_loader = loader(self.eval_rows, self.layout, self.eval_ids, self.dp_i, self.device,
+                                      loader_settings({}, 0, self.device))
+        eval_loss = evaluate(self.engine, self.eval_loader, self.plan, self.device, self.holds_loss, self.pipe)
+        self.state["eval"] = [e for e in self.state.get("eval", []) if e["step"] <= step] + [
+            {"step": step + 1, "loss": eval_loss}]
+        return eval_loss
+
+    def _show(self, step: int, rec: dict, dt: float, per_rank: list[dict]) -> None:
+        """Rank 0: DeepSpeed's own monitor (tensorboard/csv in ds_config.json), the progress line
+        and file, Prometheus."""
+        from planner.runtime.observe.watch import format_progress
+        if self.rank != 0:
+            return
+        engine = self.engine
+        if getattr(engine, "monitor", None) is not None and engine.monitor.enabled:
+            events = [("Train/planner/loss", rec["loss"], step + 1), ("Train/planner/step_time_s", dt, step + 1),
+                      ("Train/planner/peak_memory_gb", peak_bytes(self.device) / 1e9, step + 1),
+                      ("Train/planner/lr", rec["lr"], step + 1)]
+            if rec["eval_loss"] is not None:
+                events.append(("Train/planner/eval_loss", rec["eval_loss"], step + 1))
+            engine.monitor.write_events(events)
+        progress(self.run_dir, rec)
+        print(format_progress(rec), flush=True)
+        if self.exporter is not None:
+            self.exporter.step(rec, per_rank)
+
+    # --- the end ------------------------------------------------------------------------------
+    def finish(self) -> None:
+        """The final checkpoint and Hugging Face weights, the model states, every rank's
+        measurements gathered, and rank 0's result.json and metrics.json."""
+        opts, state = self.opts, self.state
+        if opts.checkpoint_every and self.saved_step != opts.steps:
+            self.save(opts.steps)  # the final state, whatever K is
+            state["events"].append({"step": opts.steps, "kind": "checkpoint", "message": f"saved step{opts.steps}"})
+        if opts.save_hf:
+            self.status.write(phase="save-hf")
+            from planner.hf.weights import save_hf_weights
+            save_hf_weights(self.engine, opts.save_hf, self.spec, self.plan, self.groups, source=opts.init_hf or None)
+        self.status.write(phase="measure")
+        if self.states is None or self.pipe:  # pipeline: after the last step (train_batch has freed the gradients)
+            self.states = model_states(self.engine.module, self.engine.optimizer, self.device)
+        if self.meter is not None and self.meter.running:  # a run too short for the window
+            self.allocated, self.allocated_steps = self.meter.stop(), state["step"] - self.resumed_at
+        gathered = [None] * self.dist.get_world_size()
+        self.dist.all_gather_object(gathered, self._mine())
+        if self.rank == 0:
+            self._write_result(gathered)
+        self.dist.barrier()
+        if self.exporter is not None:
+            self.exporter.close()
+
+    def _mine(self) -> dict:
+        """This rank's measurements."""
+        engine, device, states = self.engine, self.device, self.states
+        blocks = [m for m in engine.module.modules() if isinstance(m, Block)]
+        mine = {"rank": self.rank, "coords": [self.pp_i, self.dp_i, self.tp_i], "peak_bytes": peak_bytes(device),
+                "allocated_peak_bytes": peak_bytes(device) if device == "cuda" else self.allocated,
+                "allocated_steps": self.allocated_steps,
+                "rss_before_model_bytes": self.rss_before, "model_state": states["device"],
+                "host_model_state": states["host"], "model_state_buffers": states["buffers"],
+                "checkpointed_blocks": [bool(m.checkpoint) for m in blocks],
+                "selective_blocks": [bool(m.self_attention.checkpoint_core) for m in blocks],
+                "local_params": sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters()),
+                "param_shapes": {p.canonical: list(getattr(p, "ds_shape", p.shape)) for p in engine.module.parameters()},
+                "step_times_s": [self.times.get(s) for s in range(self.opts.steps)]}
+        if self.recorder is not None:
+            mine["activations"] = self.recorder.result
+        return mine
+
+    def _write_result(self, gathered: list) -> None:
+        """Rank 0: result.json (every rank's measurements) and metrics.json, so a launch.sh
+        (deepspeed launcher) run has one too."""
+        from planner.runtime.observe.metrics import build_metrics
+        opts, state, run_dir = self.opts, self.state, self.run_dir
         result = {
-            "device": device, "world_size": world, "resumed_at": resumed_at, "batching": args.batching,
-            "memory_method": GPU_METHOD if device == "cuda" else CPU_METHOD,
-            "allocated_method": ALLOCATED_METHOD[device],
+            "device": self.device, "world_size": self.world, "resumed_at": self.resumed_at, "batching": opts.batching,
+            "memory_method": GPU_METHOD if self.device == "cuda" else CPU_METHOD,
+            "allocated_method": ALLOCATED_METHOD[self.device],
             "loss": state["loss"], "events": state["events"], "skipped_batches": state["skip"],
             "real_tokens": state["tokens"], "padding_tokens": state["padding"],
             "step_tokens": state.get("step_tokens", []),
-            "lr": state.get("lr", []), "lr_schedule": lr_info, "eval_loss": state.get("eval", []),
-            "allreduce_s": state.get("allreduce_s", []) if timer is not None else None,
-            "loader": loading.to_dict(),
-            "data": {"corpus": args.data or "synthetic", "tokenizer": args.tokenizer or None, "seed": args.seed},
+            "lr": state.get("lr", []), "lr_schedule": self.lr_info, "eval_loss": state.get("eval", []),
+            "allreduce_s": state.get("allreduce_s", []) if self.timer is not None else None,
+            "loader": self.loading.to_dict(),
+            "data": {"corpus": opts.data or "synthetic", "tokenizer": opts.tokenizer or None, "seed": opts.seed},
             "ranks": gathered}
         atomic_write_json(run_dir / RANKS_DIR / "result.json", result)
         estimate = (read_json(run_dir / "estimate.json", "estimate.json")
                     if (run_dir / "estimate.json").exists() else {})
-        # metrics.json from rank 0 itself, so a launch.sh (deepspeed launcher) run has one too
         atomic_write_json(run_dir / "metrics.json",
-                          build_metrics(result, plan, spec, args.warmup, args.steps, estimate, run_dir))
-    dist.barrier()
-    if exporter is not None:
-        exporter.close()
+                          build_metrics(result, self.plan, self.spec, opts.warmup, opts.steps, estimate, run_dir))
 
 
 PER_RANK = 5

@@ -1,4 +1,5 @@
-"""One training rank: `python -m planner.runtime.train.worker --run-dir DIR [...]`.
+"""One training rank: `python -m planner.runtime.train.worker --run-dir DIR [...]` (the flags are
+TrainerOptions', planner/runtime/train/options.py).
 
 Started by planner.runtime.train.launch (or by launch.sh through the deepspeed launcher). Reads
 plan.json and ds_config.json from the run directory, trains, and writes per-rank state under
@@ -9,7 +10,6 @@ a progress line per step and writes DIR/metrics.json at the end (launch.sh runs 
 """
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
@@ -18,41 +18,8 @@ import traceback
 from pathlib import Path
 
 from planner.runtime.files import RANKS_DIR
+from planner.runtime.train.options import TrainerOptions
 from planner.rundir import atomic_write_json
-
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="planner.runtime.train.worker")
-    ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--resume", action="store_true")
-    ap.add_argument("--batching", choices=["static", "dynamic"], default="dynamic")
-    ap.add_argument("--checkpoint-every", type=int, default=0)
-    ap.add_argument("--inject-nan", type=int, default=-1, help="poison the batch of this step (test)")
-    ap.add_argument("--data", default="")
-    ap.add_argument("--tokenizer", default="", help="local Hugging Face tokenizer directory for a text corpus")
-    ap.add_argument("--eval-every", type=int, default=0, help="held-out loss every K steps (0: never)")
-    ap.add_argument("--eval-batches", type=int, default=2, help="global batches per evaluation")
-    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: planner.dsconfig.OPTIMIZER)")
-    ap.add_argument("--lr-warmup-steps", type=int, default=0)
-    ap.add_argument("--lr-schedule", choices=["cosine", "constant"], default="constant")
-    ap.add_argument("--metrics-port", type=int, default=0, help="rank 0 serves Prometheus metrics here (0: off)")
-    ap.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoint listens on")
-    ap.add_argument("--init-hf", default="", help="Hugging Face checkpoint directory to start from")
-    ap.add_argument("--save-hf", default="", help="write the trained weights here in Hugging Face format")
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--data-workers", type=int, default=None,
-                    help="DataLoader workers per rank (default: plan.json's loader settings, else 1)")
-    ap.add_argument("--measure-activations", action="store_true",
-                    default=os.environ.get("PLANNER_MEASURE_ACTIVATIONS", "") not in ("", "0"),
-                    help="record the bytes each layer keeps for backward (one micro-batch; costs hooks)")
-    # test hook (tests/integration/test_parity.py): gradients before the first optimizer step
-    ap.add_argument("--dump-grads", default=os.environ.get("PLANNER_DUMP_GRADS", ""), help=argparse.SUPPRESS)
-    # test hooks: sleep after each step / after each checkpoint file (a kill lands mid-save)
-    ap.add_argument("--step-sleep", type=float, default=0.0, help=argparse.SUPPRESS)
-    ap.add_argument("--save-sleep", type=float, default=0.0, help=argparse.SUPPRESS)
-    ap.add_argument("--local_rank", type=int, default=None)  # passed by the deepspeed launcher
-    return ap.parse_args(argv)
 
 
 class Status:
@@ -66,26 +33,16 @@ class Status:
         atomic_write_json(self.path, self.state)
 
 
-def absolute_paths(args: argparse.Namespace) -> argparse.Namespace:
-    """The rank works in the run directory (train.py chdirs there): paths given relative to
-    where launch.sh / the deepspeed launcher was started are made absolute first."""
-    for name in ("data", "tokenizer", "init_hf", "save_hf", "dump_grads"):
-        value = getattr(args, name)
-        if value:
-            setattr(args, name, str(Path(value).resolve()))
-    return args
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = absolute_paths(parse(argv))
-    run_dir = Path(args.run_dir).resolve()
+    run_dir, opts = TrainerOptions.from_argv(argv)
+    run_dir = run_dir.resolve()
     rank = int(os.environ.get("RANK", "0"))
     status = Status(run_dir, rank)
     signal.signal(signal.SIGTERM, _on_sigterm(status))
     _exit_with_parent()
     try:
         from planner.runtime.train.loop import train
-        train(args, run_dir, rank, status)
+        train(opts, run_dir, rank, status)
     except Terminated:  # the stack has unwound (finally blocks ran): leave now
         os._exit(143)
     except BaseException as exc:  # record the cause for the launcher, then fail
