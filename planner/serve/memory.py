@@ -117,7 +117,9 @@ def engine_budget(cluster: ClusterSpec, dep: Deployment) -> float:
     EngineArgs.get_batch_defaults, OpenAI API server): 8192 on GPUs of >= 70 GiB other than
     A100 (H100, H200, MI300X), 2048 elsewhere (A100: larger budgets lowered its throughput,
     vLLM PR #17885). SGLang (python/sglang/srt/server_args.py): 2048 below 35 GiB, 8192 below
-    160 GiB, 16384 above. The CPU executor: whole prompts, unbounded."""
+    160 GiB, 16384 above. The CPU executor and vLLM V0 without chunked prefill ("vllm-v0"): whole
+    prompts, unbounded (V0's max(max_model_len, 2048) tokens per step is not capped here: set
+    prefill_chunk to it)."""
     if dep.prefill_chunk:
         return float(dep.prefill_chunk)
     gib = cluster.device.memory_gb

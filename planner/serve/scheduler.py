@@ -23,6 +23,13 @@ Engines (`ENGINES`), each as its source documents it:
   then new requests up to chunked_prefill_size tokens) or, when none can start, a decode of
   every running request; prefills and decodes are not mixed (--enable-mixed-chunk is off by
   default); a decode short of memory retracts the last request (recompute).
+- "vllm-v0": vLLM's V0 scheduler without chunked prefill (vllm/core/scheduler.py
+  _schedule_default: "First, it batches as many prefill requests as possible. And it schedules
+  decodes"): a step is the waiting prompts, whole (never cut), up to the token budget, or else a decode of
+  the running batch; never mixed. V0 (the default engine before v0.8.0) turned chunked prefill on
+  by default only for max_model_len > 32768 (vllm/engine/arg_utils.py create_engine_config) and
+  then budgets max(max_model_len, 2048) tokens per step (vllm/config.py SchedulerConfig); the
+  caller sets that budget (Deployment.prefill_chunk). The same step rule as "sglang".
 - "executor": planner/runtime/serve/generate.py's engine: one whole prompt per prefill step,
   prefills first, else a decode of the running batch (vLLM's V0 default without chunked
   prefill, one prompt at a time).
@@ -38,7 +45,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-ENGINES = ("vllm", "sglang", "executor")
+ENGINES = ("vllm", "sglang", "executor", "vllm-v0")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -134,7 +141,7 @@ class Scheduler:
         if self.prefix_tokens and self.prefix_ready and self.computed[i] == 0:
             hit = min(self.prefix_tokens, ((self.target[i] - 1) // cfg.block_size) * cfg.block_size)
         need = self.target[i] - hit
-        if cfg.engine == "executor" and need > budget:
+        if cfg.engine in ("executor", "vllm-v0") and need > budget:  # whole prompts only
             return 0
         n = int(min(need, budget))
         self.shared[i] = hit

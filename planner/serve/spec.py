@@ -184,7 +184,8 @@ class Deployment:
     block_size: int = 16
     """Tokens per paged KV block (vLLM --block-size, default 16)."""
     engine: str = "vllm"
-    """vllm, sglang, or executor (the CPU lab's engine, planner/runtime/serve/generate.py)."""
+    """vllm, sglang, executor (the CPU lab's engine, planner/runtime/serve/generate.py) or vllm-v0
+    (vLLM's V0 scheduler without chunked prefill: planner/serve/scheduler.py)."""
     prefix_caching: bool = False
     """Reuse the cached KV of a prompt prefix all requests share (Workload.prefix_len)."""
 

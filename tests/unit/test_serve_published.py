@@ -105,3 +105,36 @@ def test_closed_loop_rows_stop_at_end_of_sequence_as_the_source_table_says():
     assert rows["M4t"].mean_output_len == 100 and rows["M4t"].output_len == 128
     assert sp.workload(rows["M4t"]).stop_probability() > 0
     assert rows["T1"].mean_output_len == 0 and sp.workload(rows["T1"]).stop_probability() == 0
+
+
+def _sensitivity():
+    spec = importlib.util.spec_from_file_location("serve_published_sensitivity",
+                                                  ROOT / "benchmarks" / "serve_published_sensitivity.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_sensitivity_spreads_keep_the_mean_and_the_cap():
+    sens = _sensitivity()
+    n = 4000
+    cap_or_first = sens.output_lengths("cap-or-first", 100, 128, n, 0)
+    assert set(cap_or_first) == {1, 128}
+    # q = (128 - 100) / 127 of the requests stop after the first token: mean 100 up to sampling
+    assert abs(sum(cap_or_first) / n - 100) < 3
+    assert sens.output_lengths("fixed", 100, 128, 5, 0) == [100] * 5
+    geo = sens.output_lengths("geometric", 100, 128, n, 0)
+    assert max(geo) == 128 and min(geo) >= 1 and abs(sum(geo) / n - 100) < 3
+    with pytest.raises(ValueError):
+        sens.output_lengths("fixed", 200, 128, 5, 0)
+
+
+def test_sensitivity_keeps_the_benchmarks_own_reading():
+    # the (V1, geometric) reading is the benchmark's prediction; the spread of readings is a range
+    sens = _sensitivity()
+    rows = [r for r in sp.load_rows() if r.id in ("M4q", "M4f")]
+    out = {x["id"]: x for x in sens.sensitivity(rows)}
+    for r in rows:
+        assert out[r.id]["default"] == pytest.approx(sp.predict(r)["predicted"], rel=1e-9)
+        assert out[r.id]["min"] <= out[r.id]["default"] <= out[r.id]["max"]
+    assert set(out["M4f"]["readings"]) == {f"{s}/{p}" for s in sens.SCHEDULERS for p in sens.SPREADS}

@@ -57,6 +57,27 @@ def test_sglang_and_executor_do_not_mix():
     assert steps[2][1] == [0, 1]
 
 
+def test_vllm_v0_batches_whole_waiting_prompts_and_never_mixes():
+    # vLLM V0 without chunked prefill: every waiting prompt that fits the budget goes into one
+    # prefill step, whole; a prompt arriving while others decode waits for its own prefill step
+    cfg = SchedulerConfig(engine="vllm-v0", max_num_batched_tokens=32768)
+    steps = run_steps(cfg, [(256, 3), (256, 3), (300, 2)], 3)
+    assert steps[0] == ([(0, 256, 0), (1, 256, 0), (2, 300, 0)], [], [])
+    assert steps[1] == ([], [0, 1, 2], [])
+    s = Scheduler(cfg, [(2, 5), (6, 2)])
+    s.add(0)
+    s.complete(s.schedule())
+    s.add(1)
+    st = s.schedule()
+    assert st.decodes == [] and st.chunks == [(1, 6, 0)]    # the prefill alone, A's decode waits
+    s.complete(st)
+    assert s.schedule().decodes == [0, 1]
+    # the budget caps a step and prompts are not cut: the third waits for the next prefill step
+    steps = run_steps(SchedulerConfig(engine="vllm-v0", max_num_batched_tokens=600), [(256, 3)] * 3, 2)
+    assert steps[0] == ([(0, 256, 0), (1, 256, 0)], [], [])
+    assert steps[1] == ([(2, 256, 0)], [], [])
+
+
 def test_blocks_on_demand_and_recompute_preemption():
     # 4 blocks of 4 tokens; two requests of prompt 4, output 6 (10 tokens, 3 blocks each): both
     # start (1 block each), grow, and when the 5th block is missing the last admitted is preempted
