@@ -208,3 +208,43 @@ def test_ep_not_dividing_the_experts_is_refused_in_one_line(tmp_path, capsys, mo
     assert p[0].field == "plan.ep" and "does not divide the 6 experts" in p[0].message
     with pytest.raises(SpecError):
         Plan(dp=4, ep=3)
+
+
+# --- the model states the executor counts, predicted (planner/cost/states.py) -------------------
+
+def _states(model, plan: Plan, rank: int, world: str) -> dict[str, float]:
+    from planner.cost.states import rank_states
+    from planner.specs import TrainSpec
+    train = TrainSpec(global_batch=plan.global_batch, seq_len=32, precision="fp32")
+    return rank_states(model, parse_cluster(world), train, plan, rank)["device"]
+
+
+def test_expert_states_are_experts_over_ep_hand_computed() -> None:
+    """GLM-4.5-Air tiny, fp32: 871,040 parameters; a MoE block's 4 experts are 4 x 18,432
+    (SwiGLU 2 x 48 x 128 + 128 x 48) in 3 MoE blocks. EP 2, ZeRO-0: each rank holds half the
+    experts whole (measured by tests/integration/test_parity.py EP2 ZeRO-0: 3,041,792 B)."""
+    expert = 2 * 48 * 128 + 128 * 48
+    assert MOE.expert_params == expert and MOE.moe_layers == 3
+    psi = 871_040 - 3 * 2 * expert
+    got = _states(MOE, Plan(dp=2, ep=2, micro_batch=1, grad_accum=2, precision="fp32"), 1, "2xcpu")
+    assert got["params"] == got["grads"] == 4 * psi == 3_041_792
+    assert got["optimizer"] == 8 * psi                     # two fp32 Adam moments
+
+
+def test_expert_states_partition_over_expert_data_parallel_ranks() -> None:
+    """EP 2 x DP 4, ZeRO-2 fp32: the dense group partitions over 4 ranks, the experts over the
+    dp / ep = 2 ranks that hold the same experts (DeepSpeed's MoE parameter group)."""
+    dense = 871_040 - 3 * 4 * MOE.expert_params
+    experts = 3 * 2 * MOE.expert_params                    # this rank's: 2 of 4 per MoE block
+    got = _states(MOE, Plan(dp=4, ep=2, zero=2, micro_batch=1, grad_accum=1, precision="fp32"), 0, "4xcpu")
+    # fp32 ZeRO-2: master weights + two moments (12 B) of the rank's partition of each group
+    assert got["optimizer"] == 12 * (dense / 4 + experts / 2)
+
+
+def test_context_parallel_ranks_partition_like_data_parallel_ones() -> None:
+    """Ulysses SP 2 x DP 2, ZeRO-2 fp32, chatglm3 tiny (1,124,480 parameters): ZeRO partitions
+    over the 4 sequence-data-parallel ranks (measured: optimizer 3,373,448 B per rank, of which
+    8 B are Adam's step counter)."""
+    tiny = scale(preset("chatglm3-6b"), "tiny")
+    got = _states(tiny, Plan(dp=2, cp=2, zero=2, micro_batch=1, grad_accum=2, precision="fp32"), 3, "4xcpu")
+    assert got["optimizer"] == 12 * 1_124_480 / 4 == 3_373_440
