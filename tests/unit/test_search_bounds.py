@@ -178,3 +178,28 @@ def test_the_reference_is_the_every_plan_sweep(name):
     space, ev = space_of(name)
     assert [(t.plan, t.tokens_per_s) for t in rank(exhaustive(space, ev))] == \
         [(t.plan, t.tokens_per_s) for t in full_rank(name)]
+
+
+# --- planner search --exhaustive --prune K ----------------------------------------------------
+def test_cli_prune_keeps_the_top_plans(tmp_path):
+    import json
+    from planner.cli import main
+    common = ["search", "--model", "glm-10b", "--scale", "small", "--gpus", "4x8xA100", "--global-batch", "32",
+              "--seq-len", "1024", "--out-dir", str(tmp_path), "--exhaustive", "--top", "3"]
+    assert main(common + ["--name", "every"]) == 0
+    assert main(common + ["--name", "pruned", "--prune", "3"]) == 0
+    every = json.loads((tmp_path / "every" / "estimate.json").read_text())
+    pruned = json.loads((tmp_path / "pruned" / "estimate.json").read_text())
+    assert [t["plan"] for t in pruned["top"]] == [t["plan"] for t in every["top"]]
+    assert "pruned" not in every["search"] and sum(pruned["search"]["pruned"].values()) > 0
+    assert pruned["search"]["rows"] < every["search"]["rows"] == every["search"]["space_size"]
+
+
+@pytest.mark.parametrize("extra, words", [([], "--prune: prunes the exhaustive sweep"),
+                                          (["--exhaustive", "--objective", "cost"], "not the cheapest")])
+def test_cli_prune_refusals(tmp_path, capsys, extra, words):
+    from planner.cli import main
+    rc = main(["search", "--model", "glm-10b", "--scale", "small", "--gpus", "4x8xA100", "--out-dir", str(tmp_path),
+               "--prune", "3"] + extra)
+    assert rc == 2
+    assert words in capsys.readouterr().err
