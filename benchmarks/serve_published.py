@@ -52,16 +52,28 @@ from planner.specs.presets import preset
 
 DATA = Path(__file__).with_name("serve_published_rows.json")
 OUT = ROOT / "reports" / "bench-serve-published" / "comparison.json"
-METRICS = ("ttft_s", "e2e_s", "tpot_s", "output_tok_s", "decode_tok_s", "max_qps", "memory_gb", "req_s", "ttft_p50_s")
-GROUPS = {"TTFT": ("ttft_s", "ttft_p50_s"), "TPOT": ("tpot_s", "decode_tok_s"),
+METRICS = ("ttft_s", "e2e_s", "tpot_s", "output_tok_s", "decode_tok_s", "max_qps", "memory_gb", "req_s", "ttft_p50_s",
+           "ttft_p99_s")
+GROUPS = {"TTFT": ("ttft_s", "ttft_p50_s", "ttft_p99_s"), "TPOT": ("tpot_s", "decode_tok_s"),
           "throughput": ("output_tok_s", "req_s", "max_qps"), "end-to-end": ("e2e_s",)}
 """The issue's three targets (TTFT, TPOT, throughput MAPE <= 20% each) and end-to-end latency."""
 WEIGHT_PRECISIONS = ("bf16", "int8", "int4", "fp8")
 KV_PRECISIONS = ("bf16", "fp8", "int8")
-TIME_METRICS = ("ttft_s", "e2e_s", "tpot_s", "ttft_p50_s")
+TIME_METRICS = ("ttft_s", "e2e_s", "tpot_s", "ttft_p50_s", "ttft_p99_s")
 DECODE_ALONE = ("decode_tok_s", "tpot_s")
 """Metrics of a batch-1 decode step alone: memory-bound, so published / predicted x the
 profile's decode_bw_efficiency is the bandwidth share the engine reached (step overhead 0)."""
+SCHEDULERS = ("vllm", "vllm-v0")
+V0_MIN_BUDGET = 2048
+
+
+def v0_budget(model: ModelSpec) -> int:
+    """vLLM V0 without chunked prefill (off by default for max_model_len <= 32768,
+    vllm/engine/arg_utils.py): max_num_batched_tokens = max(max_model_len, 2048) (vllm/config.py
+    SchedulerConfig); max_model_len defaults to the model's context (ModelSpec.max_seq)."""
+    return max(model.max_seq, V0_MIN_BUDGET)
+
+
 REQUIRED = ("id", "source", "where", "engine", "model", "gpu", "gpus", "tp", "weight_precision", "kv_precision",
             "prompt_len", "output_len", "batch", "metric", "value", "in_mape", "assumptions")
 
@@ -90,6 +102,9 @@ class Row:
     requests: int = 300
     mean_output_len: float = 0.0
     """Requests stopping at end-of-sequence before output_len: their mean generated tokens (0: none)."""
+    scheduler: str = "vllm"
+    """The engine's scheduler for the queueing simulation: "vllm" (V1) or "vllm-v0" (V0 without
+    chunked prefill, budget V0_BUDGET)."""
 
 
 def _check(raw: dict[str, Any], data: dict[str, Any]) -> None:
@@ -117,6 +132,8 @@ def _check(raw: dict[str, Any], data: dict[str, Any]) -> None:
     mean = raw.get("mean_output_len", 0)
     if isinstance(mean, bool) or not isinstance(mean, (int, float)) or not 0 <= mean <= raw["output_len"]:
         raise SpecError(f"rows[{rid}].mean_output_len", f"must lie in [0, output_len], not {mean!r}", "fix the row")
+    if raw.get("scheduler", "vllm") not in SCHEDULERS:
+        raise SpecError(f"rows[{rid}].scheduler", f"unknown {raw['scheduler']!r}", f"use one of {', '.join(SCHEDULERS)}")
     if raw["gpus"] % raw["tp"]:
         raise SpecError(f"rows[{rid}].tp", f"{raw['tp']} does not divide {raw['gpus']} GPUs", "fix the row")
 
@@ -143,7 +160,7 @@ def load_rows(path: Path = DATA, only: Sequence[str] | None = None) -> list[Row]
             prompt_len=raw["prompt_len"], output_len=raw["output_len"], batch=raw["batch"], metric=raw["metric"],
             value=float(raw["value"]), in_mape=bool(raw["in_mape"]), assumptions=tuple(raw["assumptions"]),
             concurrency=int(raw.get("concurrency", 0)), requests=int(raw.get("requests", 300)),
-            mean_output_len=float(raw.get("mean_output_len", 0))))
+            mean_output_len=float(raw.get("mean_output_len", 0)), scheduler=raw.get("scheduler", "vllm")))
     return rows
 
 
@@ -160,8 +177,10 @@ def _serve():
 
 def deployment(row: Row):
     _, spec = _serve()
+    v0 = row.scheduler == "vllm-v0"
     return spec.Deployment(tp=row.tp, replicas=row.cluster.world_size // row.tp, max_batch=row.batch,
-                           weight_precision=row.weight_precision, kv_precision=row.kv_precision)
+                           weight_precision=row.weight_precision, kv_precision=row.kv_precision,
+                           engine=row.scheduler, prefill_chunk=v0_budget(row.model) if v0 else 0)
 
 
 def workload(row: Row):
@@ -226,7 +245,7 @@ def predict(row: Row) -> dict[str, Any]:
     if row.concurrency:  # N users: the simulation's own throughput and latencies at their load
         value = {"req_s": est.rate_qps, "output_tok_s": est.rate_qps * workload(row).mean_lengths()[1],
                  "ttft_s": est.ttft_s,
-                 "ttft_p50_s": est.ttft_p50_s, "tpot_s": est.tpot_p50_s, "e2e_s": est.e2e_p50_s}.get(row.metric)
+                 "ttft_p50_s": est.ttft_p50_s, "ttft_p99_s": est.ttft_p99_s, "tpot_s": est.tpot_p50_s, "e2e_s": est.e2e_p50_s}.get(row.metric)
     elif value is None and row.metric == "e2e_s":
         value = est.e2e_p50_s
     elif value is None and row.metric == "max_qps":
@@ -263,7 +282,8 @@ def compare(rows: Sequence[Row]) -> dict[str, Any]:
     for name, members in GROUPS.items():
         errs = [abs(x["error"]) for x in out if x["metric"] in members and x["in_mape"] and x["error"] is not None]
         if errs:
-            groups[name] = {"rows": len(errs), "mape": sum(errs) / len(errs)}
+            groups[name] = {"rows": len(errs), "mape": sum(errs) / len(errs),
+                            "by_row": contributions(out, members)}
     every = [abs(x["error"]) for x in out if x["in_mape"] and x["error"] is not None]
     if every:
         mape["all"] = {"rows": len(every), "mape": sum(every) / len(every)}
@@ -277,6 +297,21 @@ def compare(rows: Sequence[Row]) -> dict[str, Any]:
             implied[r.id] = factors[r.cluster.device.name]["decode_bw_efficiency"] / slower
     return {"rows": out, "mape": mape, "groups": groups, "serve_factors": factors,
             "implied_decode_bw_efficiency": implied}
+
+
+def contributions(out: Sequence[dict[str, Any]], members: Sequence[str]) -> list[dict[str, Any]]:
+    """Which rows make a target's MAPE: the in-MAPE rows of `members`, largest |error| first, each
+    with its share of the group's summed |error| (the MAPE is that sum / rows, so a row's share
+    is how much of the MAPE it carries) and the running share."""
+    xs = sorted((x for x in out if x["metric"] in members and x["in_mape"] and x["error"] is not None),
+                key=lambda x: -abs(x["error"]))
+    total = sum(abs(x["error"]) for x in xs)
+    rows, run = [], 0.0
+    for x in xs:
+        share = abs(x["error"]) / total if total else 0.0
+        run += share
+        rows.append({"id": x["id"], "metric": x["metric"], "error": x["error"], "share": share, "cumulative": run})
+    return rows
 
 
 def _fmt(metric: str, v: float | None) -> str:
@@ -307,6 +342,11 @@ def table(result: dict[str, Any]) -> str:
         f"{m} {v['mape']:.0%} ({v['rows']})" for m, v in result["mape"].items()))
     lines.append("MAPE by target (issue 24: TTFT, TPOT and throughput <= 20% each): " + ", ".join(
         f"{m} {v['mape']:.0%} ({v['rows']})" for m, v in result["groups"].items()))
+    if "TTFT" in result["groups"]:
+        g = result["groups"]["TTFT"]
+        lines.append(f"TTFT MAPE {g['mape']:.0%} by row (largest |error| first; share of the summed |error|, "
+                     f"running): " + ", ".join(f"{x['id']} {x['error']:+.0%} {x['share']:.0%} ({x['cumulative']:.0%})"
+                                              for x in g["by_row"]))
     lines.append("every row is a validation row: nothing is fitted to them (the serving model's measured inputs "
                  "are vidur's kernel timings and the Marlin figure)")
     lines.append("serving factors used: " + "; ".join(
@@ -342,12 +382,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the comparison as JSON")
     ap.add_argument("--rows", default="", help="comma-separated row ids (default: all)")
     ap.add_argument("--data", default=str(DATA), help="rows file (default: %(default)s)")
+    ap.add_argument("--scheduler", choices=SCHEDULERS, default=None,
+                    help="predict every closed-loop row under this vLLM scheduler (a what-if; default: each "
+                         "row's own, V1 unless the row says otherwise)")
     ap.add_argument("--factor", action="append", default=[], metavar="NAME=VALUE",
                     help="set a serving factor for every GPU (e.g. decode_bw_efficiency=0.7); repeatable")
     args = ap.parse_args(argv)
     try:
         rows = load_rows(Path(args.data), [s.strip() for s in args.rows.split(",") if s.strip()] or None)
         rows = with_serve_factors(rows, parse_factors(args.factor))
+        if args.scheduler:
+            rows = [dataclasses.replace(r, scheduler=args.scheduler) if r.concurrency else r for r in rows]
     except SpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
