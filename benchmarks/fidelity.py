@@ -268,7 +268,7 @@ def render(rep: dict[str, Any], rows: bool = False) -> str:
                      + (f"; predicted not to fit: {len(s['not_fitting'])}" if s["not_fitting"] else "")
                      + (f"; not scored: {', '.join(s['unsupported'])}" if s["unsupported"] and k != "all" else ""))
     lines.append("")
-    lines.append("factors fitted here (runtime-wide, from the sources named; LOSO: refitted without each):")
+    lines.append("factors fitted here (per GPU, from the sources named; LOSO: refitted without each):")
     for rt, f in rep["fits"].items():
         if f.get("borrowed_from"):
             lines.append(f"  {rt:<14} borrows {f['borrowed_from']}'s per-GPU factors (one source of its own, "
