@@ -248,3 +248,16 @@ def test_context_parallel_ranks_partition_like_data_parallel_ones() -> None:
     tiny = scale(preset("chatglm3-6b"), "tiny")
     got = _states(tiny, Plan(dp=2, cp=2, zero=2, micro_batch=1, grad_accum=2, precision="fp32"), 3, "4xcpu")
     assert got["optimizer"] == 12 * 1_124_480 / 4 == 3_373_440
+
+
+def test_search_offers_ulysses_at_short_sequences_when_asked() -> None:
+    """search(context_parallel="on") reaches the Space (benchmarks/plans_start.py
+    --context-parallel on sweeps the tiny Ulysses plans with it); "auto" offers cp only from
+    16,384 tokens."""
+    from planner.search.driver import search
+    from planner.specs import TrainSpec
+    tiny = scale(preset("chatglm3-6b"), "tiny")
+    cluster, train = parse_cluster("2xcpu"), TrainSpec(global_batch=8, seq_len=128)
+    on = search(tiny, cluster, train, exhaustive=True, context_parallel="on")
+    auto = search(tiny, cluster, train, exhaustive=True)
+    assert any(t.plan.cp == 2 for t in on.ranked) and not any(t.plan.cp > 1 for t in auto.ranked)
