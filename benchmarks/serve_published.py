@@ -263,7 +263,8 @@ def compare(rows: Sequence[Row]) -> dict[str, Any]:
     for name, members in GROUPS.items():
         errs = [abs(x["error"]) for x in out if x["metric"] in members and x["in_mape"] and x["error"] is not None]
         if errs:
-            groups[name] = {"rows": len(errs), "mape": sum(errs) / len(errs)}
+            groups[name] = {"rows": len(errs), "mape": sum(errs) / len(errs),
+                            "by_row": contributions(out, members)}
     every = [abs(x["error"]) for x in out if x["in_mape"] and x["error"] is not None]
     if every:
         mape["all"] = {"rows": len(every), "mape": sum(every) / len(every)}
@@ -277,6 +278,21 @@ def compare(rows: Sequence[Row]) -> dict[str, Any]:
             implied[r.id] = factors[r.cluster.device.name]["decode_bw_efficiency"] / slower
     return {"rows": out, "mape": mape, "groups": groups, "serve_factors": factors,
             "implied_decode_bw_efficiency": implied}
+
+
+def contributions(out: Sequence[dict[str, Any]], members: Sequence[str]) -> list[dict[str, Any]]:
+    """Which rows make a target's MAPE: the in-MAPE rows of `members`, largest |error| first, each
+    with its share of the group's summed |error| (the MAPE is that sum / rows, so a row's share
+    is how much of the MAPE it carries) and the running share."""
+    xs = sorted((x for x in out if x["metric"] in members and x["in_mape"] and x["error"] is not None),
+                key=lambda x: -abs(x["error"]))
+    total = sum(abs(x["error"]) for x in xs)
+    rows, run = [], 0.0
+    for x in xs:
+        share = abs(x["error"]) / total if total else 0.0
+        run += share
+        rows.append({"id": x["id"], "metric": x["metric"], "error": x["error"], "share": share, "cumulative": run})
+    return rows
 
 
 def _fmt(metric: str, v: float | None) -> str:
@@ -307,6 +323,11 @@ def table(result: dict[str, Any]) -> str:
         f"{m} {v['mape']:.0%} ({v['rows']})" for m, v in result["mape"].items()))
     lines.append("MAPE by target (issue 24: TTFT, TPOT and throughput <= 20% each): " + ", ".join(
         f"{m} {v['mape']:.0%} ({v['rows']})" for m, v in result["groups"].items()))
+    if "TTFT" in result["groups"]:
+        g = result["groups"]["TTFT"]
+        lines.append(f"TTFT MAPE {g['mape']:.0%} by row (largest |error| first; share of the summed |error|, "
+                     f"running): " + ", ".join(f"{x['id']} {x['error']:+.0%} {x['share']:.0%} ({x['cumulative']:.0%})"
+                                              for x in g["by_row"]))
     lines.append("every row is a validation row: nothing is fitted to them (the serving model's measured inputs "
                  "are vidur's kernel timings and the Marlin figure)")
     lines.append("serving factors used: " + "; ".join(

@@ -138,3 +138,20 @@ def test_sensitivity_keeps_the_benchmarks_own_reading():
         assert out[r.id]["default"] == pytest.approx(sp.predict(r)["predicted"], rel=1e-9)
         assert out[r.id]["min"] <= out[r.id]["default"] <= out[r.id]["max"]
     assert set(out["M4f"]["readings"]) == {f"{s}/{p}" for s in sens.SCHEDULERS for p in sens.SPREADS}
+
+
+def test_ttft_contributions_rank_rows_by_their_share_of_the_mape():
+    # hand-made comparison rows: |errors| 0.6, 0.3, 0.1 (sum 1.0) -> shares 60/30/10%, running 60/90/100%;
+    # a row out of the MAPE or of another metric is not counted
+    out = [{"id": "a", "metric": "ttft_s", "in_mape": True, "error": -0.3},
+           {"id": "b", "metric": "ttft_p50_s", "in_mape": True, "error": 0.6},
+           {"id": "c", "metric": "ttft_s", "in_mape": True, "error": -0.1},
+           {"id": "d", "metric": "ttft_s", "in_mape": False, "error": 5.0},
+           {"id": "e", "metric": "tpot_s", "in_mape": True, "error": 0.9}]
+    by = sp.contributions(out, sp.GROUPS["TTFT"])
+    assert [x["id"] for x in by] == ["b", "a", "c"]
+    assert [x["share"] for x in by] == pytest.approx([0.6, 0.3, 0.1])
+    assert [x["cumulative"] for x in by] == pytest.approx([0.6, 0.9, 1.0])
+    # the benchmark's own TTFT group carries it, summing to the whole
+    res = sp.compare([r for r in sp.load_rows() if r.id in ("T1", "T2", "L2")])
+    assert res["groups"]["TTFT"]["by_row"][-1]["cumulative"] == pytest.approx(1.0)
