@@ -25,6 +25,9 @@ def tuning_options(f: Callable) -> Callable:
         click.option("--study", default=None, metavar="NAME",
                      help="Optuna study name (default: derived from the inputs). With --storage and --refine, "
                           "workers naming the same study share the real runs (study NAME.runs)."),
+        click.option("--refine-plans", default="", metavar="LIST",
+                     help="--refine K: run these K plans of the search's ranking by predicted step time (1-based "
+                          "positions, the # column of the plans table, e.g. 1,40) instead of the first K."),
         click.option("--hostfile", default=None, metavar="PATH",
                      help="--refine: launch each trial with the deepspeed launcher on this hostfile's hosts "
                           "('<host> slots=<n>' lines)."),
@@ -58,6 +61,7 @@ class Tuning:
     storage: Any = None            # the search's study storage (no heartbeats)
     runs_storage: Any = None       # the real runs' storage (heartbeats, retries)
     group: Any = None              # planner.runtime.train.group_launch.NodeGroup or None
+    picks: tuple[int, ...] = ()    # --refine-plans: positions in the ranking (empty: the first K)
     runs_key: str = ""
     label: str = ""
 
@@ -66,7 +70,8 @@ def prepare(kw: dict[str, Any], model: Any, cluster: Any, train: Any, runtime: s
     """Refuse bad tuning input before anything is written (SpecError: one line, exit 2)."""
     from planner.search.storage import check_study, open_storage, safe_url
     k = kw["refine_k"]
-    for flag, given in (("--hostfile", kw["hostfile"]), ("--include", kw["include"]), ("--exclude", kw["exclude"]),
+    for flag, given in (("--refine-plans", kw["refine_plans"]), ("--hostfile", kw["hostfile"]),
+                        ("--include", kw["include"]), ("--exclude", kw["exclude"]),
                         ("--cores", kw["cores"]), ("--dry-run", kw["dry_run"])):
         if given and not k:
             raise SpecError(flag, "only applies to --refine K (the trials run for real)",
@@ -74,7 +79,7 @@ def prepare(kw: dict[str, Any], model: Any, cluster: Any, train: Any, runtime: s
     study = kw["study"]
     if study is not None and (not study.strip() or len(study) > 256):
         raise SpecError("--study", f"{study!r} is not a study name", "give a name of 1-256 characters, e.g. --study glm")
-    t = Tuning(url=kw["storage"], study=study)
+    t = Tuning(url=kw["storage"], study=study, picks=_picks(kw["refine_plans"], k))
     if kw["refine_k"]:
         from planner.runtime.train.group_launch import NodeGroup
         t.group = NodeGroup.parse(kw["hostfile"], kw["include"], kw["exclude"], kw["cores"])
@@ -94,9 +99,24 @@ def prepare(kw: dict[str, Any], model: Any, cluster: Any, train: Any, runtime: s
     if k and not kw["dry_run"]:
         from planner.tune.shared import runs_key, runs_study_name
         t.runs_storage = open_storage(t.url, heartbeat_s=kw["heartbeat"])
-        t.runs_key = runs_key(study_key(space), k, kw["refine_steps"], 1)
+        t.runs_key = runs_key(study_key(space), k, kw["refine_steps"], 1, t.picks)
         check_study(t.runs_storage, runs_study_name(t.study), t.runs_key, t.label, f" in {safe_url(t.url)}")
     return t
+
+
+def _picks(text: str, k: int | None) -> tuple[int, ...]:
+    """--refine-plans 1,40: K distinct positions >= 1 (checked against the ranking after the search)."""
+    if not text or not k:
+        return ()
+    fix = f"give {k} distinct plan numbers of the ranking, e.g. --refine-plans {','.join(map(str, range(1, k + 1)))}"
+    try:
+        picks = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise SpecError("--refine-plans", f"{text!r} is not a list of plan numbers", fix) from None
+    if min(picks) < 1 or len(set(picks)) != len(picks) or len(picks) != k:
+        raise SpecError("--refine-plans", f"{text!r} does not name {k} distinct plans numbered from 1 (--refine {k})",
+                        fix)
+    return picks
 
 
 def _runner(t: Tuning, timeout: float) -> tuple[Callable[[Path, int, int], dict], Callable[[Path], str]]:
@@ -124,7 +144,7 @@ def refine_step(run_dir: Path, kw: dict[str, Any], t: Tuning, err: Console, out:
     if kw["dry_run"]:
         _, model, cluster, train, doc = load_run(run_dir)
         c = with_device(cluster, cluster.device)
-        for i, (_, plan, _) in enumerate(top_plans(run_dir / "trials.csv", k)):
+        for i, (_, plan, _) in enumerate(top_plans(run_dir / "trials.csv", k, t.picks)):
             sub = run_dir / "refine" / f"plan-{i}"
             prepare_plan_dir(sub, plan, model, c, train, doc, run_dir)
             out.print(f"# plan {i + 1}: {plan.describe()}", soft_wrap=True)
@@ -141,9 +161,11 @@ def refine_step(run_dir: Path, kw: dict[str, Any], t: Tuning, err: Console, out:
         group = t.group.describe() if t.group is not None else "local"
         result = refine_shared(run_dir, k, steps, warmup=1, storage=t.runs_storage, study=t.study, key=t.runs_key,
                                label=t.label, runner=runner, describe_run=lambda sub: describe(sub, steps, 1),
-                               group=group, url=t.url or "", echo=lambda line: err.print(line, soft_wrap=True))
+                               group=group, url=t.url or "", picks=t.picks,
+                               echo=lambda line: err.print(line, soft_wrap=True))
     else:
-        result = refine(run_dir, k, steps=steps, warmup=1, runner=runner, echo=lambda line: err.print(line))
+        result = refine(run_dir, k, steps=steps, warmup=1, picks=t.picks, runner=runner,
+                        echo=lambda line: err.print(line))
     _print(out, run_dir, result)
 
 

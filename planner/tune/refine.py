@@ -24,15 +24,20 @@ from planner.rundir import atomic_write_json, load_run, plan_document
 from planner.search.trials import plan_from_row
 from planner.specs.plan import Plan
 
-def top_plans(trials_csv: Path, k: int) -> list[tuple[int, Plan, float]]:
-    """The k fastest distinct feasible plans by predicted step time: (trial, plan, predicted s)."""
+def top_plans(trials_csv: Path, k: int, picks: tuple[int, ...] = ()) -> list[tuple[int, Plan, float]]:
+    """The k fastest distinct feasible plans by predicted step time: (trial, plan, predicted s).
+
+    The order is the search's table (planner.search.evaluate.rank: ties by less memory), so
+    `picks` -- 1-based positions in it, `--refine-plans` -- name the plans of its # column.
+    """
     try:
         rows = list(csv.DictReader(trials_csv.open()))
     except FileNotFoundError:
         raise SpecError("trials.csv", f"{trials_csv} does not exist", "run `planner search` first") from None
     feasible = [r for r in rows if str(r.get("feasible")).lower() == "true" and r.get("step_time_s")]
-    feasible.sort(key=lambda r: float(r["step_time_s"]))
+    feasible.sort(key=lambda r: (float(r["step_time_s"]), float(r.get("peak_memory_gb") or 0.0)))
     out, seen = [], set()
+    want = max(picks) if picks else k
     for r in feasible:
         plan = plan_from_row(r)
         key = repr(sorted(plan.to_dict().items()))
@@ -40,9 +45,14 @@ def top_plans(trials_csv: Path, k: int) -> list[tuple[int, Plan, float]]:
             continue
         seen.add(key)
         out.append((int(r["trial"]), plan, float(r["step_time_s"])))
-        if len(out) == k:
+        if len(out) == want:
             break
-    return out
+    if not picks:
+        return out
+    if want > len(out):
+        raise SpecError("--refine-plans", f"names plan {want}, but the search ranked {len(out)} distinct feasible "
+                        "plans", f"name positions 1-{len(out)} of the ranking (the # column of the plans table)")
+    return [out[i - 1] for i in picks]
 
 
 def _executor_run(run_dir: Path, steps: int, warmup: int) -> dict[str, Any]:
@@ -51,9 +61,10 @@ def _executor_run(run_dir: Path, steps: int, warmup: int) -> dict[str, Any]:
 
 
 def refine(run_dir: str | Path, k: int, steps: int = 5, *, warmup: int = 1, profile: str | Path | None = None,
-           runner: Callable[[Path, int, int], dict[str, Any]] | None = None,
+           picks: tuple[int, ...] = (), runner: Callable[[Path, int, int], dict[str, Any]] | None = None,
            echo: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    """Run the top `k` plans of run_dir/trials.csv for `steps` steps, refit, re-rank.
+    """Run the top `k` plans of run_dir/trials.csv (or the ranking's positions `picks`) for
+    `steps` steps, refit, re-rank.
 
     Returns the refine.json document: per plan measured vs predicted before/after/held out,
     MAPE before and after, the fitted factors, the ranking before and after, and the path of
@@ -66,7 +77,7 @@ def refine(run_dir: str | Path, k: int, steps: int = 5, *, warmup: int = 1, prof
     _, model, cluster, train, doc = load_run(run)
     device = load_profile(profile) if profile else cluster.device
     runner = runner or _executor_run
-    top = top_plans(run / "trials.csv", k)
+    top = top_plans(run / "trials.csv", k, picks)
     runs: list[MeasuredRun] = []
     failures = []
     c = with_device(cluster, device)

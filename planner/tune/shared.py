@@ -45,13 +45,15 @@ def runs_study_name(study: str) -> str:
     return study + RUNS_SUFFIX
 
 
-def runs_key(search_key: str, k: int, steps: int, warmup: int) -> str:
-    return f"{search_key}-k{k}-s{steps}-w{warmup}"
+def runs_key(search_key: str, k: int, steps: int, warmup: int, picks: tuple[int, ...] = ()) -> str:
+    """What the runs study is for: workers with other plans (K or --refine-plans) or steps are refused."""
+    chosen = f"-p{','.join(map(str, picks))}" if picks else ""
+    return f"{search_key}-k{k}{chosen}-s{steps}-w{warmup}"
 
 
 def refine_shared(run_dir: str | Path, k: int, steps: int, *, warmup: int, storage: Any, study: str, key: str,
                   label: str, runner: Runner, describe_run: Callable[[Path], str] = lambda _: "",
-                  group: str = "local", url: str = "", wait_s: float = 60.0,
+                  group: str = "local", url: str = "", wait_s: float = 60.0, picks: tuple[int, ...] = (),
                   echo: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Take and run trials of study `study`.runs until none waits or runs; refit; write refine.json."""
     import optuna
@@ -60,7 +62,7 @@ def refine_shared(run_dir: str | Path, k: int, steps: int, *, warmup: int, stora
     _, model, cluster, train, doc = load_run(run)
     c = with_device(cluster, cluster.device)
     name = runs_study_name(study)
-    st = _open(storage, name, key, label, run, k, wait_s, url)
+    st = _open(storage, name, key, label, run, k, wait_s, url, picks)
     plans = st.user_attrs["plans"]
     sid = storage.get_study_id_from_name(name)
     host, worker = socket.gethostname(), f"{socket.gethostname()}:{os.getpid()}"
@@ -102,11 +104,12 @@ def refine_shared(run_dir: str | Path, k: int, steps: int, *, warmup: int, stora
     return _finish(run, st, plans, model, c, train, k=k, steps=steps, warmup=warmup, url=url)
 
 
-def _open(storage: Any, name: str, key: str, label: str, run: Path, k: int, wait_s: float, url: str) -> Any:
-    """Create the runs study and enqueue this worker's top K, or wait for its creator to have done it."""
+def _open(storage: Any, name: str, key: str, label: str, run: Path, k: int, wait_s: float, url: str,
+          picks: tuple[int, ...] = ()) -> Any:
+    """Create the runs study and enqueue this worker's top K (or `picks`), or wait for its creator to have done it."""
     import optuna
     where = f" in {safe_url(url)}" if url else ""
-    plans = _plans(run, k)
+    plans = _plans(run, k, picks)
     try:
         st = optuna.create_study(storage=storage, study_name=name, direction="maximize")
     except optuna.exceptions.DuplicatedStudyError:
@@ -130,10 +133,11 @@ def _open(storage: Any, name: str, key: str, label: str, run: Path, k: int, wait
     return st
 
 
-def _plans(run: Path, k: int) -> list[dict[str, Any]]:
-    """The top k plans of run/trials.csv with their predictions, as the study records them."""
+def _plans(run: Path, k: int, picks: tuple[int, ...] = ()) -> list[dict[str, Any]]:
+    """The top k plans of run/trials.csv (or the ranking's positions `picks`) with their
+    predictions, as the study records them."""
     from planner.cost import estimate
-    top = top_plans(run / "trials.csv", k)
+    top = top_plans(run / "trials.csv", k, picks)
     if not top:
         raise SpecError("--refine", "trials.csv has no feasible plan to run", "fix the search inputs first")
     _, model, cluster, train, _ = load_run(run)

@@ -235,3 +235,53 @@ def test_a_failed_trial_is_named_in_one_line(run_dir: Path) -> None:
     assert [ln.split(": ")[0] for ln in seen if "failed" in ln] == ["refine 1/2 failed", "refine 2/2 failed"]
     line = info.value.line()
     assert line.startswith("--refine: no plan ran successfully; the first: ") and "on node-3: ssh exited" in line
+
+
+def test_refine_plans_name_positions_of_the_ranking(run_dir: Path) -> None:
+    """--refine-plans: the ranking is the plans table's (fastest predicted first, ties by less
+    memory); positions pick from it in the order given; a position past its end is one line."""
+    from planner.tune.refine import top_plans
+    ranking = top_plans(run_dir / "trials.csv", 10 ** 9)
+    steps = [(s, p.to_dict()) for _, p, s in ranking]
+    assert [s for s, _ in steps] == sorted(s for s, _ in steps) and len(ranking) >= 5
+    picked = top_plans(run_dir / "trials.csv", 2, (1, 5))
+    assert picked == [ranking[0], ranking[4]] and top_plans(run_dir / "trials.csv", 2) == ranking[:2]
+    with pytest.raises(SpecError, match=f"names plan 9999, but the search ranked {len(ranking)} distinct") as info:
+        top_plans(run_dir / "trials.csv", 2, (1, 9999))
+    assert info.value.field == "--refine-plans"
+
+
+def test_workers_with_other_plans_do_not_share_a_runs_study() -> None:
+    from planner.tune.shared import runs_key
+    assert runs_key("s", 2, 4, 1) == "s-k2-s4-w1"                # the key of studies made before --refine-plans
+    assert len({runs_key("s", 2, 4, 1), runs_key("s", 2, 4, 1, (1, 73)), runs_key("s", 2, 4, 1, (1, 72))}) == 3
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--refine-plans", "1,2"], "--refine-plans: only applies to --refine K"),
+    (["--refine", "2", "--refine-plans", "1,2,3"], "--refine-plans: '1,2,3' does not name 2 distinct plans"),
+    (["--refine", "2", "--refine-plans", "3,3"], "--refine-plans: '3,3' does not name 2 distinct plans"),
+    (["--refine", "2", "--refine-plans", "0,1"], "--refine-plans: '0,1' does not name 2 distinct plans"),
+    (["--refine", "2", "--refine-plans", "1,best"], "--refine-plans: '1,best' is not a list of plan numbers"),
+])
+def test_bad_refine_plans_are_one_line(tmp_path: Path, capsys, args: list, words: str) -> None:
+    assert main(["search", *INPUTS, "--out-dir", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and len(err.splitlines()) == 1 and not (tmp_path / "chatglm3-6b-tiny_2xcpu").exists()
+
+
+def test_refine_plans_run_the_named_plans_and_past_the_end_write_no_study(tmp_path: Path, capsys) -> None:
+    from planner.tune.refine import top_plans
+    hf = _hostfile(tmp_path, "localhost slots=2\n")
+    url = f"sqlite:///{tmp_path}/s.db"
+    base = [*INPUTS, "--out-dir", str(tmp_path), "--name", "p", "--storage", url, "--study", "picked"]
+    assert main(["search", *base, "--refine", "2", "--refine-plans", "5,1", "--hostfile", hf, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    ranking = top_plans(tmp_path / "p" / "trials.csv", 5)
+    assert f"# plan 1: {ranking[4][1].describe()}\n" in out and f"# plan 2: {ranking[0][1].describe()}\n" in out
+    first = json.loads((tmp_path / "p" / "refine" / "plan-0" / "plan.json").read_text())
+    assert first["plan"] == ranking[4][1].to_dict()
+    assert main(["search", *base, "--refine", "2", "--refine-plans", "1,9999", "--hostfile", hf]) == 2
+    err = capsys.readouterr().err
+    assert "--refine-plans: names plan 9999, but the search ranked" in err
+    assert runs_study_name("picked") not in optuna.get_all_study_names(storage=url)
