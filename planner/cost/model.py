@@ -55,6 +55,18 @@ def _tp_link(cluster: ClusterSpec, plan: Plan) -> tuple[float, float]:
     return probe.busbw_gbps * 1e9 / k, probe.latency_us * 1e-6 * k
 
 
+def framework_overheads(cluster: ClusterSpec, plan: Plan, f: Factors) -> tuple[float, float]:
+    """(seconds per micro-batch per stage, seconds per step) of the runtime beyond the compute
+    terms: the factors' microbatch_overhead_s and step_overhead_s, plus a profiled CPU's
+    engine probe (planner/specs/step.py framework) of the plan's precision, time-shared by
+    the oversubscription like compute."""
+    fw = cluster.device.step.framework.get(plan.precision)
+    if fw is None:
+        return f.microbatch_overhead_s, f.step_overhead_s
+    k = cluster.device.oversubscription(cluster.gpus_per_node)
+    return f.microbatch_overhead_s + fw.microbatch_s * k, f.step_overhead_s + fw.step_s * k
+
+
 def block_probe(cluster: ClusterSpec, plan: Plan):
     """The profiled CPU's block probe for the plan's precision (planner/specs/step.py), or None."""
     dev = cluster.device
