@@ -29,7 +29,7 @@ def _bench():
 sp = _bench()
 RAW = json.loads(DATA.read_text())
 KNOWN_METRICS = {"ttft_s", "e2e_s", "tpot_s", "output_tok_s", "decode_tok_s", "max_qps", "memory_gb", "req_s",
-                 "ttft_p50_s"}
+                 "ttft_p50_s", "ttft_p99_s"}
 
 
 def test_every_row_has_a_source_a_known_gpu_a_known_metric_and_positive_values():
@@ -155,3 +155,14 @@ def test_ttft_contributions_rank_rows_by_their_share_of_the_mape():
     # the benchmark's own TTFT group carries it, summing to the whole
     res = sp.compare([r for r in sp.load_rows() if r.id in ("T1", "T2", "L2")])
     assert res["groups"]["TTFT"]["by_row"][-1]["cumulative"] == pytest.approx(1.0)
+
+
+def test_closed_loop_p99_ttft_rows_read_the_simulations_99th_percentile():
+    from planner.serve.estimate import estimate_serving
+    rows = {r.id: r for r in sp.load_rows()}
+    r = rows["M48p"]
+    assert r.metric == "ttft_p99_s" and r.concurrency == 48 and r.value == 1.483 and r.in_mape
+    est = estimate_serving(r.model, r.cluster, sp.deployment(r), sp.workload(r), requests=r.requests)
+    assert sp.predict(r)["predicted"] == pytest.approx(est.ttft_p99_s, rel=1e-12)
+    assert est.ttft_p99_s > est.ttft_p50_s
+    assert "ttft_p99_s" in sp.GROUPS["TTFT"]
