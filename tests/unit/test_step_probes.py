@@ -85,10 +85,11 @@ def test_tp_all_reduce_in_the_step_is_the_measured_link():
     bt = _block_times(MODEL, cluster, TRAIN, plan, cluster_factors(cluster))
     assert bt.tp_fwd == pytest.approx(2262.144e-6, rel=1e-9)
     assert bt.tp_bwd == pytest.approx(2262.144e-6, rel=1e-9)
-    # 4 processes (TP2 x DP2) on a profile measured with 2: the in-step all-reduce stretches 2x
+    # 4 processes (TP2 x DP2) on a profile measured with 2: the in-step all-reduce is not stretched
+    # (a waiting rank leaves its core to the others), unlike compute
     four = parse_cluster("4xcpu", dev)
     bt4 = _block_times(MODEL, four, TRAIN, Plan(tp=2, dp=2, micro_batch=2, grad_accum=2), cluster_factors(four))
-    assert bt4.tp_fwd == pytest.approx(2 * 2262.144e-6, rel=1e-9)
+    assert bt4.tp_fwd == pytest.approx(2262.144e-6, rel=1e-9)
 
 
 def test_in_step_fit_is_per_all_reduce_over_sizes():
