@@ -5,7 +5,7 @@ every rung from the conventional baseline (fp32, plain DP, ZeRO-0, padded static
 chosen plan is run with the executor on the same document stream and printed beside the
 prediction, with the article's figure per technique. About 30 s on 2 cores.
 
-    flock /tmp/planner-cpu.lock .venv/bin/python benchmarks/ladder.py [--steps N] [--scale tiny|small]
+    flock /tmp/planner-cpu.lock .venv/bin/python benchmarks/ladder.py [--steps N] [--scale tiny|small] [--profile P]
 """
 from __future__ import annotations
 
@@ -24,11 +24,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--scale", default="tiny", choices=["tiny", "small"])
+    ap.add_argument("--profile", default=None,
+                    help="a measured profile with the step probes (e.g. benchmarks/agreement.py's cpu-calibrated.json); "
+                         "default the built-in cpu profile")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "ladder"
         search = subprocess.run(PLANNER + ["search", "--model", "chatglm3-6b", "--scale", args.scale, "--gpus", "2xcpu",
-                                           "--out-dir", tmp, "--name", "ladder"], capture_output=True, text=True)
+                                           "--out-dir", tmp, "--name", "ladder",
+                                           *(["--profile", str(Path(args.profile).resolve())] if args.profile else [])],
+                                capture_output=True, text=True)
         if search.returncode:
             print(search.stdout[-2000:], search.stderr[-2000:])
             return 1

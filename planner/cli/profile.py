@@ -45,7 +45,10 @@ def profile(quick: bool, out: str | None, model_arg: str | None, scale: str | No
     if max_tp is not None and max_tp < 1:
         raise SpecError("--max-tp", f"must be >= 1, got {max_tp}", "give a TP degree such as 2")
     model = load_model(model_arg or ("glm-4-9b" if gpu else "chatglm3-6b"), scale or ("full" if gpu else "tiny"))
-    opts = ProfileOptions(model=model, precision=precision, quick=quick, procs=procs, max_tp=max_tp or max(1, procs))
+    # CPU, default model: the block of the lab's other scale too (the step probe's line spans both)
+    others = (load_model("chatglm3-6b", "small"),) if not gpu and model_arg is None and scale is None else ()
+    opts = ProfileOptions(model=model, precision=precision, quick=quick, procs=procs, max_tp=max_tp or max(1, procs),
+                          block_models=others)
     console = Console(stderr=True)
     with Progress(TextColumn("[bold]profile"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.description}"), console=console, transient=True) as bar:

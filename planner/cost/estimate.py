@@ -9,8 +9,8 @@ from planner.cost.attention import recomputes_scores
 from planner.cost.engines import Engine
 from planner.cost.factors import Factors, cluster_factors
 from planner.cost.layers import LayerCosts
-from planner.cost.model import (_block_times, _kernel, _layer_costs, resident_memory, runtime_train,
-                                 stage_memory, stage_times)
+from planner.cost.model import (_block_times, _kernel, _layer_costs, framework_overheads, resident_memory,
+                                 runtime_train, stage_memory, stage_times)
 from planner.cost.runtime import get_runtime
 from planner.specs.estimate import GB, MEMORY_LABELS, Estimate, TimeBreakdown
 from planner.specs.hardware import ClusterSpec
@@ -131,7 +131,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
     layers = plan.layers_per_stage(model.layers)
     ckpt = plan.checkpointed_per_stage(model.layers)
     m, v, p = plan.grad_accum, plan.interleave, plan.pp
-    mb_overhead = f.microbatch_overhead_s
+    mb_overhead, step_overhead = framework_overheads(cluster, plan, f)
 
     times = stage_times(lc, layers, ckpt, mb_overhead)
     slow = max(range(p), key=lambda i: times[i])
@@ -162,7 +162,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
     time = _breakdown(lc, bt, plan, layers[slow], ckpt[slow], slow == 0, slow == p - 1, m)
     time = TimeBreakdown(**{**time, "pp_comm": pp_comm, "bubble": bubble, "dp_sync": dp_sync,
                             "zero_gather": zero_gather, "optimizer": opt,
-                            "overhead": f.step_overhead_s + m * mb_overhead})
+                            "overhead": step_overhead + m * mb_overhead})
     step = time.total
 
     mem = stage_memory(plan, lc, layers, ckpt, f.memory_fragmentation, resident_memory(cluster.device.kind))

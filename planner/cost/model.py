@@ -45,14 +45,27 @@ def _kernel(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> str:
 def _tp_link(cluster: ClusterSpec, plan: Plan) -> tuple[float, float]:
     """(bus bandwidth bytes/s, latency s) of the TP group (it divides the node: the same in every
     stage). A profiled CPU's all-reduce measured inside autograd (planner/specs/step.py
-    tp_allreduce) replaces the link's back-to-back figure when the group sits in one node; the
-    ranks share the host's cores, so it stretches by the oversubscription like compute."""
+    tp_allreduce) replaces the link's back-to-back figure when the group sits in one node. It is
+    not stretched by the oversubscription as compute is: a rank waiting for its peer leaves its
+    core to the others (measured on 2 cores: tiny TP2xDP2 ZeRO-1 on 4 processes and TP2xPP2xDP2 on
+    8, before calibration +25% and +60% with the stretch, -8% and +0% without; docs/lab.md)."""
     link = comm.group_links(cluster, plan, "tp")[0]
     probe = cluster.device.step.tp_link(plan.tp) if plan.tp > 1 else None
     if probe is None or plan.tp > cluster.gpus_per_node:
         return link
+    return probe.busbw_gbps * 1e9, probe.latency_us * 1e-6
+
+
+def framework_overheads(cluster: ClusterSpec, plan: Plan, f: Factors) -> tuple[float, float]:
+    """(seconds per micro-batch per stage, seconds per step) of the runtime beyond the compute
+    terms: the factors' microbatch_overhead_s and step_overhead_s, plus a profiled CPU's
+    engine probe (planner/specs/step.py framework) of the plan's precision, time-shared by
+    the oversubscription like compute."""
+    fw = cluster.device.step.framework.get(plan.precision)
+    if fw is None:
+        return f.microbatch_overhead_s, f.step_overhead_s
     k = cluster.device.oversubscription(cluster.gpus_per_node)
-    return probe.busbw_gbps * 1e9 / k, probe.latency_us * 1e-6 * k
+    return f.microbatch_overhead_s + fw.microbatch_s * k, f.step_overhead_s + fw.step_s * k
 
 
 def block_probe(cluster: ClusterSpec, plan: Plan):

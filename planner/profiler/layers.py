@@ -37,6 +37,9 @@ class LayerPoint:
     allocator_bytes: int | None
     source: str
     precision: str = ""
+    model: str = ""
+    """The model's name when it is not the profile's own (ProfileOptions.block_models)."""
+    model_spec: Any = None
 
     @property
     def recompute_s(self) -> float:
@@ -45,6 +48,7 @@ class LayerPoint:
 
     def to_dict(self) -> dict[str, Any]:
         return {"micro_batch": self.micro_batch, "seq": self.seq, "tp": self.tp, "precision": self.precision,
+                **({"model": self.model_spec.to_dict()} if self.model_spec is not None else {}),
                 "forward_s": self.forward.to_dict(), "backward_s": self.backward.to_dict(),
                 "forward_checkpointed_s": self.forward_ckpt.to_dict(),
                 "backward_checkpointed_s": self.backward_ckpt.to_dict(),
@@ -124,4 +128,4 @@ def measure_point(model: ModelSpec, b: int, s: int, tp: int, precision: str, tar
     return LayerPoint(micro_batch=b, seq=s, tp=tp, forward=fwd, backward=bwd, forward_ckpt=fwd_c,
                       backward_ckpt=bwd_c, saved_bytes=saved_bytes(plain, params),
                       saved_bytes_ckpt=saved_bytes(ckpt, params), allocator_bytes=alloc, source=source,
-                      precision=precision)
+                      precision=precision, model=model.name, model_spec=model)

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from planner.errors import PlannerError
 from planner.profiler import comm, gemm, layers
 from planner.profiler.device import Target
 from planner.profiler.stats import time_call
@@ -29,6 +30,12 @@ class ProfileOptions:
     points: tuple[tuple[int, int, int], ...] = ()
     """(micro-batch, sequence, TP) points of the block timings; () = defaults for the device."""
     comm_timeout_s: float = 900.0
+    engine: bool = True
+    block_models: tuple[ModelSpec, ...] = ()
+    """Further models whose block is timed at the same points (micro-batch <= 4; TP where legal),
+    in every block precision: the step probe's line then spans their sizes (CPU default:
+    chatglm3-6b small beside tiny, the lab's two scales)."""
+    """Time the executor's DeepSpeed engine on one process (CPU: the step probe's framework costs)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,8 +54,15 @@ class WorkList:
     @property
     def total(self) -> int:
         ticks_comm = len(self.groups) * len(self.sizes) * len(comm.OPS)
-        return len(self.points) * len(self.block_precisions) + len(self.shapes) * len(self.precisions) \
-            + sum(map(len, self.squares.values())) + 1 + ticks_comm
+        blocks = len(self.points) + sum(len(self.other_points(m)) for m in self.block_models)
+        return blocks * len(self.block_precisions) + len(self.shapes) * len(self.precisions) \
+            + sum(map(len, self.squares.values())) + 2 + ticks_comm
+
+    block_models: tuple[ModelSpec, ...] = ()
+
+    def other_points(self, model: ModelSpec) -> list[tuple[int, int, int]]:
+        """The block points a further block model is timed at: micro-batch <= 4, its legal TP."""
+        return [(b, s, t) for b, s, t in self.points if b <= 4 and t in gemm.legal_tp(model, t)]
 
     @property
     def block_precisions(self) -> tuple[str, ...]:
@@ -84,7 +98,8 @@ def make_plan(opts: ProfileOptions, target: Target) -> WorkList:
     groups = tuple(comm.group_sizes(opts.procs))
     sizes = tuple(comm.message_sizes(opts.quick, target.kind))
     precisions = tuple(dict.fromkeys((opts.precision, "fp32")))
-    return WorkList(points=points, shapes=shapes, precisions=precisions, squares=squares, groups=groups, sizes=sizes)
+    return WorkList(points=points, shapes=shapes, precisions=precisions, squares=squares, groups=groups, sizes=sizes,
+                    block_models=tuple(opts.block_models))
 
 
 def cpu_threads(procs: int) -> int:
@@ -132,7 +147,22 @@ def measure_all(opts: ProfileOptions, target: Target, plan: WorkList,
         for b, s, t in plan.points:
             pts.append(layers.measure_point(opts.model, b, s, t, prec, target, repeats=3 if opts.quick else 7))
             tick(f"block {prec} b={b} s={s} tp={t}")
+        for other in opts.block_models:
+            for b, s, t in plan.other_points(other):
+                pts.append(layers.measure_point(other, b, s, t, prec, target, repeats=3 if opts.quick else 7))
+                tick(f"block {other.name} {prec} b={b} s={s} tp={t}")
     out["layers"] = pts
+    out["engine"] = []
+    if target.kind == "cpu" and opts.engine:
+        from planner.profiler import engine
+        # the largest block point of at most 4 sequences (TP 1): a micro-batch the lab's plans run
+        b, s_ = max(((b, s) for b, s, t in plan.points if t == 1 and b <= 4), default=(1, plan.points[0][1]))
+        try:
+            out["engine"] = engine.measure(opts.model.to_dict(), b, s_, list(plan.block_precisions),
+                                           cpu_threads(opts.procs))
+        except PlannerError as exc:
+            out["notes"].append(f"engine probe skipped: {exc.line()}")
+    tick("engine steps")
     backend = "nccl" if target.kind == "gpu" else "gloo"
     out["comm"] = {}
     if not plan.groups:

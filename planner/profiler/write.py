@@ -97,6 +97,9 @@ def build(raw: dict[str, Any], env: dict[str, Any], opts: ProfileOptions, *, nam
         sources["lab"] = f"not measured: copied from built-in profile {builtin.name} (its sources say how)"
     step = step_section(raw, opts, data)
     if step["block"] or step["tp_allreduce"]:
+        sources["step.framework"] = ("measured: the executor's DeepSpeed engine on one process, steps of 1 and 4 "
+                                     "micro-batches (planner.profiler.engine), minus the cost model's forward + "
+                                     "backward and Adam update for the same plan")
         data["step"] = step
         sources["step.block"] = ("measured: the executor's block (one TP rank, no communication) forward + backward "
                                  "per precision at the block points = scale x the cost model's block compute "
@@ -132,19 +135,48 @@ def step_section(raw: dict[str, Any], opts: ProfileOptions, data: dict[str, Any]
         rows = [p for p in raw["layers"] if (p.precision or opts.precision) == prec]
         if len(rows) < 2 or not prof.supports(prec):
             continue
-        pred = [block_compute_time(opts.model, _cluster(prof, p.tp),
+        pred = [block_compute_time(p.model_spec or opts.model, _cluster(prof, p.tp),
                                    TrainSpec(global_batch=p.micro_batch, seq_len=p.seq, precision=prec),
                                    Plan(tp=p.tp, micro_batch=p.micro_batch, precision=prec)) for p in rows]
         meas = [p.forward.median + p.backward.median for p in rows]
         scale, overhead = fit_line(pred, meas)
         block[prec] = {"scale": scale, "overhead_s": overhead, "points": len(rows),
                        "max_rel_error": max(abs(scale * x + overhead - y) / y for x, y in zip(pred, meas))}
+    framework = framework_section(raw.get("engine") or [], opts, data, block) if block else {}
     links = {}
     for n, summary in raw["comm"].items():
         fit = (summary.get("in_step") or {}).get("fit")
         if fit and fit["busbw_gbps"] > 0:
             links[str(n)] = fit
-    return {"block": block, "tp_allreduce": links}
+    return {"block": block, "tp_allreduce": links, "framework": framework}
+
+
+def framework_section(rows: list[dict[str, Any]], opts: ProfileOptions, data: dict[str, Any],
+                      block: dict[str, Any]) -> dict[str, Any]:
+    """Per precision, what the engine probe's per-micro-batch and per-step seconds
+    (planner.profiler.engine.split) leave beyond the cost model's terms for the same 1-process
+    plan under this profile with its block probe: the micro-batch's forward + backward (blocks,
+    embedding, head) and the memory-bound Adam update. Kept >= 0."""
+    from planner.cost import estimate
+    from planner.profiler.engine import split
+    from planner.specs.plan import Plan
+    from planner.specs.train import TrainSpec
+    if not rows:
+        return {}
+    prof = profile_from_dict({**{k: v for k, v in data.items() if k != "step"},
+                              "step": {"block": block}}, data["name"])
+    out = {}
+    for prec, meas in split(rows).items():
+        b, s = next((r["micro_batch"], r["seq"]) for r in rows if r["precision"] == prec)
+        plan = Plan(micro_batch=b, grad_accum=1, precision=prec)
+        est = estimate(opts.model, _cluster(prof, 1), TrainSpec(global_batch=b, seq_len=s, precision=prec), plan)
+        t = est.time
+        per_mb = t.forward + t.backward + t.recompute
+        out[prec] = {"microbatch_s": max(meas["microbatch_s"] - per_mb, 0.0),
+                     "step_s": max(meas["step_s"] - t.optimizer, 0.0),
+                     "measured_microbatch_s": meas["microbatch_s"], "measured_step_s": meas["step_s"],
+                     "predicted_microbatch_s": per_mb, "predicted_optimizer_s": t.optimizer}
+    return out
 
 
 def measured_section(raw: dict[str, Any], env: dict[str, Any], opts: ProfileOptions, best: dict[str, Any],
@@ -153,7 +185,8 @@ def measured_section(raw: dict[str, Any], env: dict[str, Any], opts: ProfileOpti
     prof = profile_from_dict(data, data["name"])
     for p in raw["layers"]:
         row = p.to_dict()
-        row["cost_model"] = cost_model_point(opts, prof, p.micro_batch, p.seq, p.tp, p.precision or opts.precision)
+        row["cost_model"] = cost_model_point(opts, prof, p.micro_batch, p.seq, p.tp, p.precision or opts.precision,
+                                             p.model_spec)
         layer_rows.append(row)
     return {
         "environment": env,
@@ -162,6 +195,7 @@ def measured_section(raw: dict[str, Any], env: dict[str, Any], opts: ProfileOpti
         "wall_s": raw["wall_s"],
         "gemm": [r.to_dict() for r in raw["gemm"]],
         "gemm_square": [r.to_dict() for r in raw["gemm_square"]],
+        "engine": raw.get("engine") or [],
         "peak_gemm": {p: r.to_dict() for p, r in best.items()},
         "copy": raw["copy"],
         "layers": layer_rows,
@@ -171,7 +205,7 @@ def measured_section(raw: dict[str, Any], env: dict[str, Any], opts: ProfileOpti
 
 
 def cost_model_point(opts: ProfileOptions, prof: Any, b: int, s: int, tp: int,
-                     precision: str | None = None) -> dict[str, Any]:
+                     precision: str | None = None, model: Any = None) -> dict[str, Any]:
     """What planner.cost predicts for this block (time and saved bytes), beside the measurement.
     The one place the profiler asks the cost model: its activation bytes are
     planner.cost.memory.block_activation_bytes through layer_costs, for the attention kernel
@@ -187,7 +221,7 @@ def cost_model_point(opts: ProfileOptions, prof: Any, b: int, s: int, tp: int,
                               inter_node=prof.inter_node)
         prec = precision or opts.precision
         plan = Plan(dp=1, tp=tp, pp=1, micro_batch=b, grad_accum=1, precision=prec)
-        lc = layer_costs(opts.model, cluster, TrainSpec(global_batch=b, seq_len=s, precision=prec), plan)
+        lc = layer_costs(model or opts.model, cluster, TrainSpec(global_batch=b, seq_len=s, precision=prec), plan)
         return {"block_time_s": lc.block_time, "block_time_full_recompute_s": lc.block_time_full_recompute,
                 "block_act_bytes": lc.block_act_bytes,
                 "block_act_bytes_full_recompute": lc.block_act_bytes_full_recompute,

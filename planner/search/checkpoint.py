@@ -19,7 +19,7 @@ from __future__ import annotations
 from planner.cost import engines, memory
 from planner.cost.factors import cluster_factors
 from planner.cost.layers import LayerCosts
-from planner.cost.model import resident_memory
+from planner.cost.model import framework_overheads, resident_memory
 from planner.specs.hardware import ClusterSpec
 from planner.specs.plan import Plan
 
@@ -44,7 +44,7 @@ class StageModel:
         self.frag1 = 1.0 + self.frag
         self.saving = [self.frag1 * f_i * (lc.block_act_bytes - lc.block_act_bytes_full_recompute)
                        for f_i in lc.in_flight]
-        self.mb_overhead = f.microbatch_overhead_s
+        self.mb_overhead = framework_overheads(cluster, plan, f)[0]
         self.capacity = cluster.memory_bytes
         self.fixed = lc.fixed_bytes
         fp = engines.footprint(plan, resident_memory(cluster.device.kind), lc.largest)

@@ -19,6 +19,10 @@ inside autograd, between the block's GEMMs:
   is what the terms leave out per block (PyTorch's per-operator dispatch and autograd
   bookkeeping: on a CPU at these sizes, not negligible); scale what the GEMM probes' efficiency
   misses inside a whole block (the precision's conversions, cache effects).
+- framework[precision]: the executor's DeepSpeed engine on one process (planner/profiler/engine.py),
+  steps of 1 and 4 micro-batches: seconds per micro-batch and per optimizer step the compute
+  terms and the Adam update leave out (DeepSpeed's hooks, the optimizer wrapper's master copies
+  and gradient norm, Python).
 - tp_allreduce[n]: one all-reduce of the block's activations over n processes as it runs in
   autograd (the executor's block with its TP group, minus the same block without it, per
   all-reduce), busbw and latency per latency step as planner/cost/comm.py counts them.
@@ -56,9 +60,18 @@ class InStepLink:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Framework:
+    microbatch_s: float
+    """Seconds per micro-batch the executor's engine spends beyond the cost model's compute terms."""
+    step_s: float
+    """Seconds per optimizer step beyond the memory-bound Adam update."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StepProbes:
     block: Mapping[str, BlockProbe] = field(default_factory=dict)
     tp_allreduce: Mapping[int, InStepLink] = field(default_factory=dict)
+    framework: Mapping[str, Framework] = field(default_factory=dict)
 
     def block_for(self, precision: str) -> BlockProbe | None:
         return self.block.get(precision)
@@ -73,13 +86,14 @@ class StepProbes:
 
     @property
     def empty(self) -> bool:
-        return not self.block and not self.tp_allreduce
+        return not self.block and not self.tp_allreduce and not self.framework
 
     def to_dict(self) -> dict[str, Any]:
         return {"block": {p: {"scale": b.scale, "overhead_s": b.overhead_s, "points": b.points}
                           for p, b in self.block.items()},
                 "tp_allreduce": {str(n): {"busbw_gbps": l.busbw_gbps, "latency_us": l.latency_us, "points": l.points}
-                                 for n, l in self.tp_allreduce.items()}}
+                                 for n, l in self.tp_allreduce.items()},
+                "framework": {p: {"microbatch_s": f.microbatch_s, "step_s": f.step_s} for p, f in self.framework.items()}}
 
 
 def _number(v: Any, where: str, positive: bool = True) -> float:
@@ -115,7 +129,14 @@ def step_from_dict(raw: Any, precisions: tuple[str, ...]) -> StepProbes:
         links[int(n)] = InStepLink(busbw_gbps=_number(l.get("busbw_gbps"), f"{where}.busbw_gbps"),
                                    latency_us=_number(l.get("latency_us"), f"{where}.latency_us", positive=False),
                                    points=int(l.get("points", 0)))
-    return StepProbes(block=block, tp_allreduce=links)
+    framework = {}
+    for prec, f in (raw.get("framework") or {}).items():
+        where = f"step.framework.{prec}"
+        if prec not in precisions or not isinstance(f, dict):
+            raise ProfileError(where, "must map a precision to microbatch_s and step_s", REGENERATE)
+        framework[prec] = Framework(microbatch_s=_number(f.get("microbatch_s"), f"{where}.microbatch_s", positive=False),
+                                    step_s=_number(f.get("step_s"), f"{where}.step_s", positive=False))
+    return StepProbes(block=block, tp_allreduce=links, framework=framework)
 
 
 def fit_line(predicted: list[float], measured: list[float]) -> tuple[float, float]:

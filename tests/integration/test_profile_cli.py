@@ -38,7 +38,10 @@ def test_quick_profile_writes_a_usable_profile(tmp_path):
     assert all(p["time_s"]["n"] >= 3 for p in ar["points"])
     assert set(m["comm"]["groups"]["2"]) == {"all_reduce", "all_gather", "reduce_scatter", "send_recv", "in_step"}
     # the step probes (planner/specs/step.py): the block per precision, the TP all-reduce in autograd
-    assert set(prof.step.block) == {"bf16", "fp32"} and all(b.points == 6 for b in prof.step.block.values())
+    # (tiny: micro-batch 1, 4, 16 x TP 1, 2; small beside it: micro-batch 1, 4 x TP 1, 2)
+    assert set(prof.step.block) == {"bf16", "fp32"} and all(b.points == 10 for b in prof.step.block.values())
+    assert set(prof.step.framework) == {"bf16", "fp32"}, m["notes"]  # the engine probe ran
+    assert {r["grad_accum"] for r in m["engine"]} == {1, 4}
     assert {r["precision"] for r in m["comm"]["groups"]["2"]["in_step"]["rows"]} == {"bf16", "fp32"}
     assert 2 in prof.step.tp_allreduce and prof.step.tp_allreduce[2].busbw_gbps > 0
     assert prof.intra_node.busbw_gbps == pytest.approx(ar["fit"]["busbw_gbps"])

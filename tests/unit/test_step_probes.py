@@ -85,10 +85,11 @@ def test_tp_all_reduce_in_the_step_is_the_measured_link():
     bt = _block_times(MODEL, cluster, TRAIN, plan, cluster_factors(cluster))
     assert bt.tp_fwd == pytest.approx(2262.144e-6, rel=1e-9)
     assert bt.tp_bwd == pytest.approx(2262.144e-6, rel=1e-9)
-    # 4 processes (TP2 x DP2) on a profile measured with 2: the in-step all-reduce stretches 2x
+    # 4 processes (TP2 x DP2) on a profile measured with 2: the in-step all-reduce is not stretched
+    # (a waiting rank leaves its core to the others), unlike compute
     four = parse_cluster("4xcpu", dev)
     bt4 = _block_times(MODEL, four, TRAIN, Plan(tp=2, dp=2, micro_batch=2, grad_accum=2), cluster_factors(four))
-    assert bt4.tp_fwd == pytest.approx(2 * 2262.144e-6, rel=1e-9)
+    assert bt4.tp_fwd == pytest.approx(2262.144e-6, rel=1e-9)
 
 
 def test_in_step_fit_is_per_all_reduce_over_sizes():
@@ -105,3 +106,76 @@ def test_in_step_fit_is_per_all_reduce_over_sizes():
     summary = comm.summarize_group({"collectives": [], "in_step": rows})
     assert summary["in_step"]["fit"] == fit
     assert comm.fit_in_step(rows[:1]) is None
+
+
+def test_engine_probe_splits_per_micro_batch_and_per_step():
+    """Steps of 1 and 4 micro-batches: 0.05 s and 0.11 s -> 0.02 s per micro-batch, 0.03 s per step."""
+    from planner.profiler.engine import split
+    rows = [{"precision": "bf16", "micro_batch": 4, "seq": 128, "grad_accum": 1, "step_s": 0.05},
+            {"precision": "bf16", "micro_batch": 4, "seq": 128, "grad_accum": 4, "step_s": 0.11}]
+    got = split(rows)["bf16"]
+    assert got["microbatch_s"] == pytest.approx(0.02, rel=1e-12) and got["step_s"] == pytest.approx(0.03, rel=1e-12)
+
+
+def test_framework_costs_are_added_per_micro_batch_and_per_step():
+    """DP2, accumulation 2, one stage: overhead = step_s + 2 x microbatch_s = 0.03 + 2 x 0.02 = 0.07 s
+    more than without the probe; on 4 processes of a 2-process profile both stretch 2x."""
+    from planner.cost import estimate
+    from planner.specs.step import Framework
+    plan = Plan(dp=2, micro_batch=2, grad_accum=2)
+    dev = with_step(StepProbes(framework={"bf16": Framework(microbatch_s=0.02, step_s=0.03)}))
+    plain = estimate(MODEL, parse_cluster("2xcpu", find_device("cpu")[0]), TRAIN, plan)
+    got = estimate(MODEL, parse_cluster("2xcpu", dev), TRAIN, plan)
+    assert got.time.overhead - plain.time.overhead == pytest.approx(0.07, rel=1e-12)
+    assert got.step_time_s - plain.step_time_s == pytest.approx(0.07, rel=1e-9)
+    plan4 = Plan(dp=4, micro_batch=1, grad_accum=2)
+    four = estimate(MODEL, parse_cluster("4xcpu", dev), TRAIN, plan4)
+    four0 = estimate(MODEL, parse_cluster("4xcpu", find_device("cpu")[0]), TRAIN, plan4)
+    assert four.time.overhead - four0.time.overhead == pytest.approx(2 * 0.07, rel=1e-12)
+    # fp32 plans take the fp32 probe only
+    p32 = Plan(dp=2, micro_batch=2, grad_accum=2, precision="fp32")
+    t32 = dataclasses.replace(TRAIN, precision="fp32")
+    assert estimate(MODEL, parse_cluster("2xcpu", dev), t32, p32).time.overhead == \
+        estimate(MODEL, parse_cluster("2xcpu", find_device("cpu")[0]), t32, p32).time.overhead
+
+
+def test_profile_writes_the_step_section_from_its_probes():
+    """The profiler's raw figures -> step.block (the line through two block points), step.framework
+    (the engine probe minus the cost model's terms for the same 1-process plan)."""
+    from planner.cost import estimate
+    from planner.profiler import gemm, write
+    from planner.profiler.layers import LayerPoint
+    from planner.profiler.run import ProfileOptions
+    from planner.profiler.stats import Sample
+    from planner.specs import profile_from_dict
+
+    def smp(v: float) -> Sample:
+        return Sample(median=v, min=v, max=v, n=3, unit="s")
+
+    results = [gemm.GemmResult(shape=sh, precision=p, time=smp(sh.flops / r)) for p, r in (("bf16", 2e11), ("fp32", 1e11))
+               for t in (1, 2) for sh in gemm.model_shapes(MODEL, 512, t)]
+    squares = [gemm.GemmResult(shape=gemm.GemmShape(name="square", m=n, k=n, n=n), precision=p, time=smp(2 * n ** 3 / r))
+               for n in (256, 1024) for p, r in (("bf16", 3e11), ("fp32", 1e11), ("fp16", 3e9))]
+    points = [LayerPoint(micro_batch=b, seq=128, tp=1, forward=smp(f), backward=smp(2 * f), forward_ckpt=smp(f),
+                         backward_ckpt=smp(3 * f), saved_bytes=1, saved_bytes_ckpt=1, allocator_bytes=None,
+                         source="test", precision="bf16") for b, f in ((1, 1e-3), (4, 3e-3))]
+    engine_rows = [{"precision": "bf16", "micro_batch": 4, "seq": 128, "grad_accum": m, "step_s": s}
+                   for m, s in ((1, 0.05), (4, 0.11))]
+    raw = {"gemm": results, "gemm_square": squares, "layers": points, "backend": "gloo", "wall_s": 1.0,
+           "copy": {"bytes": 1 << 26, "time_s": smp(1e-2).to_dict(), "gbps": 13.4, "method": "copy"},
+           "comm": {}, "notes": [], "engine": engine_rows}
+    opts = ProfileOptions(model=MODEL, precision="bf16", procs=1)
+    data = write.build(raw, {"device": "test cpu"}, opts, name="t", kind="cpu", memory_gb=24.0, per_node=1)
+    prof = profile_from_dict(data)
+    line = prof.step.block["bf16"]
+    plain = dataclasses.replace(prof, step=StepProbes())
+    for b, f in ((1, 1e-3), (4, 3e-3)):  # two points: the line passes through both
+        x = block_compute_time(MODEL, parse_cluster("1xcpu", plain), TrainSpec(global_batch=b, seq_len=128),
+                               Plan(micro_batch=b))
+        assert line.time(x) == pytest.approx(3 * f, rel=1e-9)
+    fw = data["step"]["framework"]["bf16"]
+    assert fw["measured_microbatch_s"] == pytest.approx(0.02) and fw["measured_step_s"] == pytest.approx(0.03)
+    with_block = dataclasses.replace(prof, step=StepProbes(block=prof.step.block))
+    t = estimate(MODEL, parse_cluster("1xcpu", with_block), TrainSpec(global_batch=4, seq_len=128), Plan(micro_batch=4)).time
+    assert fw["microbatch_s"] == pytest.approx(max(0.02 - (t.forward + t.backward), 0.0), rel=1e-9)
+    assert fw["step_s"] == pytest.approx(0.03 - t.optimizer, rel=1e-9)
