@@ -63,14 +63,20 @@ from planner.specs.hardware import PROFILES_DIR, ClusterSpec, DeviceProfile, Hos
 DATA = Path(__file__).with_name("ds_reference_rows.json")
 OUT = ROOT / "reports" / "bench-ds-reference" / "calibration.json"
 
-BASE_FACTORS = ("compute_scale", "comm_efficiency", "dp_overlap", "step_overhead_s", "microbatch_overhead_s")
+BASE_FACTORS = ("compute_scale", "dp_overlap", "step_overhead_s", "microbatch_overhead_s")
 """Fitted per generation by default, plus every time factor planner/cost/factors.py gained after
-this script was written (the ZeRO-3 fetch, per-collective latency, offload ... factors)."""
+this script was written (the ZeRO-3 fetch, offload ... factors) except PHYSICS."""
+PHYSICS = ("comm_efficiency", "latency_scale")
+"""Not fitted: communication is measured per link class (profiles/links.json, the profiles'
+per-step latencies: benchmarks/link_curves.py), so both stay at 1.0."""
+CAPS = {"step_overhead_s": 0.05}
+"""Additive factors that may not grow past a bound (issue 19 item 4: any remaining constant
+<= 50 ms; the time it stood for is physics now)."""
 KNOWN_FACTORS = frozenset({"compute_scale", "attention_scale", "elementwise_scale", "comm_efficiency", "dp_overlap",
                            "step_overhead_s", "microbatch_overhead_s", "optimizer_scale", "activation_scale",
                            "memory_overhead_gb", "memory_fragmentation"})
 MEMORY_WORDS = ("memory", "fragmentation", "activation_scale", "_gb", "bytes")
-UNITS = {"step_overhead_s": 1.0, "microbatch_overhead_s": 0.01, "zero3_fetch_overhead_s": 1e-4}
+UNITS = {"step_overhead_s": 0.01, "microbatch_overhead_s": 0.01, "zero3_fetch_overhead_s": 1e-4}
 """Scale of the additive factors (seconds; an unknown one 1e-4 s): the ridge costs lam x (value / unit)^2."""
 LAM = 1e-4
 """Ridge weight toward the profile's current value, per unit of transformed factor, on the scale
@@ -88,7 +94,8 @@ VARIANTS = {"offload_optimizer": "none", "offload_params": "none", "hpz": 1, "qu
 
 
 def default_factor_names() -> tuple[str, ...]:
-    new = tuple(n for n in DEFAULTS if n not in KNOWN_FACTORS and not any(w in n for w in MEMORY_WORDS))
+    new = tuple(n for n in DEFAULTS if n not in KNOWN_FACTORS and n not in PHYSICS
+                and not any(w in n for w in MEMORY_WORDS))
     return BASE_FACTORS + new
 
 
@@ -271,14 +278,14 @@ class Additive:
 
     kind = "additive"
 
-    def __init__(self, name: str, unit: float) -> None:
-        self.name, self.unit = name, unit
+    def __init__(self, name: str, unit: float, cap: float = math.inf) -> None:
+        self.name, self.unit, self.cap = name, unit, cap
 
     def to_z(self, v: float) -> float:
-        return max(v, 0.0) / self.unit
+        return min(max(v, 0.0), self.cap) / self.unit
 
     def value(self, z: float) -> float:
-        return self.unit * abs(z)
+        return min(self.unit * abs(z), self.cap)
 
 
 def transform(name: str, device: DeviceProfile) -> Transform | Bounded | Additive:
@@ -288,7 +295,7 @@ def transform(name: str, device: DeviceProfile) -> Transform | Bounded | Additiv
     if name in FRACTIONS:
         return Transform(name, 1.0)
     if name in ADDITIVE or v <= 0 or name.endswith(("_s", "_us", "_ms", "_gb")):
-        return Additive(name, UNITS.get(name, 1e-4 if name.endswith("_s") else 1.0))
+        return Additive(name, UNITS.get(name, 1e-4 if name.endswith("_s") else 1.0), CAPS.get(name, math.inf))
     lo, hi = BOUNDS.get(name, (v / 20.0, v * 20.0))
     return Bounded(name, min(lo, v / 1.01), max(hi, v * 1.01))
 
