@@ -225,15 +225,10 @@ def _nvidia_row(r: dict) -> RefRow:
     selective and full that fits; MBS stated (S7: assumed 1); VP stated."""
     src, rid = r["source"], r["id"]
     measured = r["gbs"] * r["seq"] / (r["tok_s_gpu"] * r["gpus"]) if r["metric"] == "tokens" else r["derived_step"]
-    why = []
-    if r.get("cp", 1) > 1:
-        why.append("context parallelism is not modelled")
     arch = _arch(r)
     if arch is None:
-        why.append("architecture not given")
-    if why:
         return RefRow(id=rid, source=src, runtime="megatron-core", gpu=r["gpu"], measured_s=measured,
-                      unsupported="; ".join(why), note=r.get("model", ""))
+                      unsupported="architecture not given", note=r.get("model", ""))
     l, h, a, kv, f, act, v = arch
     llama = act == "swiglu"
     model = ModelSpec(name=r.get("model", rid), model_type="llama" if llama else "gpt", hidden=h, layers=l, heads=a,
@@ -243,7 +238,10 @@ def _nvidia_row(r: dict) -> RefRow:
     gpus, tp, pp = r["gpus"], r["tp"], r["pp"]
     cluster = parse_cluster(f"{gpus // 8}x8x{r['gpu']}" if gpus > 8 else f"{gpus}x{r['gpu']}")
     train = TrainSpec(global_batch=r["gbs"], seq_len=r["seq"], precision="fp8", attention="flash")
-    dp = gpus // (tp * pp)
+    # context parallelism (S5-S7 "CP" columns): Megatron-Core's ring attention through Transformer
+    # Engine (planner.cost.longctx ring_comm), the cp ranks inside dp: processes = dp x cp x tp x pp
+    cp = r.get("cp", 1)
+    dp = gpus // (tp * pp * cp)
     mb = r.get("mbs", 1)
     vp = r.get("vp", 1)
     # Megatron-FSDP (S6-1; S6-4's table says FSDP, its recipe DDP: both are tried) shards the
@@ -254,7 +252,7 @@ def _nvidia_row(r: dict) -> RefRow:
     if r["gbs"] % (mb * dp) == 0:
         for zero, rc in ((z, rc) for z in zeros for rc in ("none", "selective", "full")):
             case = Case(model=model, cluster=cluster, train=train, plan=Plan(
-                dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=mb, grad_accum=r["gbs"] // (mb * dp), recompute=rc,
+                dp=dp, tp=tp, pp=pp, cp=cp, cp_kind="ring", zero=zero, micro_batch=mb, grad_accum=r["gbs"] // (mb * dp), recompute=rc,
                 schedule="interleaved" if vp > 1 else "1f1b", interleave=vp, precision="fp8",
                 sequence_parallel=tp > 1, runtime="megatron-core"))
             cases.append(fewest_recomputed(case) if rc == "full" else case)

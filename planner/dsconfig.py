@@ -178,6 +178,7 @@ def launch_script(plan: Plan, model: ModelSpec, train: TrainSpec, cluster: Clust
              "#   --data corpus.txt --tokenizer TOK_DIR --lr 3e-4 --lr-warmup-steps 100 --lr-schedule cosine",
              "#   --eval-every 50 --checkpoint-every 200 --metrics-port 9400 --init-hf HF_DIR --save-hf OUT_DIR",
              "# rank 0 prints one progress line per step and writes metrics.json here at the end",
+             "# needs `deepspeed` on PATH (or DEEPSPEED=/path/to/deepspeed) and planner importable on every host",
              "set -euo pipefail",
              'cd "$(dirname "$0")"',
              *env,
