@@ -67,7 +67,7 @@ BASE_FACTORS = ("compute_scale", "dp_overlap", "step_overhead_s", "microbatch_ov
 """Fitted per generation by default, plus every time factor planner/cost/factors.py gained after
 this script was written (the ZeRO-3 fetch, offload ... factors) except PHYSICS."""
 PHYSICS = ("comm_efficiency", "latency_scale")
-"""Not fitted: communication is measured per link class (profiles/links.json, the profiles'
+"""Not fitted: communication is measured per link class (profiles/links/classes.json, the profiles'
 per-step latencies: benchmarks/link_curves.py), so both stay at 1.0."""
 CAPS = {"step_overhead_s": 0.05}
 """Additive factors that may not grow past a bound (issue 19 item 4: any remaining constant

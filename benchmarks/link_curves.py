@@ -1,5 +1,5 @@
 """Measure each link class's latency and bandwidth from published collective timings, and say
-where every number in profiles/links.json comes from.
+where every number in profiles/links/classes.json comes from.
 
 Source: microsoft/vidur (MIT) data/profiling/network/<cluster>/{all_reduce,send_recv}.csv at
 7d47513363: NCCL kernel times (kineto, median of 3 x 11 launches) of fp16 all-reduce and

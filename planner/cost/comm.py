@@ -9,7 +9,7 @@ Rank layout (planner/specs/mesh.py, DeepSpeed's PipeModelDataParallelTopology): 
 pipeline boundaries cross nodes follows from that alone: nothing here assumes the layout is
 aligned to nodes.
 
-Link classes (profiles/links.json, measured by benchmarks/link_curves.py where data exists):
+Link classes (profiles/links/classes.json, measured by benchmarks/link_curves.py where data exists):
 a collective on a class pays its fixed base latency once and reaches the class's efficiency of
 the stated bus bandwidth. A group that spans nodes runs hierarchically (Route): its k ranks
 per node step over the intra-node link and its m nodes over the network, so an all-reduce pays
@@ -56,12 +56,12 @@ def group_sharing(gpus_per_node: int, dp: int, tp: int, pp: int, axis: str) -> t
     return tuple(out)
 
 
-LINKS_FILE = PROFILES_DIR / "links.json"
+LINKS_FILE = PROFILES_DIR / "links" / "classes.json"
 
 
 @lru_cache(maxsize=1)
 def link_classes() -> dict[str, dict]:
-    """profiles/links.json's classes: {name: {match, base_us, efficiency}}."""
+    """profiles/links/classes.json's classes: {name: {match, base_us, efficiency}}."""
     return json.loads(LINKS_FILE.read_text())["classes"]
 
 

@@ -25,7 +25,7 @@ AFTER = {"T1": 0.044, "DS-A": 0.039, "DS-A13": 0.563, "DS-B": 0.061, "DS-C": 0.1
 `benchmarks/fidelity.py --no-loso-deepspeed` on 2026-12-02, with the 21 context-parallel rows of S5-S7
 scored (ring CP): S5, S6 and S7 now hold 12, 17 and 17 rows instead of 10, 10 and 5, and their MAPE
 covers the long-context rows (S7's H100 rows at 32k-1M tokens are 16-20% too fast).
-Then communication per link class (profiles/links.json: measured base latency and efficiency per
+Then communication per link class (profiles/links/classes.json: measured base latency and efficiency per
 class, hierarchical collectives, ring vs tree by size) replaced DeepSpeed's fitted comm_efficiency
 and latency_scale, step_overhead_s was capped at 50 ms (issue 19 items 3, 4) and DeepSpeed's
 factors were refitted. Worse, and why: DS-A13 (1 row, 30.1% -> 56.3%) and DS-E (11.4% -> 14.6%):
