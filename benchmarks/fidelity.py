@@ -113,7 +113,7 @@ def deepspeed_loso(rows: Sequence[rr.RefRow]) -> dict[str, float]:
     out: dict[str, float] = {}
     for gen, g in meta["generations"].items():
         device = dr.find_device(g["profile"])[0]
-        names = list(dr.default_factor_names())
+        names = list(dr.default_factor_names(gen))
         mine = [r for r in drows if r.gen == gen]
         for src in sorted({keys[r.source] for r in mine}):
             train = [r for r in mine if keys[r.source] != src and r.fit and not r.needs_variant]

@@ -105,14 +105,22 @@ class Route:
     intra_step: float
     inter_step: float
     base: float
+    network: bool = False
+    """The bottleneck is the inter-node network (its bandwidth takes the runtime's network_efficiency)."""
 
 
-def route_allreduce(nbytes: float, n: int, r: Route, efficiency: float, latency_scale: float = 1.0) -> float:
+def _bw(r: Route, efficiency: float, network: float) -> float:
+    return r.busbw * r.efficiency * efficiency * (network if r.network else 1.0)
+
+
+def route_allreduce(nbytes: float, n: int, r: Route, efficiency: float, latency_scale: float = 1.0,
+                    network: float = 1.0) -> float:
     """All-reduce of `nbytes` over the n ranks of route `r`: the cheaper of NCCL's ring and tree
-    (module docstring); 0 for one rank."""
+    (module docstring); 0 for one rank. `efficiency`: the runtime's comm_efficiency; `network`:
+    its network_efficiency, where the network is the bottleneck."""
     if n <= 1:
         return 0.0
-    bw = r.busbw * r.efficiency * efficiency
+    bw = _bw(r, efficiency, network)
     intra = 2 * (r.per_node - 1) * r.intra_step
     ring = nbytes * 2.0 * (n - 1) / n / bw + r.base + latency_scale * (intra + 2 * (r.nodes - 1) * r.inter_step)
     if r.nodes <= 1:
@@ -121,12 +129,13 @@ def route_allreduce(nbytes: float, n: int, r: Route, efficiency: float, latency_
     return min(ring, tree)
 
 
-def route_allgather(nbytes: float, n: int, r: Route, efficiency: float, latency_scale: float = 1.0) -> float:
+def route_allgather(nbytes: float, n: int, r: Route, efficiency: float, latency_scale: float = 1.0,
+                    network: float = 1.0) -> float:
     """All-gather (or reduce-scatter) whose full buffer is `nbytes` over route `r`: NCCL's ring,
     k-1 intra-node steps and m-1 network steps; 0 for one rank."""
     if n <= 1:
         return 0.0
-    bw = r.busbw * r.efficiency * efficiency
+    bw = _bw(r, efficiency, network)
     return nbytes * (n - 1) / n / bw + r.base + latency_scale * ((r.per_node - 1) * r.intra_step
                                                                  + (r.nodes - 1) * r.inter_step)
 
@@ -145,7 +154,8 @@ def route(cluster: ClusterSpec, ranks: int, share: int, per_node: int, nodes: in
     bottleneck = inter if net < intra.busbw_gbps else intra
     return Route(busbw=min(intra.busbw_gbps, net) * 1e9, efficiency=class_efficiency(bottleneck),
                  per_node=per_node, nodes=nodes, intra_step=intra.latency_us * 1e-6,
-                 inter_step=inter.latency_us * 1e-6, base=max(class_base(intra), class_base(inter)))
+                 inter_step=inter.latency_us * 1e-6, base=max(class_base(intra), class_base(inter)),
+                 network=bottleneck is inter)
 
 
 @lru_cache(maxsize=4096)
@@ -228,14 +238,14 @@ reducescatter_time = allgather_time
 COLLECTIVES = {"all_reduce": allreduce_time, "all_gather": allgather_time, "reduce_scatter": reducescatter_time}
 
 
-def p2p_time(nbytes: float, cluster: ClusterSpec, cross_node: bool, efficiency: float) -> float:
+def p2p_time(nbytes: float, cluster: ClusterSpec, cross_node: bool, efficiency: float, network: float = 1.0) -> float:
     """One send/recv of `nbytes` between pipeline stages. Inside a node it rides the
     intra-node link; across nodes each device gets its share of the node's network
     (inter-node bus bandwidth / devices per node: every rank of a stage sends at once), at its
     class's efficiency; one send pays the class's base latency and one step."""
     if cross_node:
         link = cluster.inter_node
-        bw = link.busbw_gbps * 1e9 / cluster.gpus_per_node
+        bw = link.busbw_gbps * 1e9 / cluster.gpus_per_node * network
     else:
         link = cluster.intra_node
         bw = link.busbw_gbps * 1e9

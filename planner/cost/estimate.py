@@ -59,7 +59,7 @@ def dp_comm(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[int, ..
         # collectives sharing one overlap window hide at most dp_overlap x that window together
         windows: dict[tuple[str, bool], float] = {}
         for c in engine.collectives if d > 1 else ():
-            t = nb * comm.ROUTE_COLLECTIVES[c.kind](n * c.bytes / nb, d, links[i], eff, ls)
+            t = nb * comm.ROUTE_COLLECTIVES[c.kind](n * c.bytes / nb, d, links[i], eff, ls, f.network_efficiency)
             windows[(c.per, c.overlap)] = windows.get((c.per, c.overlap), 0.0) + t
         if offload:
             # the reduced gradient partition crosses to the host (stage 2 every micro-batch,
@@ -110,7 +110,7 @@ def p2p_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pl
     e = activation_bytes(plan.precision)
     nbytes = train.seq_len * plan.micro_batch * model.hidden * e / (plan.tp if plan.sequence_parallel else 1)
     cross = comm.cross_node_boundaries(cluster.gpus_per_node, plan.dp, plan.tp, plan.pp)
-    return tuple(2.0 * comm.p2p_time(nbytes, cluster, x, f.comm_efficiency) for x in cross)
+    return tuple(2.0 * comm.p2p_time(nbytes, cluster, x, f.comm_efficiency, f.network_efficiency) for x in cross)
 
 
 def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan) -> Estimate:

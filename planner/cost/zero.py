@@ -130,8 +130,8 @@ def host_copy(cluster: ClusterSpec, nbytes: float) -> float:
     return nbytes / (cluster.host.pcie_gbps * 1e9)
 
 
-def _gather(nbytes: float, n: int, link: comm.Route, eff: float, lat_scale: float) -> float:
-    return comm.route_allgather(nbytes, n, link, eff, lat_scale)
+def _gather(nbytes: float, n: int, link: comm.Route, eff: float, lat_scale: float, network: float = 1.0) -> float:
+    return comm.route_allgather(nbytes, n, link, eff, lat_scale, network)
 
 
 def units(model: ModelSpec, plan: Plan, block_fwd: float, block_bwd: float, first: tuple[float, float],
@@ -182,7 +182,7 @@ def reuse_gathers(tensors: tuple[int, ...], reuse_distance: int) -> tuple[int, .
 
 def zero3_time(cluster: ClusterSpec, plan: Plan, us: tuple[Unit, ...], f: Factors, e: float) -> Zero3Time:
     """Exposed gather and gradient-reduction seconds per step of a ZeRO-3 plan (module docstring)."""
-    eff, ls, hide = f.comm_efficiency, f.latency_scale, f.dp_overlap
+    eff, ls, hide, net = f.comm_efficiency, f.latency_scale, f.dp_overlap, f.network_efficiency
     overhead = f.zero3_fetch_overhead_s
     shard = plan.zero_shard
     g_node = max(1, cluster.gpus_per_node // plan.tp)
@@ -208,13 +208,13 @@ def zero3_time(cluster: ClusterSpec, plan: Plan, us: tuple[Unit, ...], f: Factor
         intra = comm.route(cluster, g_node, 0, g_node, 1)
         inter = comm.Route(busbw=cluster.inter_node.busbw_gbps * 1e9, efficiency=comm.class_efficiency(
             cluster.inter_node), per_node=1, nodes=nodes, intra_step=0.0,
-            inter_step=cluster.inter_node.latency_us * 1e-6, base=comm.class_base(cluster.inter_node))
+            inter_step=cluster.inter_node.latency_us * 1e-6, base=comm.class_base(cluster.inter_node), network=True)
         reduce = buckets * (_gather(psi / buckets * QGZ_BYTES, g_node, intra, eff, ls)
-                            + _gather(psi / buckets / g_node * QGZ_BYTES, nodes, inter, eff, ls))
+                            + _gather(psi / buckets / g_node * QGZ_BYTES, nodes, inter, eff, ls, net))
         rs_count = 2 * buckets
     else:
         reduce = buckets * _gather(psi / buckets * (QGZ_BYTES if plan.quantized_gradients else e), shard, main,
-                                   eff, ls)
+                                   eff, ls, net)
         rs_count = buckets
     if plan.offload_optimizer != "none":
         reduce += host_copy(cluster, psi * e / shard)  # the reduced partition goes to the host every micro-batch
@@ -224,12 +224,12 @@ def zero3_time(cluster: ClusterSpec, plan: Plan, us: tuple[Unit, ...], f: Factor
     fetches = 0
     collectives = rs_count
     for u in us:
-        g_f = sum(_gather(n * fwd_bytes, shard, main, eff, ls) + param_fetch(n) for n in u.tensors)
-        g_b = sum(_gather(n * e, back_n, back_link, eff, ls) + param_fetch(n) for n in u.tensors)
+        g_f = sum(_gather(n * fwd_bytes, shard, main, eff, ls, net) + param_fetch(n) for n in u.tensors)
+        g_b = sum(_gather(n * e, back_n, back_link, eff, ls, net) + param_fetch(n) for n in u.tensors)
         # a recomputed unit gathers for the recompute; its backward then gathers again only the
         # tensors released in between (reuse_gathers)
         regather = reuse_gathers(u.tensors, plan.live) if u.recomputed else ()
-        g_back = g_b + sum(_gather(n * e, back_n, back_link, eff, ls) + param_fetch(n) for n in regather)
+        g_back = g_b + sum(_gather(n * e, back_n, back_link, eff, ls, net) + param_fetch(n) for n in regather)
         passes = 2 * len(u.tensors) + len(regather)
         fetch = passes * overhead
         fetches += passes * u.count
@@ -251,7 +251,8 @@ def zero3_time(cluster: ClusterSpec, plan: Plan, us: tuple[Unit, ...], f: Factor
     if plan.mics_shard and plan.dp > plan.mics_shard:
         # MiCS: the gradient partitions all-reduced across the replicas once per step
         reps = plan.dp // plan.mics_shard
-        sync += comm.route_allreduce(psi * e / shard, reps, _link(cluster, plan, reps, stride=plan.mics_shard), eff, ls)
+        sync += comm.route_allreduce(psi * e / shard, reps, _link(cluster, plan, reps, stride=plan.mics_shard), eff, ls,
+                                     net)
         collectives += 0  # per step, not per micro-batch
     return Zero3Time(gather=gather, sync=sync, fetches=fetches, collectives=collectives)
 

@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import fidelity  # noqa: E402
 
 MARGIN = 0.005
-AFTER = {"T1": 0.044, "DS-A": 0.039, "DS-A13": 0.563, "DS-B": 0.061, "DS-C": 0.169, "DS-D": 0.001,
-         "DS-E": 0.146, "S1": 0.072, "S5": 0.098, "S6": 0.038, "S7": 0.095, "S8": 0.114, "all": 0.097}
+AFTER = {"T1": 0.044, "DS-A": 0.035, "DS-A13": 0.559, "DS-B": 0.066, "DS-C": 0.181, "DS-D": 0.001,
+         "DS-E": 0.145, "S1": 0.072, "S5": 0.098, "S6": 0.038, "S7": 0.095, "S8": 0.114, "all": 0.098}
 """MAPE after (shipped factors, each row on its runtime), as printed by
 `benchmarks/fidelity.py --no-loso-deepspeed` on 2026-12-02, with the 21 context-parallel rows of S5-S7
 scored (ring CP): S5, S6 and S7 now hold 12, 17 and 17 rows instead of 10, 10 and 5, and their MAPE
@@ -32,7 +32,9 @@ factors were refitted. Worse, and why: DS-A13 (1 row, 30.1% -> 56.3%) and DS-E (
 V100's 1.79 s per-step constant is gone and its compute_scale (refitted 1.41 -> 1.89) absorbs
 V100 time no physics term explains yet; S1 (6.2% -> 7.2%), T1 (4.2% -> 4.4%), S8 (11.1% ->
 11.4%): the measured NVSwitch step latency (1.32 us, was an assumed 6-8 us) and InfiniBand's
-measured 0.84 efficiency. Better: DS-C 31.4% -> 16.9%, DS-B 6.4% -> 6.1%, S5 10.4% -> 9.8%."""
+measured 0.84 efficiency. Better: DS-C 31.4% -> 18.1%, S5 10.4% -> 9.8%. A100's network_efficiency
+(0.79, from sections A and B: two fabrics) moved DS-A 3.9% -> 3.5% (leave-one-source-out 4.8% ->
+3.5%) and DS-B 6.1% -> 6.6% (6.0% -> 6.9%)."""
 LOSO = {"T1": 0.051, "S1": 0.074, "S5": 0.102, "S6": 0.038, "S7": 0.095, "S8": 0.114}
 """Leave-one-source-out MAPE of the sources whose runtime's factors this benchmark fits."""
 NOT_FITTING = 60

@@ -244,3 +244,25 @@ def test_link_classes_from_names():
     assert comm.link_class(Link(name="PCIe Gen4 x16", busbw_gbps=1, latency_us=0)) == "pcie"
     assert comm.link_class(Link(name="toy", busbw_gbps=1, latency_us=0)) == ""
     assert comm.class_efficiency(Link(name="toy", busbw_gbps=1, latency_us=0)) == 1.0
+
+
+def test_network_efficiency_scales_only_network_bound_traffic():
+    # the 2-node route's bottleneck is the network: its bandwidth term takes network_efficiency
+    # (0.5 doubles it); an intra-node route's does not
+    c = _route_cluster(2, 8)
+    r = comm.group_routes(c, Plan(dp=16), "dp")[0]
+    assert r.network
+    full, half = comm.route_allgather(1e9, 16, r, 1.0), comm.route_allgather(1e9, 16, r, 1.0, network=0.5)
+    assert half - full == pytest.approx(1e9 * 15 / 16 / 84e9, rel=1e-12)
+    inside = comm.group_routes(_route_cluster(1, 8), Plan(dp=8), "dp")[0]
+    assert not inside.network
+    assert comm.route_allgather(1e9, 8, inside, 1.0, network=0.5) == comm.route_allgather(1e9, 8, inside, 1.0)
+
+
+def test_pipeline_send_pays_class_base_and_efficiency():
+    # across nodes: 1 MB over 100 GB/s / 8 GPUs at InfiniBand's 0.84 (x network 0.5) + 17.4 us + 10 us
+    c = _route_cluster(2, 8)
+    t = comm.p2p_time(1e6, c, True, 1.0, 0.5)
+    assert t == pytest.approx(1e6 / (100e9 / 8 * 0.84 * 0.5) + 17.4e-6 + 10e-6, rel=1e-12)
+    # inside a node: 200 GB/s at NVSwitch's 1.0, + 17.4 us + 2 us; network_efficiency does not apply
+    assert comm.p2p_time(1e6, c, False, 1.0, 0.5) == pytest.approx(1e6 / 200e9 + 17.4e-6 + 2e-6, rel=1e-12)
