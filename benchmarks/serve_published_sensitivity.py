@@ -93,7 +93,8 @@ def simulate(row: sp.Row, scheduler: str, spread: str) -> dict[str, float]:
     stats = queue.replica_runner(row.model, row.cluster, dep, wl, mem, requests=row.requests)(1.0)
     mean_out = row.mean_output_len or row.output_len
     return {"req_s": stats["achieved_qps"], "output_tok_s": stats["achieved_qps"] * mean_out,
-            "ttft_s": stats["ttft_s"]["mean"], "ttft_p50_s": stats["ttft_s"]["p50"]}
+            "ttft_s": stats["ttft_s"]["mean"], "ttft_p50_s": stats["ttft_s"]["p50"],
+            "ttft_p99_s": stats["ttft_s"]["p99"]}
 
 
 def sensitivity(rows: Sequence[sp.Row]) -> list[dict[str, Any]]:

@@ -90,7 +90,8 @@ def layer_observations(device: DeviceProfile) -> list[LayerObs]:
         return []
     from planner.specs.model import ModelSpec
     model = ModelSpec.from_dict(opts["model"])
-    return [LayerObs(model=model, micro_batch=r["micro_batch"], seq=r["seq"], precision=opts["precision"],
+    return [LayerObs(model=model, micro_batch=r["micro_batch"], seq=r["seq"],
+                     precision=r.get("precision") or opts["precision"],
                      time_s=r["forward_s"]["median"] + r["backward_s"]["median"]) for r in rows if r["tp"] == 1]
 
 

@@ -43,15 +43,35 @@ def _kernel(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> str:
 
 
 def _tp_link(cluster: ClusterSpec, plan: Plan) -> tuple[float, float]:
-    return comm.group_links(cluster, plan, "tp")[0]  # TP divides the node: the same in every stage
+    """(bus bandwidth bytes/s, latency s) of the TP group (it divides the node: the same in every
+    stage). A profiled CPU's all-reduce measured inside autograd (planner/specs/step.py
+    tp_allreduce) replaces the link's back-to-back figure when the group sits in one node; the
+    ranks share the host's cores, so it stretches by the oversubscription like compute."""
+    link = comm.group_links(cluster, plan, "tp")[0]
+    probe = cluster.device.step.tp_link(plan.tp) if plan.tp > 1 else None
+    if probe is None or plan.tp > cluster.gpus_per_node:
+        return link
+    k = cluster.device.oversubscription(cluster.gpus_per_node)
+    return probe.busbw_gbps * 1e9 / k, probe.latency_us * 1e-6 * k
+
+
+def block_probe(cluster: ClusterSpec, plan: Plan):
+    """The profiled CPU's block probe for the plan's precision (planner/specs/step.py), or None."""
+    dev = cluster.device
+    return dev.step.block_for(plan.precision if dev.supports(plan.precision) else "fp32")
 
 
 def _block_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan,
-                 f: Factors, ctx: tuple[int, str] = (1, "ulysses")) -> _BlockTimes:
+                 f: Factors, ctx: tuple[int, str] = (1, "ulysses"), probe: bool = True) -> _BlockTimes:
     """One block's times for a cp-free plan (planner.cost.longctx.local); `ctx` = the original
     plan's (cp, cp_kind): its attention core is cp times a block's at s/cp, plus the
     context-parallel communication. MoE blocks' FFN, router and all-to-alls are weighted in by
-    their share of the blocks (planner.cost.moe)."""
+    their share of the blocks (planner.cost.moe).
+
+    On a profiled CPU (`probe`, planner/specs/step.py) the compute terms compose as the
+    executor's block measured: scale x (GEMMs + core + element-wise) + overhead_s per block
+    forward + backward, 1/3 of it forward and 2/3 backward (its operators run once forward and
+    twice backward), the overhead stretched by the oversubscription like the rest."""
     dev = cluster.device
     prec = plan.precision if dev.supports(plan.precision) else "fp32"
     s, b, t, e = train.seq_len, plan.micro_batch, plan.tp, activation_bytes(plan.precision)
@@ -86,8 +106,26 @@ def _block_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
         af, ab = moe.alltoall_comm(model, cluster, plan, s, e, f.comm_efficiency)
         a2a_f, a2a_b = a2a_f + w * af, a2a_b + w * ab
     fwd = gemm_f + core_f + elem_f
-    return _BlockTimes(forward=fwd, backward=2.0 * (gemm_f + core_f) + rec_f + 2.0 * elem_f, tp_fwd=tp_fwd + a2a_f,
-                       tp_bwd=tp_bwd + a2a_b, selective=core_f + scores_f, a2a_fwd=a2a_f, a2a_bwd=a2a_b)
+    bwd = 2.0 * (gemm_f + core_f) + rec_f + 2.0 * elem_f
+    selective = core_f + scores_f
+    bp = block_probe(cluster, plan) if probe else None
+    if bp is not None:
+        over = bp.overhead_s * dev.oversubscription(cluster.gpus_per_node)
+        fwd, bwd = bp.scale * fwd + over / 3.0, bp.scale * bwd + 2.0 * over / 3.0
+        selective *= bp.scale
+    return _BlockTimes(forward=fwd, backward=bwd, tp_fwd=tp_fwd + a2a_f,
+                       tp_bwd=tp_bwd + a2a_b, selective=selective, a2a_fwd=a2a_f, a2a_bwd=a2a_b)
+
+
+def block_compute_time(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan) -> float:
+    """Forward + backward seconds of one block's compute terms (GEMMs, attention core,
+    element-wise; no communication, no step probe): what the profiler's block probe is
+    measured against (planner/profiler/write.py)."""
+    train = runtime_train(train, plan)
+    f = cluster_factors(cluster, plan.runtime)
+    plan, train = longctx.local(plan, train)
+    bt = _block_times(model, cluster, train, plan, f, probe=False)
+    return bt.forward + bt.backward
 
 
 def overlapped_tp(tp_fwd: float, tp_bwd: float, gemm_fwd: float) -> tuple[float, float]:
@@ -192,6 +230,9 @@ def _layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
     logits_f = compute.logits_forward_flops(model, s, b, t)
     last = 3.0 * compute.gemm_time(dev, logits_f, compute.bf16_part(prec), f.compute_scale)
     last += (3.0 * s * b * v_local * (e + 8.0) + 6.0 * sbh * e) / hbm * f.elementwise_scale
+    bp = block_probe(cluster, plan)
+    if bp is not None:  # the same operators as the block's, in the same precision
+        first, last = bp.scale * first, bp.scale * last
     act_mode = "selective" if plan.recompute == "selective" else "none"
     kw = dict(sequence_parallel=plan.sequence_parallel, act_bytes=e, kernel=kernel)
     act = memory.block_activation_bytes(model, s, b, t, recompute=act_mode, **kw) * f.activation_scale

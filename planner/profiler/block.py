@@ -15,7 +15,7 @@ from typing import Any
 from planner.specs.model import ModelSpec
 
 
-def executor_block(model: ModelSpec, tp: int) -> tuple[Any, str] | None:
+def executor_block(model: ModelSpec, tp: int, group: Any = None, rank: int = 0) -> tuple[Any, str] | None:
     """One TP rank's share of planner.model.glm.Block, taking and returning [b, s, h].
 
     The block is built with a TP group of `tp` ranks and no process group: its parallel layers
@@ -30,7 +30,7 @@ def executor_block(model: ModelSpec, tp: int) -> tuple[Any, str] | None:
     import torch
     from torch import nn
 
-    block = Block(model, 0, tp=TPGroup(rank=0, size=tp))
+    block = Block(model, 0, tp=TPGroup(rank=rank, size=tp, group=group))  # group: the in-step probe's (comm.py)
 
     class OneSequencePerRow(nn.Module):
         """Feeds the block positions 0..s-1 and one document per row (causal mask)."""

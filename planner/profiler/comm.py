@@ -71,8 +71,57 @@ def _op(name: str, n: int, rank: int, numel: int, device: str) -> Callable[[], N
     return ring
 
 
+def in_step(rank: int, n: int, block: dict[str, Any], repeats: int, sync: Callable[[], None],
+            device: str) -> list[dict[str, Any]]:
+    """TP all-reduces as they run inside autograd: the executor's block (planner.model.glm.Block)
+    of one rank of TP n, forward + backward, with its TP group (2 all-reduces of b s h forward,
+    2 backward: planner.cost.model.tp_block_comm) and without it (group None: the same block,
+    no collectives), alternating, each timed as the slowest rank's; the difference / 4 is one
+    all-reduce of b s h elements in the step. [] when the model's heads, KV groups or FFN do
+    not split n ways."""
+    import torch
+    import torch.distributed as dist
+    from planner.profiler.block import executor_block
+    from planner.profiler.gemm import DTYPES
+    from planner.specs.model import ModelSpec
+    model = ModelSpec.from_dict(block["model"])
+    if model.heads % n or model.kv_heads % n or model.ffn_hidden % n:
+        return []
+    rows = []
+    for prec in block["precisions"]:
+        dtype = getattr(torch, DTYPES[prec])
+        for b, s in block["points"]:
+            made = {}
+            for with_comm in (False, True):
+                torch.manual_seed(0)
+                found = executor_block(model, n, group=dist.group.WORLD if with_comm else None, rank=rank)
+                if found is None:
+                    return []
+                made[with_comm] = found[0].to(device=device, dtype=dtype)
+            x = torch.randn(b, s, model.hidden, device=device, dtype=dtype, requires_grad=True)
+            grad = torch.randn(b, s, model.hidden, device=device, dtype=dtype)
+            times: dict[bool, list[float]] = {False: [], True: []}
+            for i in range(repeats + 1):  # the first round is warm-up
+                for with_comm in (False, True):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    made[with_comm](x).backward(grad)
+                    sync()
+                    tt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+                    dist.all_reduce(tt, op=dist.ReduceOp.MAX)
+                    x.grad = None
+                    if i:
+                        times[with_comm].append(float(tt.item()))
+            plain, comm_ = sorted(times[False])[len(times[False]) // 2], sorted(times[True])[len(times[True]) // 2]
+            rows.append({"precision": prec, "micro_batch": b, "seq": s, "n": n,
+                         "bytes": b * s * model.hidden * torch.finfo(dtype).bits // 8,
+                         "block_s": plain, "block_with_tp_s": comm_, "per_all_reduce_s": (comm_ - plain) / 4.0,
+                         "all_reduces_per_block": 4})
+    return rows
+
+
 def _worker(rank: int, n: int, port: int, sizes: list[int], repeats: int, window_s: float,
-            out_path: str, q: Any, backend: str) -> None:
+            out_path: str, q: Any, backend: str, block: dict[str, Any] | None = None) -> None:
     import torch
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -111,23 +160,27 @@ def _worker(rank: int, n: int, port: int, sizes: list[int], repeats: int, window
                 results.append({"op": op, "n": n, "bytes": numel * 4, "iters": iters, "times": tt.tolist()})
                 q.put((op, n, numel * 4))
             del fn
+    steps = in_step(rank, n, block, repeats, sync, device) if block else []
     if rank == 0:
         with open(out_path, "w") as fh:
-            json.dump(results, fh)
+            json.dump({"collectives": results, "in_step": steps}, fh)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def run_group(n: int, sizes: list[int], *, backend: str, repeats: int = 3, window_s: float = 0.05,
-              timeout_s: float = 600.0, tick: Callable[[str], None] = lambda _: None) -> list[dict[str, Any]]:
-    """Run the sweep on n processes; returns rank 0's raw results."""
+              timeout_s: float = 600.0, tick: Callable[[str], None] = lambda _: None,
+              block: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run the sweep on n processes; returns rank 0's raw results: {"collectives": [...],
+    "in_step": [...]} (in_step: the TP all-reduce inside autograd, when `block` = {"model":
+    ModelSpec dict, "points": [(b, s)], "precisions": [...]} is given)."""
     import torch.multiprocessing as mp
     ctx_mp = mp.get_context("spawn")
     q = ctx_mp.Queue()
     fd, out_path = tempfile.mkstemp(prefix="planner-comm-", suffix=".json")
     os.close(fd)
     try:
-        ctx = mp.start_processes(_worker, args=(n, free_port(), sizes, repeats, window_s, out_path, q, backend),
+        ctx = mp.start_processes(_worker, args=(n, free_port(), sizes, repeats, window_s, out_path, q, backend, block),
                                  nprocs=n, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:
@@ -164,10 +217,30 @@ def _drain(q: Any, tick: Callable[[str], None]) -> None:
         tick(f"{op} n={n} {nbytes >> 10} KiB")
 
 
-def summarize_group(raw: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per collective: points with median/min/max time, algbw and busbw, and the alpha-beta fit."""
+def fit_in_step(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The in-step all-reduce as a link: all-reduce time = bytes x 2(n-1)/n / busbw + steps x
+    latency (planner/cost/comm.py allreduce_time; steps = allreduce_steps(n)), an alpha-beta fit
+    over the measured (bytes, per-all-reduce seconds); None with fewer than two sizes."""
+    from planner.cost.comm import allreduce_steps
+    pts = [(r["bytes"], r["per_all_reduce_s"]) for r in rows if r["per_all_reduce_s"] > 0]
+    if len({b for b, _ in pts}) < 2:
+        return None
+    n = rows[0]["n"]
+    fit = fit_alpha_beta("all_reduce", n, [b for b, _ in pts], [t for _, t in pts])
+    return {"busbw_gbps": fit.busbw_gbps, "latency_us": fit.alpha_s * 1e6 / allreduce_steps(n),
+            "points": fit.points, "max_rel_error": fit.max_rel_error}
+
+
+def summarize_group(raw: list[dict[str, Any]] | dict[str, Any]) -> dict[str, Any]:
+    """Per collective: points with median/min/max time, algbw and busbw, and the alpha-beta fit;
+    "in_step": the TP all-reduce measured inside autograd, its rows and fit."""
     from planner.profiler.stats import summarize
     out: dict[str, Any] = {}
+    if isinstance(raw, dict):
+        steps = raw.get("in_step") or []
+        if steps:
+            out["in_step"] = {"rows": steps, "fit": fit_in_step(steps)}
+        raw = raw["collectives"]
     for op in OPS:
         rows = [r for r in raw if r["op"] == op]
         if not rows:

@@ -36,6 +36,7 @@ class LayerPoint:
     saved_bytes_ckpt: int
     allocator_bytes: int | None
     source: str
+    precision: str = ""
 
     @property
     def recompute_s(self) -> float:
@@ -43,7 +44,7 @@ class LayerPoint:
         return max(0.0, self.backward_ckpt.median - self.backward.median)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"micro_batch": self.micro_batch, "seq": self.seq, "tp": self.tp,
+        return {"micro_batch": self.micro_batch, "seq": self.seq, "tp": self.tp, "precision": self.precision,
                 "forward_s": self.forward.to_dict(), "backward_s": self.backward.to_dict(),
                 "forward_checkpointed_s": self.forward_ckpt.to_dict(),
                 "backward_checkpointed_s": self.backward_ckpt.to_dict(),
@@ -122,4 +123,5 @@ def measure_point(model: ModelSpec, b: int, s: int, tp: int, precision: str, tar
         del out
     return LayerPoint(micro_batch=b, seq=s, tp=tp, forward=fwd, backward=bwd, forward_ckpt=fwd_c,
                       backward_ckpt=bwd_c, saved_bytes=saved_bytes(plain, params),
-                      saved_bytes_ckpt=saved_bytes(ckpt, params), allocator_bytes=alloc, source=source)
+                      saved_bytes_ckpt=saved_bytes(ckpt, params), allocator_bytes=alloc, source=source,
+                      precision=precision)

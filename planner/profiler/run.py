@@ -47,8 +47,14 @@ class WorkList:
     @property
     def total(self) -> int:
         ticks_comm = len(self.groups) * len(self.sizes) * len(comm.OPS)
-        return len(self.points) + len(self.shapes) * len(self.precisions) + sum(map(len, self.squares.values())) \
-            + 1 + ticks_comm
+        return len(self.points) * len(self.block_precisions) + len(self.shapes) * len(self.precisions) \
+            + sum(map(len, self.squares.values())) + 1 + ticks_comm
+
+    @property
+    def block_precisions(self) -> tuple[str, ...]:
+        """The block is timed in every precision of the sweep: the step probe's line per precision
+        (planner/specs/step.py)."""
+        return self.precisions
 
 
 def default_points(target: Target, model: ModelSpec, quick: bool, max_tp: int) -> tuple[tuple[int, int, int], ...]:
@@ -57,7 +63,8 @@ def default_points(target: Target, model: ModelSpec, quick: bool, max_tp: int) -
     if target.kind == "gpu":
         mbs, seqs = ((1, 2), (2048,)) if quick else ((1, 2, 4), (1024, 2048, 4096))
     else:
-        mbs, seqs = ((1, 4), (128,)) if quick else ((1, 2, 4, 8), (64, 128, 256))
+        # up to 16 x 128 tokens: the line of the step probe reaches blocks of the small scale's size
+        mbs, seqs = ((1, 4, 16), (128,)) if quick else ((1, 2, 4, 8, 16), (64, 128, 256))
     tps = tps[:2] if quick else tps
     return tuple((b, s, t) for t in tps for s in seqs if s <= seq_cap for b in mbs)
 
@@ -121,18 +128,21 @@ def measure_all(opts: ProfileOptions, target: Target, plan: WorkList,
     out["copy"] = copy_bandwidth(target, opts.quick)
     tick("memory copy")
     pts = []
-    for b, s, t in plan.points:
-        pts.append(layers.measure_point(opts.model, b, s, t, opts.precision, target, repeats=3 if opts.quick else 7))
-        tick(f"block b={b} s={s} tp={t}")
+    for prec in plan.block_precisions:
+        for b, s, t in plan.points:
+            pts.append(layers.measure_point(opts.model, b, s, t, prec, target, repeats=3 if opts.quick else 7))
+            tick(f"block {prec} b={b} s={s} tp={t}")
     out["layers"] = pts
     backend = "nccl" if target.kind == "gpu" else "gloo"
     out["comm"] = {}
     if not plan.groups:
         out["notes"].append(f"collectives skipped: {opts.procs} process(es); a collective needs at least 2 "
                             "(run with --procs 2 or more)")
+    block = {"model": opts.model.to_dict(), "precisions": list(plan.block_precisions),
+             "points": sorted({(b, s) for b, s, _ in plan.points})} if target.kind == "cpu" else None
     for n in plan.groups:
         raw = comm.run_group(n, list(plan.sizes), backend=backend, repeats=3, window_s=window / 2,
-                             timeout_s=opts.comm_timeout_s, tick=tick)
+                             timeout_s=opts.comm_timeout_s, tick=tick, block=block)
         out["comm"][str(n)] = comm.summarize_group(raw)
     out["backend"] = backend
     out["wall_s"] = time.perf_counter() - started

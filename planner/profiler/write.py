@@ -95,9 +95,56 @@ def build(raw: dict[str, Any], env: dict[str, Any], opts: ProfileOptions, *, nam
     if kind == "cpu" and builtin is not None and builtin.lab:
         data["lab"] = dict(builtin.lab)
         sources["lab"] = f"not measured: copied from built-in profile {builtin.name} (its sources say how)"
+    step = step_section(raw, opts, data)
+    if step["block"] or step["tp_allreduce"]:
+        data["step"] = step
+        sources["step.block"] = ("measured: the executor's block (one TP rank, no communication) forward + backward "
+                                 "per precision at the block points = scale x the cost model's block compute "
+                                 "(planner.cost.model.block_compute_time: GEMMs + attention core + element-wise) + "
+                                 "overhead_s; weighted least squares on relative residuals (planner/specs/step.py)")
+        sources["step.tp_allreduce"] = ("measured: the executor's block with its TP group minus without, / 4 "
+                                        "all-reduces, per (micro-batch, sequence, precision); alpha-beta fit "
+                                        "(planner.profiler.comm.in_step)")
     data["measured"] = measured_section(raw, env, opts, best, data)
     profile_from_dict(data, name)  # the schema check the loader applies
     return data
+
+
+def _cluster(prof: Any, tp: int) -> Any:
+    from planner.specs.hardware import ClusterSpec
+    per_node = max(tp, prof.gpus_per_node)
+    per_node += (-per_node) % tp
+    return ClusterSpec(nodes=1, gpus_per_node=per_node, device=prof, intra_node=prof.intra_node,
+                       inter_node=prof.inter_node)
+
+
+def step_section(raw: dict[str, Any], opts: ProfileOptions, data: dict[str, Any]) -> dict[str, Any]:
+    """The "step" section (planner/specs/step.py) from the block points and the in-step
+    all-reduces: per precision, the line measured block time = scale x the cost model's block
+    compute + overhead_s over the points; per group size, the in-step all-reduce's fit."""
+    from planner.cost.model import block_compute_time
+    from planner.specs.plan import Plan
+    from planner.specs.step import fit_line
+    from planner.specs.train import TrainSpec
+    prof = profile_from_dict({k: v for k, v in data.items() if k != "step"}, data["name"])
+    block: dict[str, Any] = {}
+    for prec in dict.fromkeys(p.precision or opts.precision for p in raw["layers"]):
+        rows = [p for p in raw["layers"] if (p.precision or opts.precision) == prec]
+        if len(rows) < 2 or not prof.supports(prec):
+            continue
+        pred = [block_compute_time(opts.model, _cluster(prof, p.tp),
+                                   TrainSpec(global_batch=p.micro_batch, seq_len=p.seq, precision=prec),
+                                   Plan(tp=p.tp, micro_batch=p.micro_batch, precision=prec)) for p in rows]
+        meas = [p.forward.median + p.backward.median for p in rows]
+        scale, overhead = fit_line(pred, meas)
+        block[prec] = {"scale": scale, "overhead_s": overhead, "points": len(rows),
+                       "max_rel_error": max(abs(scale * x + overhead - y) / y for x, y in zip(pred, meas))}
+    links = {}
+    for n, summary in raw["comm"].items():
+        fit = (summary.get("in_step") or {}).get("fit")
+        if fit and fit["busbw_gbps"] > 0:
+            links[str(n)] = fit
+    return {"block": block, "tp_allreduce": links}
 
 
 def measured_section(raw: dict[str, Any], env: dict[str, Any], opts: ProfileOptions, best: dict[str, Any],
@@ -106,7 +153,7 @@ def measured_section(raw: dict[str, Any], env: dict[str, Any], opts: ProfileOpti
     prof = profile_from_dict(data, data["name"])
     for p in raw["layers"]:
         row = p.to_dict()
-        row["cost_model"] = cost_model_point(opts, prof, p.micro_batch, p.seq, p.tp)
+        row["cost_model"] = cost_model_point(opts, prof, p.micro_batch, p.seq, p.tp, p.precision or opts.precision)
         layer_rows.append(row)
     return {
         "environment": env,
@@ -123,7 +170,8 @@ def measured_section(raw: dict[str, Any], env: dict[str, Any], opts: ProfileOpti
     }
 
 
-def cost_model_point(opts: ProfileOptions, prof: Any, b: int, s: int, tp: int) -> dict[str, Any]:
+def cost_model_point(opts: ProfileOptions, prof: Any, b: int, s: int, tp: int,
+                     precision: str | None = None) -> dict[str, Any]:
     """What planner.cost predicts for this block (time and saved bytes), beside the measurement.
     The one place the profiler asks the cost model: its activation bytes are
     planner.cost.memory.block_activation_bytes through layer_costs, for the attention kernel
@@ -137,8 +185,9 @@ def cost_model_point(opts: ProfileOptions, prof: Any, b: int, s: int, tp: int) -
         per_node += (-per_node) % tp
         cluster = ClusterSpec(nodes=1, gpus_per_node=per_node, device=prof, intra_node=prof.intra_node,
                               inter_node=prof.inter_node)
-        plan = Plan(dp=1, tp=tp, pp=1, micro_batch=b, grad_accum=1, precision=opts.precision)
-        lc = layer_costs(opts.model, cluster, TrainSpec(global_batch=b, seq_len=s, precision=opts.precision), plan)
+        prec = precision or opts.precision
+        plan = Plan(dp=1, tp=tp, pp=1, micro_batch=b, grad_accum=1, precision=prec)
+        lc = layer_costs(opts.model, cluster, TrainSpec(global_batch=b, seq_len=s, precision=prec), plan)
         return {"block_time_s": lc.block_time, "block_time_full_recompute_s": lc.block_time_full_recompute,
                 "block_act_bytes": lc.block_act_bytes,
                 "block_act_bytes_full_recompute": lc.block_act_bytes_full_recompute,

@@ -44,7 +44,7 @@ from planner.specs.model import ModelSpec
 from planner.specs.dtypes import activation_bytes
 
 __all__ = ["GB", "GPU_MEMORY_UTILIZATION", "SERVE_DEFAULTS", "causal_core_flops", "combine", "decode_step_time_s",
-           "decode_terms", "engine_budget", "kv_bytes_per_token", "kv_bytes_per_token_rank", "mixed_fn",
+           "decode_terms", "engine_budget", "handover_s", "kv_bytes_per_token", "kv_bytes_per_token_rank", "mixed_fn",
            "kv_heads_per_rank", "linear_weights", "prefill_terms", "prefill_time_s", "prompt_time_s", "serve_factor",
            "serve_factors", "serve_memory", "step_fns", "step_terms", "weight_bytes", "weight_read_bytes"]
 
@@ -334,6 +334,26 @@ def request_overhead_s(cluster: ClusterSpec, dep: Deployment) -> float:
     if dep.engine == "executor":
         return 0.0
     return float(cluster.device.factors.get("serve_request_overhead_s", REQUEST_OVERHEAD_S))
+
+
+TOKENIZE_S_PER_TOKEN = 1e-6
+"""Seconds the API server spends tokenizing one prompt token, one request after another:
+"In vLLM's API server today, we process each request's tokenization sequentially"; "for
+concurrency=1, DGX H100's CPU can do about only about 1k tokens/ms" (vLLM issue #19012,
+2025-06-02, the microbatch-tokenization proposal). Assumed the same for SGLang's tokenizer
+manager (one process)."""
+
+
+def handover_s(dep: Deployment, prompt_tokens: float) -> float:
+    """Seconds between two requests sent at the same moment reaching the engine: the API
+    server tokenizes them in turn (TOKENIZE_S_PER_TOKEN per prompt token). The engine starts a
+    step as soon as one request is in (vLLM's engine loop waits for input only while it has no
+    work), so a burst sent to an idle engine runs its first prompt alone and the rest in the next
+    steps (planner/serve/queue.py simulate). 0 for the CPU executor (requests handed over
+    in-process, already tokenized)."""
+    if dep.engine == "executor":
+        return 0.0
+    return prompt_tokens * TOKENIZE_S_PER_TOKEN
 
 
 def prompt_time_s(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, prompt: int) -> float:

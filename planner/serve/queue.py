@@ -59,7 +59,8 @@ def simulate(prefill_fn: StepFn, decode_fn: StepFn, workload: Workload, rate_qps
              seed: int | None = None, max_batch: int = 1, kv_blocks: int | None = None, block_size: int = 16,
              prefill_chunk: int = 0, max_total: int | None = None, wake_s: float = 0.0, engine: str = "vllm",
              mixed_fn: MixedFn | None = None, concurrency: int | None = None,
-             prefix_caching: bool = False, request_overhead_s: float = 0.0) -> dict[str, Any]:
+             prefix_caching: bool = False, request_overhead_s: float = 0.0,
+             handover_s: float = 0.0) -> dict[str, Any]:
     """Serve `requests` requests arriving at `rate_qps` (math.inf: all at time 0) on one engine
     scheduled as `engine` (planner/serve/scheduler.py: vllm, sglang, executor) with a token
     budget of prefill_chunk per step (0: unbounded) and `kv_blocks` paged blocks (None: unbounded).
@@ -74,7 +75,11 @@ def simulate(prefill_fn: StepFn, decode_fn: StepFn, workload: Workload, rate_qps
     client's request reaching the engine and its tokens coming back (HTTP, tokenization, IPC:
     cost.request_overhead_s), added to each client-side TTFT and end-to-end latency; in the closed
     loop a user's next request reaches the engine that long after its last one finished, so it
-    waits for the step already under way. Returns mean/p50/p99 of
+    waits for the step already under way. handover_s: requests a closed loop's users send at the
+    same moment (all N at the start, or several whose last requests ended in one step) reach the
+    engine one after another, handover_s apart (the server's one event loop hands them over in
+    turn: cost.HANDOVER_S), so an idle engine starts its step with the first alone and the
+    others join the next one. Returns mean/p50/p99 of
     ttft_s, tpot_s (per output token after the first), e2e_s and queue_s (arrival to first
     scheduled), the achieved throughput, the steps run, the preemptions and the most KV blocks
     held at once (peak_kv_blocks; 0 with an unbounded cache)."""
@@ -85,8 +90,11 @@ def simulate(prefill_fn: StepFn, decode_fn: StepFn, workload: Workload, rate_qps
     closed = concurrency is not None
     lens, arrival = draw_requests(workload, math.inf if closed else rate_qps, requests,
                                   workload.seed if seed is None else seed, max_total)
+    # when the client sent it, request_overhead_s before it reaches the engine (arrival)
+    sent = [a - request_overhead_s for a in arrival]
     if closed:
-        arrival = [0.0 if i < concurrency else math.inf for i in range(requests)]
+        arrival = [i * handover_s if i < concurrency else math.inf for i in range(requests)]
+        sent = [-request_overhead_s if i < concurrency else math.inf for i in range(requests)]
     cfg = SchedulerConfig(engine=engine, max_num_seqs=max_batch, block_size=block_size,
                           max_num_batched_tokens=prefill_chunk or math.inf,
                           kv_blocks=math.inf if kv_blocks is None else kv_blocks,
@@ -132,14 +140,16 @@ def simulate(prefill_fn: StepFn, decode_fn: StepFn, workload: Workload, rate_qps
         firsts, done = sched.complete(step)
         for i in firsts:
             first[i] = now
-        for i in done:
+        for k, i in enumerate(done):
             finish[i] = now
             finished += 1
             if closed and released < requests:  # the user sends its next request
-                arrival[released] = now + request_overhead_s
+                sent[released] = now
+                arrival[released] = now + request_overhead_s + k * handover_s
                 released += 1
-    ttft = [f - a + request_overhead_s for f, a in zip(first, arrival)]
-    e2e = [f - a + request_overhead_s for f, a in zip(finish, arrival)]
+    # client-side, from the moment the client sent it: the overhead once, on the request's way in
+    ttft = [f - t for f, t in zip(first, sent)]
+    e2e = [f - t for f, t in zip(finish, sent)]
     tpot = [(e - f) / (o - 1) for e, f, o in zip(finish, first, out) if o > 1]
     span = max(finish) - min(arrival)
     return {"requests": requests, "rate_qps": rate_qps, "ttft_s": _stats(ttft), "tpot_s": _stats(tpot),
@@ -156,12 +166,13 @@ def replica_runner(model: Any, cluster: Any, dep: Any, workload: Workload, mem: 
     concurrency / replicas users each, rounded up, math.inf all requests at once), scheduled as
     dep.engine with its token budget (cost.engine_budget), with its achieved throughput scaled
     back to all replicas."""
-    from planner.serve.cost import engine_budget, mixed_fn, request_overhead_s, serve_factor, step_fns
+    from planner.serve.cost import engine_budget, handover_s, mixed_fn, request_overhead_s, serve_factor, step_fns
     prefill, decode = step_fns(model, cluster, dep)
     mixed = mixed_fn(model, cluster, dep)
     wake = serve_factor(cluster, "serve_wake_s")
     budget = engine_budget(cluster, dep)
     overhead = request_overhead_s(cluster, dep)
+    handover = handover_s(dep, workload.mean_lengths()[0])
     users = math.ceil(workload.concurrency / dep.replicas) if workload.concurrency else None
     cache: dict[float, dict[str, Any]] = {}
 
@@ -172,7 +183,7 @@ def replica_runner(model: Any, cluster: Any, dep: Any, workload: Workload, mem: 
                          prefill_chunk=0 if math.isinf(budget) else int(budget), max_total=workload.max_total(),
                          wake_s=wake, engine=dep.engine, mixed_fn=mixed, prefix_caching=dep.prefix_caching,
                          concurrency=users if users and not math.isinf(rate) else None,
-                         request_overhead_s=overhead)
+                         request_overhead_s=overhead, handover_s=handover)
             r["rate_qps"] = rate
             r["achieved_qps"] *= dep.replicas
             r["output_tokens_per_s"] *= dep.replicas

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 from planner.errors import ProfileError, SpecError
 from planner.specs.kernels import KernelCurves, kernels_from_dict
+from planner.specs.step import StepProbes, step_from_dict
 
 SCHEMA_VERSION = 1
 PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
@@ -119,6 +120,10 @@ class DeviceProfile:
     kernels: KernelCurves = field(default_factory=KernelCurves)
     """Measured kernel curves (planner/specs/kernels.py): SMs, GEMM tiles and ceiling, achievable
     HBM bandwidth, attention kernels' throughput. Empty: GEMMs from gemm_efficiency alone."""
+    step: StepProbes = field(default_factory=StepProbes)
+    """Measured step probes of a profiled CPU (planner/specs/step.py): the executor's block per
+    precision against the cost model's compute terms, TP all-reduces as they run in autograd.
+    Empty: the compute terms and links alone."""
     path: str = ""
 
     @property
@@ -261,7 +266,8 @@ def profile_from_dict(data: Any, path: str = "") -> DeviceProfile:
         factors={k: float(v) for k, v in factors.items()}, host=host,
         sources=dict(data.get("sources", {})), measured=dict(data.get("measured", {})), fp8=fp8,
         lab={k: float(v) for k, v in lab.items()},
-        kernels=kernels_from_dict(data.get("kernels"), TRAIN_PRECISIONS), path=path)
+        kernels=kernels_from_dict(data.get("kernels"), TRAIN_PRECISIONS),
+        step=step_from_dict(data.get("step"), PRECISIONS), path=path)
 
 
 def load_profile(path: str | Path) -> DeviceProfile:

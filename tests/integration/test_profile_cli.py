@@ -36,7 +36,11 @@ def test_quick_profile_writes_a_usable_profile(tmp_path):
     ar = m["comm"]["groups"]["2"]["all_reduce"]
     assert ar["fit"]["busbw_gbps"] > 0 and len(ar["points"]) >= 5
     assert all(p["time_s"]["n"] >= 3 for p in ar["points"])
-    assert set(m["comm"]["groups"]["2"]) == {"all_reduce", "all_gather", "reduce_scatter", "send_recv"}
+    assert set(m["comm"]["groups"]["2"]) == {"all_reduce", "all_gather", "reduce_scatter", "send_recv", "in_step"}
+    # the step probes (planner/specs/step.py): the block per precision, the TP all-reduce in autograd
+    assert set(prof.step.block) == {"bf16", "fp32"} and all(b.points == 6 for b in prof.step.block.values())
+    assert {r["precision"] for r in m["comm"]["groups"]["2"]["in_step"]["rows"]} == {"bf16", "fp32"}
+    assert 2 in prof.step.tp_allreduce and prof.step.tp_allreduce[2].busbw_gbps > 0
     assert prof.intra_node.busbw_gbps == pytest.approx(ar["fit"]["busbw_gbps"])
     layer = m["layers"][0]
     assert layer["saved_activation_bytes"] > layer["saved_activation_bytes_checkpointed"] > 0

@@ -20,13 +20,15 @@ TINY = ["--model", "chatglm3-6b", "--scale", "tiny", "--gpus", "2xcpu"]
 
 
 def measured_profile(tmp_path: Path, *, cpu: str | None = None, cores: int | None = None,
-                     precisions: tuple[str, ...] = ("bf16", "fp32")) -> Path:
+                     precisions: tuple[str, ...] = ("bf16", "fp32"), step: tuple[str, ...] | None = None) -> Path:
     """The built-in cpu profile dressed as one `planner profile` measured on (cpu, cores)."""
     data = json.loads((ROOT / "profiles" / "cpu.json").read_text())
     curve = data["gemm_efficiency"]
+    step = precisions if step is None else step
     # as planner/profiler/write.py writes it: the profiled precision's curve is gemm_efficiency
     data.update({"name": "cpu-measured", "builtin": False,
                  "gemm_efficiency_by_precision": {p: curve for p in precisions[1:]},
+                 "step": {"block": {p: {"scale": 1.0, "overhead_s": 0.0} for p in step}},
                  "measured": {"options": {"precision": precisions[0]},
                               "environment": {"kind": "cpu", "cpu": cpu or cpu_name(),
                                               "cpu_count": cores or os.cpu_count()}}})
@@ -54,6 +56,15 @@ def test_a_missing_precision_curve_is_named(tmp_path: Path) -> None:
     check_profile(str(p), ("bf16",), "--profile")  # the profiled precision: gemm_efficiency itself
     with pytest.raises(SpecError, match=r"has no fp32 GEMM curve \(gemm_efficiency_by_precision.fp32\)"):
         check_profile(str(p), ("fp32", "bf16"), "--profile")
+
+
+def test_a_missing_step_probe_is_named(tmp_path: Path) -> None:
+    p = measured_profile(tmp_path, step=("bf16",))
+    check_profile(str(p), ("bf16",), "--profile")
+    with pytest.raises(SpecError) as e:
+        check_profile(str(p), ("fp32", "bf16"), "--profile")
+    line = e.value.line()
+    assert "has no step probe of the fp32 block (step.block.fp32)" in line and "re-run `planner profile`" in line
 
 
 def test_old_metrics_are_refused_with_how_to_regenerate() -> None:

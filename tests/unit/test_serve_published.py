@@ -29,7 +29,7 @@ def _bench():
 sp = _bench()
 RAW = json.loads(DATA.read_text())
 KNOWN_METRICS = {"ttft_s", "e2e_s", "tpot_s", "output_tok_s", "decode_tok_s", "max_qps", "memory_gb", "req_s",
-                 "ttft_p50_s"}
+                 "ttft_p50_s", "ttft_p99_s"}
 
 
 def test_every_row_has_a_source_a_known_gpu_a_known_metric_and_positive_values():
@@ -138,3 +138,31 @@ def test_sensitivity_keeps_the_benchmarks_own_reading():
         assert out[r.id]["default"] == pytest.approx(sp.predict(r)["predicted"], rel=1e-9)
         assert out[r.id]["min"] <= out[r.id]["default"] <= out[r.id]["max"]
     assert set(out["M4f"]["readings"]) == {f"{s}/{p}" for s in sens.SCHEDULERS for p in sens.SPREADS}
+
+
+def test_ttft_contributions_rank_rows_by_their_share_of_the_mape():
+    # hand-made comparison rows: |errors| 0.6, 0.3, 0.1 (sum 1.0) -> shares 60/30/10%, running 60/90/100%;
+    # a row out of the MAPE or of another metric is not counted
+    out = [{"id": "a", "metric": "ttft_s", "in_mape": True, "error": -0.3},
+           {"id": "b", "metric": "ttft_p50_s", "in_mape": True, "error": 0.6},
+           {"id": "c", "metric": "ttft_s", "in_mape": True, "error": -0.1},
+           {"id": "d", "metric": "ttft_s", "in_mape": False, "error": 5.0},
+           {"id": "e", "metric": "tpot_s", "in_mape": True, "error": 0.9}]
+    by = sp.contributions(out, sp.GROUPS["TTFT"])
+    assert [x["id"] for x in by] == ["b", "a", "c"]
+    assert [x["share"] for x in by] == pytest.approx([0.6, 0.3, 0.1])
+    assert [x["cumulative"] for x in by] == pytest.approx([0.6, 0.9, 1.0])
+    # the benchmark's own TTFT group carries it, summing to the whole
+    res = sp.compare([r for r in sp.load_rows() if r.id in ("T1", "T2", "L2")])
+    assert res["groups"]["TTFT"]["by_row"][-1]["cumulative"] == pytest.approx(1.0)
+
+
+def test_closed_loop_p99_ttft_rows_read_the_simulations_99th_percentile():
+    from planner.serve.estimate import estimate_serving
+    rows = {r.id: r for r in sp.load_rows()}
+    r = rows["M48p"]
+    assert r.metric == "ttft_p99_s" and r.concurrency == 48 and r.value == 1.483 and r.in_mape
+    est = estimate_serving(r.model, r.cluster, sp.deployment(r), sp.workload(r), requests=r.requests)
+    assert sp.predict(r)["predicted"] == pytest.approx(est.ttft_p99_s, rel=1e-12)
+    assert est.ttft_p99_s > est.ttft_p50_s
+    assert "ttft_p99_s" in sp.GROUPS["TTFT"]

@@ -152,6 +152,30 @@ def test_request_overhead_makes_the_next_closed_loop_request_wait_for_the_step_u
     assert r0["ttft_s"]["mean"] == pytest.approx((2.0 + 2.0 + 1.5) / 3)
 
 
+def test_a_burst_reaches_an_idle_engine_one_request_at_a_time():
+    """Three users send at once; the server hands their requests over 0.01 s apart (it tokenizes
+    them in turn). The idle engine starts with r0 alone (prefill 1 s, one output token: done at
+    1.0); r1 and r2 arrived during it and share the next step (the default mixed step is the sum
+    of its chunks: 2 s, done at 3.0). TTFT, counted from the send at 0: 1.0, 3.0, 3.0. Handed over
+    all at once (handover 0) the three share the first step: 3.0 each."""
+    pre, dec = constant(1.0, 0.5)
+    w = Workload(prompt_len=10, output_len=1, trace=((10, 1),) * 3)
+    r = queue.simulate(pre, dec, w, 1.0, requests=3, max_batch=8, concurrency=3, handover_s=0.01)
+    assert r["ttft_s"]["mean"] == pytest.approx((1.0 + 3.0 + 3.0) / 3)
+    assert r["steps"] == 2
+    r0 = queue.simulate(pre, dec, w, 1.0, requests=3, max_batch=8, concurrency=3)
+    assert r0["ttft_s"]["mean"] == pytest.approx(3.0) and r0["steps"] == 1
+
+
+def test_handover_is_the_servers_sequential_tokenization():
+    from planner.serve import cost
+    from planner.serve.spec import Deployment
+    # vLLM issue #19012: the API server tokenizes requests one after another, ~1k tokens per ms
+    assert cost.handover_s(Deployment(), 256) == pytest.approx(256e-6)
+    assert cost.handover_s(Deployment(engine="sglang"), 1000) == pytest.approx(1e-3)
+    assert cost.handover_s(Deployment(engine="executor"), 256) == 0.0  # in-process, already tokenized
+
+
 def test_requests_stopping_at_end_of_sequence():
     from planner.errors import SpecError
     import random

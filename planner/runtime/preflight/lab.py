@@ -54,6 +54,13 @@ def check_profile(path: str | None, precisions: tuple[str, ...], where: str) -> 
             raise SpecError(str(p), f"has no {prec} GEMM curve (gemm_efficiency_by_precision.{prec}), which the "
                                     f"{prec} plan's prediction needs", "re-run `planner profile` (it measures the "
                                     "profiled precision and fp32) and re-plan with it")
+    if env.get("kind") == "cpu":  # the step probes the CPU step model composes (planner/specs/step.py)
+        block = (data.get("step") or {}).get("block") or {}
+        for prec in precisions:
+            if prec not in block:
+                raise SpecError(str(p), f"has no step probe of the {prec} block (step.block.{prec}), which the "
+                                        f"{prec} plan's CPU step time needs", "re-run `planner profile` (it times "
+                                        "the executor's block in the profiled precision and fp32) and re-plan with it")
 
 
 def check_run_dir(run: Path, precisions: tuple[str, ...]) -> None:

@@ -1,0 +1,140 @@
+"""Measured step probes of a profiled CPU: the "step" section of a measured profile.
+
+What the executor's step is made of on this machine, measured by `planner profile`
+(planner/profiler/run.py) and composed by the cost model in the structure it uses on GPUs
+(planner/cost/model.py): the block's GEMMs, attention core and element-wise work are timed
+from the GEMM curves and the memory bandwidth, and the block probe says how the executor's
+real block relates to that sum in each precision; the TP all-reduces are timed as they run
+inside autograd, between the block's GEMMs:
+
+    "step": {
+      "block": {"bf16": {"scale": 1.3, "overhead_s": 0.0021, "points": 6}, "fp32": {...}},
+      "tp_allreduce": {"2": {"busbw_gbps": 0.9, "latency_us": 450.0, "points": 2}}
+    }
+
+- block[precision]: the executor's block (planner.model.glm.Block, one TP rank's share, no
+  communication) forward + backward measured at the profiler's (micro-batch, sequence, TP)
+  points = scale x the cost model's block compute (GEMMs + attention core + element-wise) +
+  overhead_s, a weighted least-squares line through the points (relative residuals). overhead_s
+  is what the terms leave out per block (PyTorch's per-operator dispatch and autograd
+  bookkeeping: on a CPU at these sizes, not negligible); scale what the GEMM probes' efficiency
+  misses inside a whole block (the precision's conversions, cache effects).
+- tp_allreduce[n]: one all-reduce of the block's activations over n processes as it runs in
+  autograd (the executor's block with its TP group, minus the same block without it, per
+  all-reduce), busbw and latency per latency step as planner/cost/comm.py counts them.
+
+Absent (every built-in profile, and a measured one from before): the cost model uses its
+GEMM curves and links alone. Pure stdlib: loaded with the profile.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from planner.errors import ProfileError
+
+REGENERATE = "regenerate it with `planner profile --quick --out PATH` (planner/profiler)"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlockProbe:
+    scale: float
+    """Measured block time per second of the cost model's block compute."""
+    overhead_s: float
+    """Seconds per block forward + backward the compute terms do not cover."""
+    points: int = 0
+
+    def time(self, compute_s: float) -> float:
+        return self.scale * compute_s + self.overhead_s
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InStepLink:
+    busbw_gbps: float
+    latency_us: float
+    points: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepProbes:
+    block: Mapping[str, BlockProbe] = field(default_factory=dict)
+    tp_allreduce: Mapping[int, InStepLink] = field(default_factory=dict)
+
+    def block_for(self, precision: str) -> BlockProbe | None:
+        return self.block.get(precision)
+
+    def tp_link(self, n: int) -> InStepLink | None:
+        """The in-step all-reduce of a group of n: measured at n, else at the largest measured
+        size below n (None when nothing was measured)."""
+        if n in self.tp_allreduce:
+            return self.tp_allreduce[n]
+        below = [k for k in self.tp_allreduce if k < n]
+        return self.tp_allreduce[max(below)] if below else None
+
+    @property
+    def empty(self) -> bool:
+        return not self.block and not self.tp_allreduce
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"block": {p: {"scale": b.scale, "overhead_s": b.overhead_s, "points": b.points}
+                          for p, b in self.block.items()},
+                "tp_allreduce": {str(n): {"busbw_gbps": l.busbw_gbps, "latency_us": l.latency_us, "points": l.points}
+                                 for n, l in self.tp_allreduce.items()}}
+
+
+def _number(v: Any, where: str, positive: bool = True) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (v <= 0 if positive else v < 0):
+        raise ProfileError(where, f"must be a {'positive' if positive else 'non-negative'} number, got {v!r}",
+                           REGENERATE)
+    return float(v)
+
+
+def step_from_dict(raw: Any, precisions: tuple[str, ...]) -> StepProbes:
+    """Parse (and check) a profile's "step" section; None or absent = no probes."""
+    if raw is None:
+        return StepProbes()
+    if not isinstance(raw, dict):
+        raise ProfileError("step", "must be an object with 'block' and 'tp_allreduce'", REGENERATE)
+    block = {}
+    for prec, b in (raw.get("block") or {}).items():
+        where = f"step.block.{prec}"
+        if prec not in precisions:
+            raise ProfileError(where, f"unknown precision (one of {', '.join(precisions)})", REGENERATE)
+        if not isinstance(b, dict):
+            raise ProfileError(where, "must be an object with scale and overhead_s", REGENERATE)
+        block[prec] = BlockProbe(scale=_number(b.get("scale"), f"{where}.scale"),
+                                 overhead_s=_number(b.get("overhead_s"), f"{where}.overhead_s", positive=False),
+                                 points=int(b.get("points", 0)))
+    links = {}
+    for n, l in (raw.get("tp_allreduce") or {}).items():
+        where = f"step.tp_allreduce.{n}"
+        if not str(n).isdigit() or int(n) < 2:
+            raise ProfileError(where, "keys are group sizes (integers >= 2)", REGENERATE)
+        if not isinstance(l, dict):
+            raise ProfileError(where, "must be an object with busbw_gbps and latency_us", REGENERATE)
+        links[int(n)] = InStepLink(busbw_gbps=_number(l.get("busbw_gbps"), f"{where}.busbw_gbps"),
+                                   latency_us=_number(l.get("latency_us"), f"{where}.latency_us", positive=False),
+                                   points=int(l.get("points", 0)))
+    return StepProbes(block=block, tp_allreduce=links)
+
+
+def fit_line(predicted: list[float], measured: list[float]) -> tuple[float, float]:
+    """(scale, overhead) of measured = scale x predicted + overhead, least squares on relative
+    residuals ((fit - measured) / measured); overhead is kept >= 0 (a negative one refits the
+    scale alone through the origin)."""
+    if not predicted or len(predicted) != len(measured):
+        raise ValueError("fit_line needs matching, non-empty lists")
+    w = [1.0 / m for m in measured]
+    # minimise sum (w (a p + c - m))^2: normal equations in (a, c)
+    spp = sum((wi * p) ** 2 for wi, p in zip(w, predicted))
+    sp1 = sum(wi * wi * p for wi, p in zip(w, predicted))
+    s11 = sum(wi * wi for wi in w)
+    spm = sum(wi * wi * p * m for wi, p, m in zip(w, predicted, measured))
+    s1m = sum(wi * wi * m for wi, m in zip(w, measured))
+    det = spp * s11 - sp1 * sp1
+    if len(predicted) >= 2 and abs(det) > 1e-30 * max(spp * s11, 1e-300):
+        a = (spm * s11 - sp1 * s1m) / det
+        c = (spp * s1m - sp1 * spm) / det
+        if c >= 0 and a > 0:
+            return a, c
+    return spm / spp, 0.0
