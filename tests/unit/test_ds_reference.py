@@ -1,32 +1,17 @@
-"""benchmarks/ds_reference.py: the rows of DeepSpeed's published runs are built as the source
+"""planner/calibrate/reference.py (`planner calibrate --reference`; benchmarks/ds_reference.py prints it): the rows of DeepSpeed's published runs are built as the source
 states them (one row's FLOPs and plan by hand), and the per-generation fitter recovers known
 factors from rows generated with them (a fitter that returns its start, or fits the wrong
 direction, fails)."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
+from planner.calibrate import reference as ds
 from planner.calibrate.fit import with_factors
 from planner.specs import find_device
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _bench():
-    path = ROOT / "benchmarks" / "ds_reference.py"
-    spec = importlib.util.spec_from_file_location("ds_reference", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["ds_reference"] = mod  # dataclasses resolve their module by name
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ds = _bench()
 ROWS = {r.id: r for r in ds.load_rows()}
 
 
