@@ -63,6 +63,17 @@ TIME_METRICS = ("ttft_s", "e2e_s", "tpot_s", "ttft_p50_s", "ttft_p99_s")
 DECODE_ALONE = ("decode_tok_s", "tpot_s")
 """Metrics of a batch-1 decode step alone: memory-bound, so published / predicted x the
 profile's decode_bw_efficiency is the bandwidth share the engine reached (step overhead 0)."""
+SCHEDULERS = ("vllm", "vllm-v0")
+V0_MIN_BUDGET = 2048
+
+
+def v0_budget(model: ModelSpec) -> int:
+    """vLLM V0 without chunked prefill (off by default for max_model_len <= 32768,
+    vllm/engine/arg_utils.py): max_num_batched_tokens = max(max_model_len, 2048) (vllm/config.py
+    SchedulerConfig); max_model_len defaults to the model's context (ModelSpec.max_seq)."""
+    return max(model.max_seq, V0_MIN_BUDGET)
+
+
 REQUIRED = ("id", "source", "where", "engine", "model", "gpu", "gpus", "tp", "weight_precision", "kv_precision",
             "prompt_len", "output_len", "batch", "metric", "value", "in_mape", "assumptions")
 
@@ -91,6 +102,9 @@ class Row:
     requests: int = 300
     mean_output_len: float = 0.0
     """Requests stopping at end-of-sequence before output_len: their mean generated tokens (0: none)."""
+    scheduler: str = "vllm"
+    """The engine's scheduler for the queueing simulation: "vllm" (V1) or "vllm-v0" (V0 without
+    chunked prefill, budget V0_BUDGET)."""
 
 
 def _check(raw: dict[str, Any], data: dict[str, Any]) -> None:
@@ -118,6 +132,8 @@ def _check(raw: dict[str, Any], data: dict[str, Any]) -> None:
     mean = raw.get("mean_output_len", 0)
     if isinstance(mean, bool) or not isinstance(mean, (int, float)) or not 0 <= mean <= raw["output_len"]:
         raise SpecError(f"rows[{rid}].mean_output_len", f"must lie in [0, output_len], not {mean!r}", "fix the row")
+    if raw.get("scheduler", "vllm") not in SCHEDULERS:
+        raise SpecError(f"rows[{rid}].scheduler", f"unknown {raw['scheduler']!r}", f"use one of {', '.join(SCHEDULERS)}")
     if raw["gpus"] % raw["tp"]:
         raise SpecError(f"rows[{rid}].tp", f"{raw['tp']} does not divide {raw['gpus']} GPUs", "fix the row")
 
@@ -144,7 +160,7 @@ def load_rows(path: Path = DATA, only: Sequence[str] | None = None) -> list[Row]
             prompt_len=raw["prompt_len"], output_len=raw["output_len"], batch=raw["batch"], metric=raw["metric"],
             value=float(raw["value"]), in_mape=bool(raw["in_mape"]), assumptions=tuple(raw["assumptions"]),
             concurrency=int(raw.get("concurrency", 0)), requests=int(raw.get("requests", 300)),
-            mean_output_len=float(raw.get("mean_output_len", 0))))
+            mean_output_len=float(raw.get("mean_output_len", 0)), scheduler=raw.get("scheduler", "vllm")))
     return rows
 
 
@@ -161,8 +177,10 @@ def _serve():
 
 def deployment(row: Row):
     _, spec = _serve()
+    v0 = row.scheduler == "vllm-v0"
     return spec.Deployment(tp=row.tp, replicas=row.cluster.world_size // row.tp, max_batch=row.batch,
-                           weight_precision=row.weight_precision, kv_precision=row.kv_precision)
+                           weight_precision=row.weight_precision, kv_precision=row.kv_precision,
+                           engine=row.scheduler, prefill_chunk=v0_budget(row.model) if v0 else 0)
 
 
 def workload(row: Row):
@@ -364,12 +382,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the comparison as JSON")
     ap.add_argument("--rows", default="", help="comma-separated row ids (default: all)")
     ap.add_argument("--data", default=str(DATA), help="rows file (default: %(default)s)")
+    ap.add_argument("--scheduler", choices=SCHEDULERS, default=None,
+                    help="predict every closed-loop row under this vLLM scheduler (a what-if; default: each "
+                         "row's own, V1 unless the row says otherwise)")
     ap.add_argument("--factor", action="append", default=[], metavar="NAME=VALUE",
                     help="set a serving factor for every GPU (e.g. decode_bw_efficiency=0.7); repeatable")
     args = ap.parse_args(argv)
     try:
         rows = load_rows(Path(args.data), [s.strip() for s in args.rows.split(",") if s.strip()] or None)
         rows = with_serve_factors(rows, parse_factors(args.factor))
+        if args.scheduler:
+            rows = [dataclasses.replace(r, scheduler=args.scheduler) if r.concurrency else r for r in rows]
     except SpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -56,9 +56,6 @@ SPREADS = ("geometric", "cap-or-first", "fixed")
 SCHEDULERS = ("vllm", "vllm-v0")
 DEFAULT = ("vllm", "geometric")
 """The reading benchmarks/serve_published.py predicts with."""
-V0_MIN_BUDGET = 2048
-"""vLLM V0 without chunked prefill: max_num_batched_tokens = max(max_model_len, 2048) (vllm/config.py
-SchedulerConfig); max_model_len defaults to the model's context (ModelSpec.max_seq)."""
 
 
 def output_lengths(spread: str, mean: float, cap: int, n: int, seed: int) -> list[int]:
@@ -79,9 +76,7 @@ def output_lengths(spread: str, mean: float, cap: int, n: int, seed: int) -> lis
 
 def simulate(row: sp.Row, scheduler: str, spread: str) -> dict[str, float]:
     """The row's closed loop under one reading: the metrics benchmarks/serve_published.py predicts."""
-    dep = sp.deployment(row)
-    if scheduler == "vllm-v0":
-        dep = dataclasses.replace(dep, engine="vllm-v0", prefill_chunk=max(row.model.max_seq, V0_MIN_BUDGET))
+    dep = sp.deployment(dataclasses.replace(row, scheduler=scheduler))
     base = sp.workload(row)
     if spread == "geometric":
         wl = base

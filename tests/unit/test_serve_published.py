@@ -80,7 +80,7 @@ def test_model_shapes_reproduce_the_published_parameter_counts():
 @pytest.mark.parametrize("field,value", [("metric", "qps"), ("gpu", "A200"), ("value", 0), ("batch", 0),
                                          ("source", "blog"), ("weight_precision", "fp4"),
                                          ("concurrency", 0), ("mean_output_len", 10_000),
-                                         ("mean_output_len", "100")])
+                                         ("mean_output_len", "100"), ("scheduler", "v2")])
 def test_a_malformed_row_is_refused_with_a_spec_error(tmp_path, field, value):
     data = copy.deepcopy(RAW)
     data["rows"][0][field] = value
@@ -166,3 +166,22 @@ def test_closed_loop_p99_ttft_rows_read_the_simulations_99th_percentile():
     assert sp.predict(r)["predicted"] == pytest.approx(est.ttft_p99_s, rel=1e-12)
     assert est.ttft_p99_s > est.ttft_p50_s
     assert "ttft_p99_s" in sp.GROUPS["TTFT"]
+
+
+def test_the_v0_reading_runs_whole_prompts_under_v0s_default_budget(tmp_path, monkeypatch, capsys):
+    import dataclasses
+    rows = {r.id: r for r in sp.load_rows()}
+    r = rows["M48q"]
+    assert r.scheduler == "vllm" and sp.deployment(r).engine == "vllm" and sp.deployment(r).prefill_chunk == 0
+    v0 = dataclasses.replace(r, scheduler="vllm-v0")
+    dep = sp.deployment(v0)
+    # max(max_model_len, 2048): Mistral-7B-v0.3's 32,768-token context; Llama-2-7B's 4,096
+    assert dep.engine == "vllm-v0" and dep.prefill_chunk == 32768
+    assert sp.v0_budget(rows["T1"].model) == 4096
+    assert sp.v0_budget(dataclasses.replace(rows["T1"].model, max_seq=1024)) == 2048
+    # the what-if flag reaches the closed-loop rows only
+    monkeypatch.setattr(sp, "OUT", tmp_path / "comparison.json")
+    assert sp.main(["--rows", "M4q,T1", "--scheduler", "vllm-v0", "--json"]) == 0
+    out = {x["id"]: x for x in json.loads(capsys.readouterr().out)["rows"]}
+    assert out["M4q"]["predicted"] == pytest.approx(sp.predict(dataclasses.replace(rows["M4q"], scheduler="vllm-v0"))["predicted"])
+    assert out["T1"]["predicted"] == pytest.approx(sp.predict(rows["T1"])["predicted"])
