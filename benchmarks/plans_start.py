@@ -25,6 +25,9 @@ Two more cases come from the search, not from the default spaces:
     .venv/bin/python benchmarks/plans_start.py --lock /tmp/planner-cpu.lock --budget-s 7200
     .venv/bin/python benchmarks/plans_start.py --limit 40 --seed 1 --models glm-10b --worlds 8
     .venv/bin/python benchmarks/plans_start.py --list                                  # count only
+    # mixture of experts (DeepSpeed-MoE, EP) and Ulysses context parallelism:
+    .venv/bin/python benchmarks/plans_start.py --models glm-4.5-air,chatglm3-6b --worlds 2,4 --attention flash \
+        --context-parallel on --no-extra --limit 30 --lock /tmp/planner-cpu.lock
 
 The feasible plans are started in a seeded random order (`--seed`), so `--limit N` or a time
 budget (`--budget-s S`: no new start after S seconds; the rest are counted as not tried) give
@@ -114,19 +117,26 @@ class Case:
                  f"mb{p.micro_batch}x{p.grad_accum}", rc, self.searched.train.attention]
         if p.sequence_parallel:
             parts.append("SP")
+        if p.ep > 1:
+            parts.append(f"EP{p.ep}")
+        if p.cp > 1:
+            parts.append(f"{'Ulysses' if p.cp_kind == 'ulysses' else 'ring'}{p.cp}")
         if p.pp > 1:
             parts.append(f"stages {list(p.stage_layers)}")
         return " ".join(parts)
 
 
-def run_search(model_arg: str, gpus: str, attention: str = "flash", profile: str | None = None) -> Searched:
+def run_search(model_arg: str, gpus: str, attention: str = "flash", profile: str | None = None,
+               context_parallel: str = "auto") -> Searched:
     """`planner search --model M --scale tiny --gpus G [--attention A] [--profile P] --exhaustive`
     (default batch and sequence for CPU), as a library call."""
     model = load_model(model_arg, "tiny")
     cluster = load_cluster(gpus, profile, None, None, None)
     train = load_train(model, cluster, None, None, None, attention)
-    result = search(model, cluster, train, exhaustive=True)
+    result = search(model, cluster, train, exhaustive=True, context_parallel=context_parallel)
     cmd = f"planner search --model {model_arg} --scale tiny --gpus {gpus} --exhaustive"
+    if context_parallel != "auto":
+        cmd += f" (Space.context_parallel {context_parallel})"
     if attention != "flash":
         cmd += f" --attention {attention}"
     if profile:
@@ -141,8 +151,9 @@ def feasible(s: Searched) -> list[Case]:
 
 
 def spaces(models: Iterable[str] = MODELS, worlds: Iterable[int] = WORLDS,
-           attentions: Iterable[str] = ATTENTIONS) -> list[Searched]:
-    return [run_search(m, f"{w}xcpu", a) for m in models for w in worlds for a in attentions]
+           attentions: Iterable[str] = ATTENTIONS, context_parallel: str = "auto") -> list[Searched]:
+    return [run_search(m, f"{w}xcpu", a, context_parallel=context_parallel)
+            for m in models for w in worlds for a in attentions]
 
 
 def tight_profile(s: Searched, path: Path) -> Path | None:
@@ -387,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="take `flock PATH` around each start instead of for the whole sweep")
     ap.add_argument("--shrunk-steps", type=int, default=20, help="steps of the shrunk GLM-130B pick")
     ap.add_argument("--list", action="store_true", help="count the plans, start nothing")
+    ap.add_argument("--context-parallel", default="auto", choices=("auto", "on", "off"),
+                    help="Space.context_parallel: 'on' searches Ulysses/ring cp at the tiny models' short "
+                         "sequences (auto offers it from 16,384 tokens)")
     ap.add_argument("--keep", default="", help="directory for the run directories (default: a temporary one, "
                                                "removed unless a run failed)")
     args = ap.parse_args(argv)
@@ -396,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="plans-start-"))
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    searched = spaces(models, worlds, attentions)
+    searched = spaces(models, worlds, attentions, args.context_parallel)
     cases = [c for s in searched for c in feasible(s)]
     for s in searched:
         print(f"{s.command}: {len(s.result.ranked)} feasible distinct plans of {s.result.distinct} evaluated "

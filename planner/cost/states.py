@@ -12,7 +12,7 @@ metrics.json's predicted - measured is a field-by-field subtraction.
 """
 from __future__ import annotations
 
-from planner.cost import engines, params
+from planner.cost import engines, longctx, moe, params
 from planner.cost.model import layer_costs
 from planner.specs.hardware import ClusterSpec
 from planner.specs.model import ModelSpec
@@ -28,15 +28,48 @@ def counted_phases(plan: Plan) -> tuple[str, ...]:
 def rank_states(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan,
                 rank: int) -> dict[str, dict[str, float]]:
     """{"device": {class: bytes}, "host": {class: bytes}} one rank holds when counted; host
-    sums host memory and NVMe (what DeepSpeed offloads)."""
+    sums host memory and NVMe (what DeepSpeed offloads).
+
+    Context parallelism: ZeRO partitions over the dp x cp ranks (planner.cost.longctx.local),
+    the rank's place there is dp index x cp + cp index. A MoE model (pp 1, as the executor runs
+    it): the dense tensors are the first_dense dense blocks and the MoE blocks' replicated parts
+    (router, shared experts); the routed experts, experts / ep per block, are DeepSpeed's own
+    parameter group, which ZeRO partitions over the expert-data-parallel ranks (dp x cp / ep:
+    planner.cost.moe.expert_plan; the rank's place there is (dp index // ep) x cp + cp index).
+    Their params, grads and optimizer states are added; buckets are the dense group's (one
+    reduce bucket serves both groups)."""
     lc = layer_costs(model, cluster, train, plan)
-    stage, dp_rank = plan.coords(rank)[:2]
+    stage, dp_i, cp_i, _ = plan.coords(rank)
+    zplan, _ = longctx.local(plan, train)
     blocks = plan.layers_per_stage(model.layers)[stage]
     psi, small = lc.stage_psi(stage, plan.pp, blocks)
-    owned = params.zero1_owned(params.stage_tensors(model, plan.tp, plan.pp, stage, blocks).numels, plan.dp)[dp_rank]
-    eng = engines.engine_for(plan)
-    sz = engines.sizes(plan, psi, small, owned, largest=lc.largest)
+    tensors = params.stage_tensors(model, plan.tp, plan.pp, stage, blocks).numels
+    if model.moe is not None and plan.pp == 1:
+        dense, moe_blk = params.block_tensors(model, plan.tp).numels, params.moe_block_tensors(model, plan.tp).numels
+        m = model.moe.first_dense
+        tensors = (params.first_stage_tensors(model, plan.tp).numels + dense * m + moe_blk * (model.layers - m)
+                   + params.last_stage_tensors(model, plan.tp, plan.pp).numels)
+        psi = sum(tensors)
+    owned = params.zero1_owned(tensors, zplan.dp)[dp_i * plan.cp + cp_i]
+    eng = engines.engine_for(zplan)
+    sz = engines.sizes(zplan, psi, small, owned, largest=lc.largest)
     phases = counted_phases(plan)
+    out = _by_location(eng, sz, phases)
+    if model.moe is not None and plan.pp == 1:
+        eplan = moe.expert_plan(zplan)
+        n = moe.expert_params(model, plan.ep) // model.expert_params  # experts on this rank per block
+        k, f, h = model.ffn_in_matrices, model.moe.expert_ffn, model.hidden
+        numels = (k * f * h, h * f) * (n * model.moe_layers)
+        e_owned = params.zero1_owned(numels, eplan.dp)[(dp_i // plan.ep) * plan.cp + cp_i]
+        e_sz = engines.sizes(eplan, float(sum(numels)), 0.0, e_owned, largest=lc.largest)
+        experts = _by_location(engines.engine_for(eplan), e_sz, phases)
+        for loc, by in experts.items():
+            for role in ("params", "grads", "optimizer"):
+                out[loc][role] = out[loc].get(role, 0.0) + by.get(role, 0.0)
+    return out
+
+
+def _by_location(eng, sz, phases) -> dict[str, dict[str, float]]:
     host = eng.bytes_by_role(sz, phases, location="host")
     nvme = eng.bytes_by_role(sz, phases, location="nvme")
     return {"device": eng.bytes_by_role(sz, phases, location="device"),

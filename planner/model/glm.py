@@ -38,11 +38,12 @@ from torch import nn
 from planner.data.batching import IGNORE
 from planner.model.attention import ATTENTION, StageCache, _LinearAttention, dropout, eager_attention, rotary
 from planner.model.kvcache import KVStep
+from planner.model.moe import MoEFFN
 from planner.model.norms import make_norm
 from planner.model.parallel.groups import SINGLE, TPGroup
 from planner.model.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                           mark_replicated, mark_split, parallel_input_linear, scaled_std,
-                                           scatter_seq, seeded_normal, tp_rng, vocab_parallel_cross_entropy,
+                                           mark_replicated, mark_split, parallel_input_linear, reduce_from_tp,
+                                           scaled_std, scatter_seq, seeded_normal, seq_shard, tp_rng, vocab_parallel_cross_entropy,
                                            INIT_STD)
 from planner.specs.model import ModelSpec
 
@@ -97,14 +98,25 @@ def _checkpoint(fn, *args):
 
 
 class SelfAttention(nn.Module):
+    """Projections, rotary, the attention core and the output projection. With context
+    parallelism (`cp`, DeepSpeed-Ulysses: Jacobs et al. 2023, arXiv 2309.14509) the block holds
+    s/cp tokens; DeepSpeed's DistributedAttention all-to-alls q, k and v to the whole sequence
+    and heads/(tp cp) of this TP rank's heads (the cp rank's consecutive share), runs the core,
+    and all-to-alls the output back to s/cp tokens and this TP rank's heads."""
+
     def __init__(self, spec: ModelSpec, layer: int, tp: TPGroup, attention: str, cache: StageCache,
-                 seed: int) -> None:
+                 seed: int, cp: TPGroup = SINGLE) -> None:
         super().__init__()
-        if spec.heads % tp.size or spec.kv_heads % tp.size:
-            raise ValueError(f"TP {tp.size} must divide the heads ({spec.heads}) and KV groups ({spec.kv_heads})")
+        if spec.heads % (tp.size * cp.size) or spec.kv_heads % (tp.size * cp.size):
+            raise ValueError(f"TP {tp.size} x CP {cp.size} must divide the heads ({spec.heads}) and KV groups "
+                             f"({spec.kv_heads})")
         if attention not in ATTENTION:
             raise ValueError(f"unknown attention kernel {attention!r}")
         self.spec, self.tp, self.attention, self.cache, self.layer = spec, tp, attention, cache, layer
+        self.ulysses = None
+        if cp.size > 1:
+            from deepspeed.sequence.layer import DistributedAttention
+            self.ulysses = DistributedAttention(self._local_attention, cp.group, scatter_idx=2, gather_idx=1)
         name = f"layers.{layer}.self_attention"
         self.query_key_value = ColumnParallelLinear(spec.hidden, (spec.q_size, spec.kv_size, spec.kv_size),
                                                     spec.qkv_bias, tp, f"{name}.query_key_value", seed)
@@ -149,24 +161,36 @@ class SelfAttention(nn.Module):
                 il = spec.rope_interleaved
                 q, k = rotary(q, *kv.angles, il), rotary(k, *kv.angles, il)
             return self.dense(kv.attend(self.layer, q, k, v).flatten(2))
+        if self.ulysses is not None:  # b s/cp n/t d -> core on b s n/(t cp) d -> b s/cp n/t d
+            return self.dense(self.ulysses(q, k, v, 0, None, pos, segments).flatten(2))
+        return self.dense(self._core(q, k, v, pos, segments))
+
+    def _core(self, q, k, v, pos, segments) -> torch.Tensor:
         if self.checkpoint_core and self.training:
-            out = _checkpoint(self.core, q, k, v, pos, segments)
-        else:
-            out = self.core(q, k, v, pos, segments)
-        return self.dense(out)
+            return _checkpoint(self.core, q, k, v, pos, segments)
+        return self.core(q, k, v, pos, segments)
+
+    def _local_attention(self, q, k, v, pos, segments) -> torch.Tensor:
+        """DistributedAttention's local attention: the core on the whole sequence (pos and
+        segments are whole: StageCache builds the whole mask), b s heads d."""
+        return self._core(q, k, v, pos, segments).unflatten(2, (q.shape[2], q.shape[3]))
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, layer: int, tp: TPGroup, seed: int) -> None:
+    """The dense FFN (or, `ffn` and `name` given, a MoE block's shared experts: planner/model/moe.py)."""
+
+    def __init__(self, spec: ModelSpec, layer: int, tp: TPGroup, seed: int, ffn: int | None = None,
+                 name: str = "") -> None:
         super().__init__()
-        if spec.ffn_size % tp.size:
-            raise ValueError(f"TP {tp.size} must divide the FFN size {spec.ffn_size}")
-        self.spec = spec
-        name = f"layers.{layer}.mlp"
         # ffn_size: ffn_hidden, or fewer columns for a pruned FFN (ModelSpec.ffn_sparsity)
-        self.dense_h_to_4h = ColumnParallelLinear(spec.hidden, (spec.ffn_size,) * spec.ffn_in_matrices,
+        ffn = spec.ffn_size if ffn is None else ffn
+        if ffn % tp.size:
+            raise ValueError(f"TP {tp.size} must divide the FFN size {ffn}")
+        self.spec = spec
+        name = f"layers.{layer}.mlp" + (f".{name}" if name else "")
+        self.dense_h_to_4h = ColumnParallelLinear(spec.hidden, (ffn,) * spec.ffn_in_matrices,
                                                   spec.linear_bias, tp, f"{name}.dense_h_to_4h", seed)
-        self.dense_4h_to_h = RowParallelLinear(spec.ffn_size, spec.hidden, spec.linear_bias, tp,
+        self.dense_4h_to_h = RowParallelLinear(ffn, spec.hidden, spec.linear_bias, tp,
                                                f"{name}.dense_4h_to_h", seed, std=scaled_std(spec.layers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -184,15 +208,21 @@ class Block(nn.Module):
 
     def __init__(self, spec: ModelSpec, layer: int = 0, checkpoint: bool = False, selective: bool = False, *,
                  tp: TPGroup = SINGLE, attention: str = "flash", cache: StageCache | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, cp: TPGroup = SINGLE, ep: TPGroup = SINGLE) -> None:
         super().__init__()
         self.spec, self.tp, self.layer = spec, tp, layer
-        cache = cache if cache is not None else StageCache(spec, tp)
+        cache = cache if cache is not None else StageCache(spec, head_group(tp, cp))
         self.input_layernorm = make_norm(spec, tp, f"layers.{layer}.input_layernorm")
-        self.self_attention = SelfAttention(spec, layer, tp, attention, cache, seed)
+        self.self_attention = SelfAttention(spec, layer, tp, attention, cache, seed, cp)
         self.self_attention.checkpoint_core = selective and not checkpoint
         self.post_attention_layernorm = make_norm(spec, tp, f"layers.{layer}.post_attention_layernorm")
-        self.mlp = MLP(spec, layer, tp, seed)
+        if spec.moe is not None and layer >= spec.moe.first_dense:  # planner/model/moe.py
+            m = spec.moe
+            shared = MLP(spec, layer, tp, seed, ffn=m.shared_experts * m.shared_size, name="shared_experts") \
+                if m.shared_experts else None
+            self.mlp = MoEFFN(spec, layer, tp, ep, seed, shared)
+        else:
+            self.mlp = MLP(spec, layer, tp, seed)
         self.checkpoint = checkpoint
         # DeepNorm (Wang et al. 2022, Table 1, decoder-only): x * alpha + f(x), alpha = (2N)^(1/2)
         self.alpha = math.sqrt(2 * spec.layers) if spec.norm_position == "deepnorm" else 1.0
@@ -255,11 +285,12 @@ class WordEmbedding(nn.Module):
 class PositionEmbedding(nn.Module):
     """Learned absolute positions (GLM-10B), replicated on every TP rank, added on the whole
     sequence; under SP the sum is then split into sequence shards (Megatron-LM's order), so the
-    position table's gradient is whole on every TP rank and needs no TP all-reduce."""
+    position table's gradient is whole on every TP rank and needs no TP all-reduce. Under
+    context parallelism the hidden states are this cp rank's s/cp tokens: their positions."""
 
-    def __init__(self, spec: ModelSpec, tp: TPGroup = SINGLE, seed: int = 0) -> None:
+    def __init__(self, spec: ModelSpec, tp: TPGroup = SINGLE, seed: int = 0, cp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.tp = tp
+        self.tp, self.cp = tp, cp
         name = "embedding.position_embeddings.weight"
         self.weight = nn.Parameter(seeded_normal(name, (spec.max_seq, spec.hidden), INIT_STD, seed,
                                                  [range(spec.max_seq)]))
@@ -267,7 +298,7 @@ class PositionEmbedding(nn.Module):
 
     def forward(self, inputs):
         h, pos, segments = inputs
-        h = h + F.embedding(pos, self.weight)
+        h = h + F.embedding(seq_shard(pos, self.cp) if self.cp.size > 1 else pos, self.weight)
         return (scatter_seq(h, self.tp) if self.tp.sequence_parallel else h), pos, segments
 
 
@@ -303,15 +334,28 @@ def tied_logits(embedding: WordEmbedding, inputs) -> torch.Tensor:
 
 class LMLoss:
     """Mean next-token cross-entropy over real tokens (labels already shifted; IGNORE elsewhere),
-    vocab-parallel and in fp32 (parallel/tensor.py)."""
+    vocab-parallel and in fp32 (parallel/tensor.py).
 
-    def __init__(self, vocab: int, tp: TPGroup = SINGLE) -> None:
-        self.vocab, self.tp = vocab, tp
+    Context parallelism (`cp`): the logits are this rank's s/cp tokens and `labels` the whole
+    sequence's; the sum over the rank's real tokens is summed over the cp group (all-reduce
+    forward, identity backward) and divided by the whole sequence's real tokens, so every cp
+    rank holds the micro-batch's loss and its gradient is this rank's share of it: DeepSpeed sums
+    the gradients over dp x cp ranks and divides by dp (engine._reduce_non_expert_gradients,
+    zero/stage_1_and_2.py average_tensor: world / sequence_parallel_size)."""
+
+    def __init__(self, vocab: int, tp: TPGroup = SINGLE, cp: TPGroup = SINGLE) -> None:
+        self.vocab, self.tp, self.cp = vocab, tp, cp
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.cp.size == 1:
+            per_token = vocab_parallel_cross_entropy(logits, labels, self.vocab, self.tp)
+            real = (labels != IGNORE).float()
+            return (per_token * real).sum() / real.sum().clamp(min=1.0)
+        total = (labels != IGNORE).float().sum()
+        labels = seq_shard(labels, self.cp)
         per_token = vocab_parallel_cross_entropy(logits, labels, self.vocab, self.tp)
         real = (labels != IGNORE).float()
-        return (per_token * real).sum() / real.sum().clamp(min=1.0)
+        return reduce_from_tp((per_token * real).sum(), self.cp) / total.clamp(min=1.0)
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -342,27 +386,43 @@ def share_blocks(blocks: list[Block], k: int) -> None:
             blk.mlp = first.mlp
 
 
+def head_group(tp: TPGroup, cp: TPGroup) -> TPGroup:
+    """Whose heads a rank's attention core runs: TP rank t's heads, and under Ulysses the cp
+    rank's consecutive share of them, i.e. slice t cp + c of tp x cp (ALiBi's slopes)."""
+    if cp.size == 1:
+        return tp
+    return TPGroup(rank=tp.rank * cp.size + cp.rank, size=tp.size * cp.size)
+
+
 class GLMModel(nn.Module):
-    """The whole layer list in one process (pp == 1): embedding -> blocks -> norm -> output."""
+    """The whole layer list in one process (pp == 1): embedding -> blocks -> norm -> output.
+    Context parallelism (`cp`): every cp rank gets the whole micro-batch, embeds its s/cp tokens
+    and keeps the whole positions and document ids for the attention core (planner/model/
+    attention.py StageCache builds the whole mask); the loss takes the whole labels."""
 
     def __init__(self, spec: ModelSpec, checkpoint_flags: list[bool], selective: bool, *, tp: TPGroup = SINGLE,
-                 attention: str = "flash", seed: int = 0) -> None:
+                 attention: str = "flash", seed: int = 0, cp: TPGroup = SINGLE, ep: TPGroup = SINGLE) -> None:
         super().__init__()
-        cache = StageCache(spec, tp)
+        self.cp = cp
+        cache = StageCache(spec, head_group(tp, cp))
         self.embedding = WordEmbedding(spec, tp, seed)
-        self.position = PositionEmbedding(spec, tp, seed) if spec.position == "learned" else None
-        self.layers = nn.ModuleList(Block(spec, i, c, selective, tp=tp, attention=attention, cache=cache, seed=seed)
+        self.position = PositionEmbedding(spec, tp, seed, cp) if spec.position == "learned" else None
+        self.layers = nn.ModuleList(Block(spec, i, c, selective, tp=tp, attention=attention, cache=cache, seed=seed,
+                                          cp=cp, ep=ep)
                                     for i, c in enumerate(checkpoint_flags))
         share_blocks(list(self.layers), spec.share_layers)
         self.final = FinalNorm(spec, tp)
         self.output = None if spec.tied_embeddings else OutputLayer(spec, tp, seed)
-        self.loss_fn = LMLoss(spec.vocab, tp)
+        self.loss_fn = LMLoss(spec.vocab, tp, cp)
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, segments: torch.Tensor,
                 kv: KVStep | None = None) -> torch.Tensor:
         """This rank's vocab-parallel logits [b, s, V_pad/T]. With `kv` (generation: ids are the
         next tokens of kv's slots at positions kv.pos) only the last new token's, [b, 1, V_pad/T]."""
-        x = self.embedding((ids, pos, segments))
+        if self.cp.size > 1 and kv is None:
+            x = self.embedding((seq_shard(ids, self.cp), pos, segments))
+        else:
+            x = self.embedding((ids, pos, segments))
         if self.position is not None:
             x = self.position(x)
         for layer in self.layers:

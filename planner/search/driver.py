@@ -85,15 +85,17 @@ def fits_nowhere(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, trial
 def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *, exhaustive: bool = False,
            n_trials: int = 100, seed: int = 0, storage: object = None, progress: Progress | None = None,
            max_interleave: int | None = None, megatron_features: bool = False,
-           runtime: str = "deepspeed", study_name: str | None = None) -> SearchResult:
+           runtime: str = "deepspeed", study_name: str | None = None,
+           context_parallel: str = "auto") -> SearchResult:
     """Find the fastest plan that fits (the Optuna study `study_name` in `storage`; default
-    a name derived from the inputs). Raises SpecError (one line) when nothing fits anywhere."""
+    a name derived from the inputs). Raises SpecError (one line) when nothing fits anywhere.
+    context_parallel: Space.context_parallel (on, off, or auto: from LONG_SEQUENCE tokens)."""
     t0 = time.perf_counter()
     extra = {} if max_interleave is None else {"max_interleave": max_interleave}
     if megatron_features:  # --megatron-features is the megatron-core runtime
         runtime = "megatron-core"
     space = Space(model=model, cluster=cluster, train=train, megatron_features=runtime == "megatron-core",
-                  runtime=runtime, **extra)
+                  runtime=runtime, context_parallel=context_parallel, **extra)
     space.require_nonempty()
     evaluate = Evaluator(model, cluster, train, runtime=runtime)
     name = ""

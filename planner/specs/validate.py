@@ -203,11 +203,13 @@ def executor_problems(model: ModelSpec, cluster: ClusterSpec, plan: Plan) -> lis
     """What `planner run` does not execute on this machine, for a plan legal under DeepSpeed:
     a vocabulary TP cannot split, layers the executor lacks, several nodes."""
     out = [p for p in (vocab_problem(model, plan.tp),) if p is not None]
-    if model.moe is not None or plan.cp > 1:
-        what = "mixture-of-experts layers" if model.moe is not None else "context-parallel attention"
-        out.append(Problem("model.moe" if model.moe is not None else "plan.cp", "executor-layers",
-                           f"the executor has no {what} yet (docs/moe.md, docs/long-context.md): such plans are "
-                           "estimated and searched, not run", "run a dense plan with cp 1"))
+    # DeepSpeed-MoE and DeepSpeed-Ulysses run in the executor's GLMModel (planner/model/moe.py,
+    # glm.py SelfAttention), not in its pipeline stages
+    if plan.pp > 1 and (model.moe is not None or plan.cp > 1):
+        what = "mixture-of-experts layers" if model.moe is not None else "Ulysses context parallelism"
+        out.append(Problem("plan.pp", "executor-layers",
+                           f"the executor runs {what} with pp 1 only (docs/moe.md, docs/long-context.md): such "
+                           "plans are estimated and searched, not run", "run a plan with pp 1"))
     if cluster.nodes > 1:
         out.append(Problem("cluster", "executor-nodes", f"{cluster.nodes} nodes: `planner run` launches on this "
                            "machine only", "use launch.sh with a hostfile (deepspeed launcher) for multi-node runs"))

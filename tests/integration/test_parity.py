@@ -42,7 +42,12 @@ CHATGLM = scale(preset("chatglm3-6b"), "tiny")
 GLM10B = dataclasses.replace(scale(preset("glm-10b"), "tiny"), hidden_dropout=0.0, attention_dropout=0.0)
 PADDED = dataclasses.replace(GLM10B, name="glm-10b-tiny-v1023", vocab=1023)
 DROPOUT = dataclasses.replace(GLM10B, name="glm-10b-tiny-dropout", hidden_dropout=0.1, attention_dropout=0.1)
-MODELS = {"chatglm3": CHATGLM, "glm10b": GLM10B, "glm10b-v1023": PADDED, "glm10b-dropout": DROPOUT}
+MOE = scale(preset("glm-4.5-air"), "tiny")
+"""GLM-4.5-Air tiny: 4 routed experts (top-2, sigmoid router), one shared expert, block 0 dense."""
+MODELS = {"chatglm3": CHATGLM, "glm10b": GLM10B, "glm10b-v1023": PADDED, "glm10b-dropout": DROPOUT, "moe": MOE}
+
+MICRO_OF = {"moe": 1}
+"""Micro-batch per model where 2 does not fit: EP2xDP2 has 4 data-parallel ranks."""
 
 # (id, model, plan fields, attention); global batch 4 everywhere, micro-batch 2. A layout whose
 # mechanism a larger case here already runs is left out (each launch costs ~10 s of CI): DP2 ZeRO-3
@@ -62,12 +67,20 @@ CASES = [
     ("TP2xPP2 SP ZeRO-1 tied", "glm10b", dict(tp=2, pp=2, zero=1, sequence_parallel=True), "eager"),
     ("DP2 ZeRO-3 tied", "glm10b", dict(dp=2, zero=3), "flash"),
     ("TP2xPP2 ZeRO-1 padded vocab", "glm10b-v1023", dict(tp=2, pp=2, zero=1), "flash"),
+    # DeepSpeed-MoE (planner/model/moe.py) against the single-process MoE model, and
+    # DeepSpeed-Ulysses (cp: glm.py SelfAttention) against the single-process dense one
+    ("EP2 ZeRO-0", "moe", dict(dp=2, ep=2, zero=0), "flash"),
+    ("EP2xDP2 ZeRO-2", "moe", dict(dp=4, ep=2, zero=2), "flash"),
+    ("EP2xTP2 ZeRO-1", "moe", dict(dp=2, ep=2, tp=2, zero=1), "flash"),
+    ("SP2 ZeRO-0", "chatglm3", dict(cp=2, zero=0), "flash"),
+    ("SP2xDP2 ZeRO-2", "chatglm3", dict(cp=2, dp=2, zero=2), "flash"),
 ]
 
 
 def _run(root: Path, name: str, model_key: str, attention: str = "flash", **plan_kw) -> dict:
     """Launch one plan for STEPS steps with gradient dumping; return its losses, gradients and norm."""
-    plan = Plan(micro_batch=MICRO, grad_accum=GLOBAL_BATCH // (MICRO * plan_kw.get("dp", 1)), precision="fp32",
+    micro = MICRO_OF.get(model_key, MICRO)
+    plan = Plan(micro_batch=micro, grad_accum=GLOBAL_BATCH // (micro * plan_kw.get("dp", 1)), precision="fp32",
                 bucket_elements=2_000_000, **plan_kw)
     model = MODELS[model_key]
     cluster = parse_cluster(f"{plan.world_size}xcpu")

@@ -1,8 +1,9 @@
 """Process groups of the plan's rank layout, and the Megatron `mpu` DeepSpeed asks for them.
 
-One vocabulary (planner/specs/plan.py): global rank = (pp_i * dp + dp_i) * tp + tp_i, i.e.
-torch.arange(world).view(pp, dp, tp), which is DeepSpeed's
-PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp) (axes pipe, data, model).
+One vocabulary (planner/specs/mesh.py): global rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i,
+i.e. torch.arange(world).view(pp, dp, cp, tp); without context parallelism that is DeepSpeed's
+PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp) (axes pipe, data, model), with it
+the topology's data axis is dp x cp (dp index x cp + cp index).
 Every rank creates every group, in the same order, before the module is built
 (torch.distributed.new_group is collective over the world).
 
@@ -15,6 +16,17 @@ Who uses what:
 - pp > 1: the PipelineModule gets `topology` and builds DeepSpeed's PipelineParallelGrid, which
   is then the engine's mpu (DeepSpeed asserts that no mpu is passed with a pipeline). Its
   model-parallel group spans pipe x model.
+- context parallelism (DeepSpeed-Ulysses, cp > 1): `cp` (a TPGroup of the ranks that split each
+  sequence) for DistributedAttention, and the mpu's sequence-parallel API, which DeepSpeed
+  asks for its sequence-data-parallel group (dp x cp: gradients reduced and ZeRO partitions
+  there, deepspeed/utils/groups.py _get_sequence_data_parallel_group);
+- expert parallelism (a MoE model): `ep` (this rank's place among the ep consecutive
+  data-parallel ranks that split the experts), and DeepSpeed-MoE's expert-parallel and
+  expert-data-parallel groups registered under its group name (ep_size_<ep>) before the
+  engine is built, so deepspeed.moe.layer.MoE uses them instead of building its own
+  (DeepSpeed's legacy layout would put TP peers in one expert-parallel group). Expert data
+  parallelism: the ranks of the same pipeline stage, TP rank and place in the EP group, over
+  dp / ep EP groups and the cp ranks (Plan.expert_dp).
 """
 from __future__ import annotations
 
@@ -35,6 +47,11 @@ class TPGroup:
     """Megatron sequence parallelism: activations outside the TP region are split along the sequence."""
 
 
+def expert_group_name(ep: int) -> str:
+    """DeepSpeed-MoE's name of the expert-parallel group of size ep (deepspeed/moe/layer.py)."""
+    return f"ep_size_{ep}"
+
+
 SINGLE = TPGroup()
 """No tensor parallelism: the same layers, groups of size 1, no communication."""
 
@@ -42,23 +59,63 @@ SINGLE = TPGroup()
 class Groups:
     """The plan's process groups; for pp == 1 also DeepSpeed's mpu (Megatron API)."""
 
-    def __init__(self, pp: int, dp: int, tp: int, sequence_parallel: bool = False) -> None:
+    def __init__(self, pp: int, dp: int, tp: int, sequence_parallel: bool = False, cp: int = 1,
+                 ep: int | None = None) -> None:
+        """ep: the expert-parallel size of a MoE model (None: a dense model, no expert groups)."""
         import torch.distributed as dist
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-        self.topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+        from planner.specs.mesh import Mesh
+        self.topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp * cp)
+        self.mesh = mesh = Mesh(pp=pp, dp=dp, cp=cp, tp=tp)
         self.rank = dist.get_rank()
-        coord = self.topology.get_coord(self.rank)
-        self.pp_rank, self.dp_rank, self.tp_rank = coord.pipe, coord.data, coord.model
-        self.sizes = {"pipe": pp, "data": dp, "model": tp}
+        self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank = mesh.coords(self.rank)
+        self.sizes = {"pipe": pp, "data": dp, "model": tp, "seq": cp, "seqdata": dp * cp}
         self.ranks: dict[str, list[int]] = {}
         self._group: dict[str, Any] = {}
-        for axis in ("model", "data", "pipe"):
-            for ranks in self.topology.get_axis_comm_lists(axis):
-                group = dist.new_group(ranks=ranks)
+        # every rank creates every group in the same order (new_group is collective)
+        lists = {"model": mesh.groups("tp"), "data": mesh.groups("dp"), "pipe": mesh.groups("pp")}
+        if cp > 1:
+            lists["seq"] = mesh.groups("cp")
+            lists["seqdata"] = tuple(tuple(mesh.rank(p, d, c, t) for d in range(dp) for c in range(cp))
+                                     for p in range(pp) for t in range(tp))
+        for axis, groups in lists.items():
+            for ranks in groups:
+                group = dist.new_group(ranks=list(ranks))
                 if self.rank in ranks:
                     self.ranks[axis], self._group[axis] = list(ranks), group
+        if cp == 1:
+            self.ranks["seq"], self._group["seq"] = [self.rank], None
+            self.ranks["seqdata"], self._group["seqdata"] = self.ranks["data"], self._group["data"]
         self.tp = TPGroup(rank=self.tp_rank, size=tp, group=self._group["model"] if tp > 1 else None,
                           sequence_parallel=sequence_parallel)
+        self.cp = TPGroup(rank=self.cp_rank, size=cp, group=self._group["seq"])
+        self.ep = None
+        if ep is not None:
+            self.ep = self._expert_groups(ep)
+
+    def _expert_groups(self, ep: int) -> TPGroup:
+        """Build and register DeepSpeed-MoE's expert-parallel and expert-data-parallel groups of
+        size ep (module docstring); returns this rank's place in its expert-parallel group."""
+        import torch.distributed as dist
+        from deepspeed.utils import groups as ds_groups
+        m, (pp, dp, cp, tp) = self.mesh, (self.mesh.pp, self.mesh.dp, self.mesh.cp, self.mesh.tp)
+        if dp % ep:
+            raise ValueError(f"EP {ep} must divide the data-parallel size {dp}")
+        name = expert_group_name(ep)
+        ep_lists = [[m.rank(p, blk * ep + i, c, t) for i in range(ep)]
+                    for p in range(pp) for blk in range(dp // ep) for c in range(cp) for t in range(tp)]
+        edp_lists = [[m.rank(p, blk * ep + i, c, t) for blk in range(dp // ep) for c in range(cp)]
+                     for p in range(pp) for t in range(tp) for i in range(ep)]
+        for key, lists in (("ep", ep_lists), ("edp", edp_lists)):
+            for ranks in lists:
+                group = dist.new_group(ranks=ranks)
+                if self.rank in ranks:
+                    self.ranks[key], self._group[key] = ranks, group
+        ds_groups._EXPERT_PARALLEL_GROUP[name] = self._group["ep"]
+        ds_groups._EXPERT_PARALLEL_GROUP_RANKS[name] = self.ranks["ep"]
+        ds_groups._EXPERT_DATA_PARALLEL_GROUP[name] = self._group["edp"]
+        ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = self.ranks["edp"]
+        return TPGroup(rank=self.ranks["ep"].index(self.rank), size=ep, group=self._group["ep"])
 
     # --- Megatron mpu API, as DeepSpeed 0.19.8 calls it (pp == 1) ----------------------------
     def get_model_parallel_rank(self) -> int:
@@ -97,3 +154,22 @@ class Groups:
 
     def get_pipeline_model_parallel_group(self):
         return self._group["pipe"]
+
+    # --- DeepSpeed-Ulysses: the sequence-parallel API deepspeed/utils/groups.py asks ----------
+    def get_sequence_parallel_group(self):
+        return self._group["seq"]
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.sizes["seq"]
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self.cp_rank
+
+    def get_sequence_data_parallel_group(self):
+        return self._group["seqdata"]
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.sizes["seqdata"]
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.ranks["seqdata"].index(self.rank)

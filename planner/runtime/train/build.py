@@ -13,7 +13,7 @@ from planner.errors import ExecutionError
 from planner.data.batching import Layout, Rows
 from planner.data.loader import LoaderSettings, MicroBatches
 from planner.model.glm import GLMModel, WordEmbedding, block_flags
-from planner.model.parallel.groups import Groups
+from planner.model.parallel.groups import SINGLE, Groups
 from planner.model.parallel.pipeline import build_pipeline
 from planner.model.parallel.tensor import seed_dropout
 from planner.specs.model import ModelSpec
@@ -31,7 +31,10 @@ def build_module(plan: Plan, spec: ModelSpec, groups: Groups, attention: str = "
         raise ExecutionError("plan.pp", f"share-layers {spec.share_layers} cannot run under pp {plan.pp} (a shared "
                              "block's parameters would live on several stages)", "use pp 1")
     if plan.pp == 1:
-        return GLMModel(spec, flags, selective, tp=groups.tp, attention=attention, seed=seed)
+        return GLMModel(spec, flags, selective, tp=groups.tp, attention=attention, seed=seed, cp=groups.cp,
+                        ep=groups.ep or SINGLE)
+    if plan.cp > 1 or spec.moe is not None:
+        raise ValueError("the executor runs context parallelism and mixture-of-experts layers with pp 1 only")
     return build_pipeline(spec, groups, stages, flags, selective, attention, seed)
 
 
@@ -68,7 +71,8 @@ def build_engine(plan: Plan, spec: ModelSpec, cfg: dict[str, Any], *, attention:
                                       synchronize=ac.get("synchronize_checkpoint_boundary", False),
                                       profile=ac.get("profile", False))
     try:
-        groups = Groups(plan.pp, plan.dp, plan.tp, sequence_parallel=plan.sequence_parallel)
+        groups = Groups(plan.pp, plan.dp, plan.tp, sequence_parallel=plan.sequence_parallel, cp=plan.cp,
+                        ep=plan.ep if spec.moe is not None else None)
         module = build_module(plan, spec, groups, attention, seed)
     except ValueError as exc:
         raise ExecutionError("plan.json", f"the model cannot be split as planned: {exc}",
@@ -82,50 +86,99 @@ def build_engine(plan: Plan, spec: ModelSpec, cfg: dict[str, Any], *, attention:
         deepspeed.zero.register_external_parameter(module, module.embedding.word_embeddings.weight)
     cfg = copy.deepcopy(cfg)
     optimizer = None
+    params: Any = list(module.parameters())
+    if spec.moe is not None:
+        # DeepSpeed-MoE: the experts in their own parameter groups (one per expert-parallel group
+        # name), which ZeRO partitions over the expert-data-parallel ranks
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+        params = split_params_into_different_moe_groups_for_optimizer({"params": params, "name": "dense"})
     if "optimizer" not in cfg:
         o = dsconfig.OPTIMIZER
-        optimizer = torch.optim.AdamW(module.parameters(), lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],
+        optimizer = torch.optim.AdamW(params, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],
                                       weight_decay=o["weight_decay"])
     try:
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=cfg,
                                                mpu=groups if plan.pp == 1 else None,
-                                               model_parameters=None if optimizer else module.parameters())
+                                               model_parameters=None if optimizer else params)
     except (AssertionError, ValueError, NotImplementedError, TypeError) as exc:
         traceback.print_exc()  # the rank's log keeps the DeepSpeed frame that refused
         raise ExecutionError("ds_config.json", f"DeepSpeed rejected the plan: {type(exc).__name__}: {exc}",
                              "re-plan with `planner search` (the plan is not runnable as written)") from None
-    _keep_fp32_clip_norm(engine)
+    _keep_fp32_clip_norm(engine, groups)
     return engine, groups
 
 
-def _keep_fp32_clip_norm(engine) -> None:
+def _keep_fp32_clip_norm(engine, groups: Groups) -> None:
     """DeepSpeed's fp32 ZeRO-0 path (engine.clip_fp32_gradients) computes the global gradient
     norm for clipping and drops it; keep it, so get_global_grad_norm() (the stability monitor,
-    the parity test) sees the norm the step used."""
+    the parity test) sees the norm the step used. With expert parallelism DeepSpeed's
+    clip_grad_norm_ averages each rank's norm over the data-parallel ranks, which is not the
+    norm of the whole gradient when the ranks hold different experts: there the norm is
+    moe_grad_norm's."""
     from deepspeed.runtime.utils import clip_grad_norm_
 
     def clip() -> None:
         engine._global_grad_norm = clip_grad_norm_(parameters=engine.module.parameters(),
                                                    max_norm=engine.gradient_clipping(), mpu=engine.mpu)
-    engine.clip_fp32_gradients = clip
+
+    def clip_moe() -> None:
+        params = [p for p in engine.module.parameters() if p.grad is not None]
+        norm = moe_grad_norm(params, groups)
+        engine._global_grad_norm = norm
+        if engine.gradient_clipping() > 0:
+            coef = min(1.0, engine.gradient_clipping() / (float(norm) + 1e-6))
+            for p in params:
+                p.grad.data.mul_(coef)
+    engine.clip_fp32_gradients = clip_moe if groups.ep is not None and groups.ep.size > 1 else clip
+
+
+def moe_grad_norm(params: list[torch.nn.Parameter], groups: Groups) -> torch.Tensor:
+    """The 2-norm of the whole gradient with the experts split over expert-parallel ranks: the
+    replicated and TP-split parameters as DeepSpeed counts them (model_parallel, mark_norm_owners)
+    summed over TP, plus the experts' squares summed over TP rank 0 of every EP rank."""
+    import torch.distributed as dist
+    from deepspeed.moe.utils import is_moe_param
+    dense = torch.zeros(1, dtype=torch.float64)
+    expert = torch.zeros(1, dtype=torch.float64)
+    for p in params:
+        sq = p.grad.detach().double().pow(2).sum()
+        if is_moe_param(p):
+            expert += sq if groups.tp_rank == 0 else 0.0
+        elif getattr(p, "model_parallel", True):
+            dense += sq
+    if groups.tp.group is not None:
+        dist.all_reduce(dense, group=groups.tp.group)
+        dist.all_reduce(expert, group=groups.tp.group)
+    dist.all_reduce(expert, group=groups.ep.group)
+    return (dense + expert).sqrt().float()
 
 
 def check_topology(engine, groups: Groups, plan: Plan, rank: int) -> None:
     """DeepSpeed's groups and ours must match the plan's rank layout (one vocabulary)."""
     import torch.distributed as dist
     from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
-    pp_i, dp_i, _, tp_i = plan.coords(rank)
+    pp_i, dp_i, cp_i, tp_i = plan.coords(rank)
     want = {axis: list(plan.mesh.group(short, rank)) for axis, short in (("model", "tp"), ("data", "dp"),
                                                                           ("pipe", "pp"))}
+    got_groups = {k: v for k, v in groups.ranks.items() if k in want}
     mpu = engine.mpu
-    got = {"coords": (groups.pp_rank, groups.dp_rank, groups.tp_rank), "groups": groups.ranks,
+    got = {"coords": (groups.pp_rank, groups.dp_rank, groups.cp_rank, groups.tp_rank), "groups": got_groups,
            "deepspeed data group": dist.get_process_group_ranks(mpu.get_data_parallel_group()),
            "deepspeed TP rank": bwc_tensor_model_parallel_rank(mpu)}
     if plan.pp > 1:
         got["deepspeed stage/dp"] = (engine.grid.get_stage_id(), engine.grid.get_data_parallel_id())
         got["deepspeed TP group"] = dist.get_process_group_ranks(engine.grid.get_slice_parallel_group())
-    expect = {"coords": (pp_i, dp_i, tp_i), "groups": want, "deepspeed data group": want["data"],
+    if plan.cp > 1:
+        want_seq = list(plan.mesh.group("cp", rank))
+        got["deepspeed sequence group"] = dist.get_process_group_ranks(mpu.get_sequence_parallel_group())
+        got["deepspeed sequence-data group"] = sorted(dist.get_process_group_ranks(
+            mpu.get_sequence_data_parallel_group()))
+    expect = {"coords": (pp_i, dp_i, cp_i, tp_i), "groups": want, "deepspeed data group": want["data"],
               "deepspeed TP rank": tp_i}
+    if plan.cp > 1:
+        expect["deepspeed sequence group"] = want_seq
+        expect["deepspeed sequence-data group"] = sorted(r for d in range(plan.dp) for c in range(plan.cp)
+                                                         for r in [plan.rank(pp_i, d, c, tp_i)])
     if plan.pp > 1:
         expect["deepspeed stage/dp"] = (pp_i, dp_i)
         expect["deepspeed TP group"] = want["model"]

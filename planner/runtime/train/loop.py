@@ -118,7 +118,7 @@ class Training:
         self.engine, self.groups = build_engine(plan, spec, self.cfg, attention=self.trainspec.attention,
                                                 seed=opts.seed, **build_kw)
         check_topology(self.engine, self.groups, plan, self.rank)
-        self.pp_i, self.dp_i, _, self.tp_i = plan.coords(self.rank)
+        self.pp_i, self.dp_i, self.cp_i, self.tp_i = plan.coords(self.rank)
         if opts.dump_grads:
             dump_first_grads(self.engine, Path(opts.dump_grads), self.rank, (self.pp_i, self.dp_i, self.tp_i))
         self.slow_save = slow_saves(self.engine, opts.save_sleep) if opts.save_sleep else {}
@@ -254,7 +254,7 @@ class Training:
         utilisation. Returns (step loss, any rank bad, real tokens, tokens, per-rank figures)."""
         plan, world, rank = self.plan, self.world, self.rank
         self.holds_loss = (self.last_stage or not self.pipe) and self.tp_i == 0
-        reads = self.pp_i == 0 and self.tp_i == 0
+        reads = self.pp_i == 0 and self.tp_i == 0 and self.cp_i == 0  # one reader per micro-batch
         real = sum(self.rows.real_tokens(i) for m in range(plan.grad_accum)
                    for i in self.layout.rows(b, m, self.dp_i)) if reads else 0
         total = plan.grad_accum * plan.micro_batch * self.trainspec.seq_len if reads else 0
