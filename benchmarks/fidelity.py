@@ -120,9 +120,13 @@ def with_fit(runtime: str, by_device: dict[str, dict[str, float]] | None, fn: Ca
         return fn()
 
 
+DS_LOSO_FACTORS: dict[str, dict[str, dict[str, float]]] = {}
+"""{generation: {held-out source: the factors refitted without it}} of the last deepspeed_loso."""
+
+
 def deepspeed_loso(rows: Sequence[rr.RefRow]) -> dict[str, float]:
     """Step seconds of every DeepSpeed row predicted from its generation's factors refitted
-    (benchmarks/ds_reference.py's fitter, one start) on the other sources' rows."""
+    (planner/calibrate/reference.py's fitter, one start) on the other sources' rows."""
     import ds_reference as dr  # noqa: PLC0415
 
     meta = json.loads(dr.DATA.read_text())
@@ -131,11 +135,13 @@ def deepspeed_loso(rows: Sequence[rr.RefRow]) -> dict[str, float]:
     out: dict[str, float] = {}
     for gen, g in meta["generations"].items():
         device = dr.find_device(g["profile"])[0]
-        names = list(dr.default_factor_names())
+        names = list(dr.default_factor_names(gen))
         mine = [r for r in drows if r.gen == gen]
         for src in sorted({keys[r.source] for r in mine}):
             train = [r for r in mine if keys[r.source] != src and r.fit and not r.needs_variant]
-            dev = dr.with_factors(device, dr.fit_factors(train, device, names).factors) if train else device
+            fitted = dr.fit_factors(train, device, names).factors if train else {}
+            DS_LOSO_FACTORS.setdefault(gen, {})[src] = fitted
+            dev = dr.with_factors(device, fitted) if train else device
             for r in mine:
                 if keys[r.source] == src:
                     v = dr.predict(r, dev)
@@ -191,11 +197,12 @@ def run(loso_deepspeed: bool = True) -> dict[str, Any]:
                         "not_fitting": [x["id"] for x in sc if not x["fits"]],
                         "unsupported": sorted({w for x in recs if x["unsupported"] for w in x["unsupported"].split("; ")})}
     return {"rows": out_rows, "sources": sources, "fits": fits, "profiles": profile_factors(),
+            "deepspeed_loso_factors": DS_LOSO_FACTORS if loso_deepspeed else {},
             "targets": check_targets(sources, fits)}
 
 
 def profile_factors() -> dict[str, dict[str, Any]]:
-    """The DeepSpeed factors each GPU profile ships (fitted by benchmarks/ds_reference.py) with
+    """The DeepSpeed factors each GPU profile ships (fitted by planner calibrate --reference) with
     the source line the profile gives for each."""
     from planner.specs.hardware import PROFILES_DIR  # noqa: PLC0415
     out = {}
@@ -283,10 +290,16 @@ def render(rep: dict[str, Any], rows: bool = False) -> str:
                 loso = ", ".join(f"without {s}: " + (f"{b[gpu][n]:.3f}" if gpu in b else "not fitted")
                                  for s, b in f["loso"].items() if s in srcs)
                 lines.append(f"  {rt:<14} {gpu:<10} {n:<14} {v:7.3f}  from {', '.join(srcs)}; {loso}")
-    lines.append("factors the GPU profiles ship for deepspeed (benchmarks/ds_reference.py; sources as the profile "
-                 "states them):")
+    lines.append("factors the GPU profiles ship for deepspeed (planner calibrate --reference), each with the source "
+                 "the profile states:")
     for name, fs in rep["profiles"].items():
         lines.append(f"  {name:<10} " + ", ".join(f"{k}={v['value']:.4g}" for k, v in fs.items()))
+        for k, v in fs.items():
+            lines.append(f"      {k}: {v['source'] or '-'}")
+    for gen, by_src in rep.get("deepspeed_loso_factors", {}).items():
+        lines.append(f"  deepspeed {gen} refitted without each source (leave-one-source-out):")
+        for src, fs in by_src.items():
+            lines.append(f"      without {src}: " + (", ".join(f"{k}={v:.4g}" for k, v in fs.items()) or "no rows left"))
     lines.append("")
     lines.append("targets:")
     for t in rep["targets"]:

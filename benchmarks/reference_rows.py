@@ -5,7 +5,7 @@ authors tuned them, so the fastest that fits is the prediction) and its measured
 Sources (one key each, the unit of leave-one-source-out):
 - T1: calibration.md, Megatron-LM Table 1 (Narayanan et al. 2021), A100-80GB, megatron-core;
 - DS-A, DS-A13, DS-B, DS-C, DS-D, DS-E: deepspeed-at-scale.md sections A-E (deepspeed), as
-  encoded in benchmarks/ds_reference_rows.json;
+  encoded in profiles/reference/deepspeed-rows.json;
 - S1, S5, S6, S7 (megatron-core) and S8 (fsdp): modern-runs.md, as encoded in
   benchmarks/modern_runs_rows.json.
 """

@@ -71,7 +71,11 @@ def profile(quick: bool, out: str | None, model_arg: str | None, scale: str | No
 
 
 @click.command()
-@click.argument("run_dirs", nargs=-1, required=True, metavar="RUN_DIRS...")
+@click.argument("run_dirs", nargs=-1, required=False, metavar="RUN_DIRS...")
+@click.option("--reference", is_flag=True,
+              help="Fit DeepSpeed's factors per GPU generation on its published runs (profiles/reference/"
+                   "deepspeed-rows.json) and write them, with their sources, into the built-in profiles/.")
+@click.option("--loo", is_flag=True, help="With --reference: also print every row predicted by a fit without it (slower).")
 @click.option("--profile", "profile_path", default=None, metavar="PROFILE.JSON",
               help="Profile whose factors are fitted (default: the one the runs were planned with).")
 @click.option("--out", "out", default=None, metavar="PROFILE.JSON",
@@ -80,10 +84,20 @@ def profile(quick: bool, out: str | None, model_arg: str | None, scale: str | No
 @click.option("--serving", is_flag=True,
               help="The runs are serving runs (serve_metrics.json, planner serve-bench): fit the serving factors "
                    "(automatic when every RUN_DIR holds a serve_metrics.json); --profile defaults to the cpu one.")
-def calibrate(run_dirs: tuple[str, ...], profile_path: str | None, out: str | None, no_layers: bool,
-              serving: bool) -> None:
+def calibrate(run_dirs: tuple[str, ...], reference: bool, loo: bool, profile_path: str | None, out: str | None,
+              no_layers: bool, serving: bool) -> None:
     """Fit the cost model's runtime factors to measured runs (metrics.json) and write them into the profile."""
     import json
+
+    if reference:
+        if run_dirs or profile_path or out or serving:
+            raise SpecError("--reference", "fits the published runs in profiles/reference/ into the built-in profiles",
+                            "drop RUN_DIRS, --profile, --out and --serving")
+        from planner.calibrate import reference as ref
+        ref.main(["--apply"] + ([] if loo else ["--no-loo"]))
+        return
+    if not run_dirs:
+        raise SpecError("RUN_DIRS", "missing", "give the run directories to fit, or --reference")
 
     if serving or all(_serve_metrics(d).is_file() for d in run_dirs):
         _calibrate_serving(run_dirs, profile_path, out)

@@ -35,7 +35,7 @@ def dp_comm(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[int, ..
             mb_compute: tuple[float, ...], backward: tuple[float, ...]) -> float:
     """Exposed gradient-sync seconds per step of ZeRO 0-2 (ZeRO-3: zero3_comm): the slowest
     stage's, from the engine's data-parallel collectives (planner.cost.engines) over each
-    stage's DP link (planner.cost.comm.group_links), bucket by bucket, and an offloaded
+    stage's DP route (planner.cost.comm.group_routes: hierarchical, per link class), bucket by bucket, and an offloaded
     optimizer's gradient copies to the host.
 
     A collective that DeepSpeed runs while backward still computes hides up to dp_overlap of
@@ -47,7 +47,7 @@ def dp_comm(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[int, ..
     offload = plan.offload_optimizer != "none"
     if d <= 1 and not offload:
         return 0.0
-    links = comm.group_links(cluster, plan, "dp")
+    links = comm.group_routes(cluster, plan, "dp")
     eff, m, ls = f.comm_efficiency, plan.grad_accum, f.latency_scale
     hide = f.dp_overlap  # the engine's collectives say whether they overlap (overlap_comm)
     # ZeRO-0 flattens up to FALLBACK_BUCKET elements per all-reduce; ZeRO-1/2 reduce and gather
@@ -55,12 +55,11 @@ def dp_comm(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[int, ..
     bucket = engines.FALLBACK_BUCKET if plan.zero == 0 else plan.bucket_elements
     worst = 0.0
     for i, n in enumerate(psi):
-        bw, lat = links[i]
         nb = max(1, math.ceil(n / bucket))
         # collectives sharing one overlap window hide at most dp_overlap x that window together
         windows: dict[tuple[str, bool], float] = {}
         for c in engine.collectives if d > 1 else ():
-            t = nb * comm.COLLECTIVES[c.kind](n * c.bytes / nb, d, bw, lat * ls, eff)
+            t = nb * comm.ROUTE_COLLECTIVES[c.kind](n * c.bytes / nb, d, links[i], eff, ls, f.network_efficiency)
             windows[(c.per, c.overlap)] = windows.get((c.per, c.overlap), 0.0) + t
         if offload:
             # the reduced gradient partition crosses to the host (stage 2 every micro-batch,
@@ -111,7 +110,7 @@ def p2p_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pl
     e = activation_bytes(plan.precision)
     nbytes = train.seq_len * plan.micro_batch * model.hidden * e / (plan.tp if plan.sequence_parallel else 1)
     cross = comm.cross_node_boundaries(cluster.gpus_per_node, plan.dp, plan.tp, plan.pp)
-    return tuple(2.0 * comm.p2p_time(nbytes, cluster, x, f.comm_efficiency) for x in cross)
+    return tuple(2.0 * comm.p2p_time(nbytes, cluster, x, f.comm_efficiency, f.network_efficiency) for x in cross)
 
 
 def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan) -> Estimate:

@@ -31,6 +31,9 @@ class Factors:
     """Multiplier on memory-bound (non-GEMM) time: norms, activations, softmax, dropout, adds."""
     comm_efficiency: float = 1.0
     """Fraction of the link's bus bandwidth the runtime's collectives reach."""
+    network_efficiency: float = 1.0
+    """Fraction of the network (inter-node) link class's measured efficiency that the runtime's
+    collectives and sends reach where the network is their bottleneck (planner.cost.comm.Route)."""
     latency_scale: float = 1.0
     """Multiplier on every collective's latency (ring steps x the link's per-step latency)."""
     zero3_fetch_overhead_s: float = 0.0

@@ -20,7 +20,8 @@ layer) and per pass:
 which is why small micro-batches expose the gathers (little compute per fetched byte: the
 micro-batch-1 rows of DeepSpeed's 530B/1T runs reach ~40% of micro-batch 8,
 reference/deepspeed-at-scale.md B) and large ones hide them. Every collective pays its latency
-(planner.cost.comm: ring steps x the link's per-step latency x latency_scale).
+(planner.cost.comm Route: its class's base latency, and its intra-node and network steps x
+the links' per-step latency x latency_scale).
 
 ZeRO++ (Wang et al. 2023, arXiv 2306.10209, sec. 3): qwZ gathers the forward weights in int8
 (1 byte per element plus a 4-byte scale per 2048-element block); hpZ keeps a secondary copy
@@ -85,36 +86,40 @@ class Zero3Time:
     """Collectives per micro-batch."""
 
 
-def _link(cluster: ClusterSpec, plan: Plan, ranks: int, stride: int = 1) -> tuple[float, float]:
-    """(bus bandwidth, per-step latency) of the groups of `ranks` data-parallel ranks spaced
+def _link(cluster: ClusterSpec, plan: Plan, ranks: int, stride: int = 1) -> comm.Route:
+    """The Route (planner.cost.comm) of the groups of `ranks` data-parallel ranks spaced
     `stride` DP ranks apart (stride 1: consecutive, MiCS shard groups and hpZ groups; stride
     mics_shard: MiCS's replica groups), laid out as planner.cost.comm lays out ranks (no
     pipeline under ZeRO-3: global rank = dp_index x tp + tp_index)."""
-    intra = (cluster.intra_node.busbw_gbps * 1e9, cluster.intra_node.latency_us * 1e-6)
     if ranks <= 1:
-        return intra
-    return _strided(cluster.gpus_per_node, plan.tp, plan.dp, ranks, stride, cluster.intra_node.busbw_gbps,
-                    cluster.inter_node.busbw_gbps, cluster.intra_node.latency_us, cluster.inter_node.latency_us)
+        return comm.route(cluster, 1, 0, 1, 1)
+    share, k, m = _strided(cluster.gpus_per_node, plan.tp, plan.dp, ranks, stride)
+    return comm.route(cluster, ranks, share, k, m)
 
 
 @lru_cache(maxsize=4096)
-def _strided(g: int, tp: int, dp: int, ranks: int, stride: int, intra_bw: float, inter_bw: float,
-             intra_lat: float, inter_lat: float) -> tuple[float, float]:
+def _strided(g: int, tp: int, dp: int, ranks: int, stride: int) -> tuple[int, int, int]:
+    """(node-crossing groups sharing one node's network (0: every group inside a node), most
+    ranks of a group on one node, most nodes a group spans)."""
     mesh = Mesh(dp=dp, tp=tp)
     crossing: dict[int, int] = {}
+    k = m = 1
     spans = []
     for block in range(dp // (ranks * stride)):
         for j in range(stride):
-            for k in range(tp):
-                nodes = {mesh.rank(dp=block * ranks * stride + j + i * stride, tp=k) // g for i in range(ranks)}
-                if len(nodes) > 1:
-                    spans.append(nodes)
-                    for n in nodes:
+            for t in range(tp):
+                count: dict[int, int] = {}
+                for i in range(ranks):
+                    node = mesh.rank(dp=block * ranks * stride + j + i * stride, tp=t) // g
+                    count[node] = count.get(node, 0) + 1
+                k, m = max(k, max(count.values())), max(m, len(count))
+                if len(count) > 1:
+                    spans.append(count)
+                    for n in count:
                         crossing[n] = crossing.get(n, 0) + 1
     if not spans:
-        return intra_bw * 1e9, intra_lat * 1e-6
-    share = max(crossing.values())
-    return min(intra_bw, inter_bw / share) * 1e9, inter_lat * 1e-6
+        return 0, ranks, 1
+    return max(crossing.values()), k, m
 
 
 def host_copy(cluster: ClusterSpec, nbytes: float) -> float:
@@ -125,9 +130,8 @@ def host_copy(cluster: ClusterSpec, nbytes: float) -> float:
     return nbytes / (cluster.host.pcie_gbps * 1e9)
 
 
-def _gather(nbytes: float, n: int, link: tuple[float, float], eff: float, lat_scale: float) -> float:
-    bw, lat = link
-    return comm.allgather_time(nbytes, n, bw, lat * lat_scale, eff)
+def _gather(nbytes: float, n: int, link: comm.Route, eff: float, lat_scale: float, network: float = 1.0) -> float:
+    return comm.route_allgather(nbytes, n, link, eff, lat_scale, network)
 
 
 def units(model: ModelSpec, plan: Plan, block_fwd: float, block_bwd: float, first: tuple[float, float],
@@ -178,7 +182,7 @@ def reuse_gathers(tensors: tuple[int, ...], reuse_distance: int) -> tuple[int, .
 
 def zero3_time(cluster: ClusterSpec, plan: Plan, us: tuple[Unit, ...], f: Factors, e: float) -> Zero3Time:
     """Exposed gather and gradient-reduction seconds per step of a ZeRO-3 plan (module docstring)."""
-    eff, ls, hide = f.comm_efficiency, f.latency_scale, f.dp_overlap
+    eff, ls, hide, net = f.comm_efficiency, f.latency_scale, f.dp_overlap, f.network_efficiency
     overhead = f.zero3_fetch_overhead_s
     shard = plan.zero_shard
     g_node = max(1, cluster.gpus_per_node // plan.tp)
@@ -200,14 +204,17 @@ def zero3_time(cluster: ClusterSpec, plan: Plan, us: tuple[Unit, ...], f: Factor
     buckets = max(1, math.ceil(psi / plan.bucket_elements))
     if plan.quantized_gradients and cluster.nodes > 1 and shard > g_node:
         nodes = math.ceil(shard / g_node)
-        intra = (cluster.intra_node.busbw_gbps * 1e9, cluster.intra_node.latency_us * 1e-6)
-        inter = (cluster.inter_node.busbw_gbps * 1e9, cluster.inter_node.latency_us * 1e-6)
+        # one hop inside the node, one across nodes (each rank's 1/g slice over its own share)
+        intra = comm.route(cluster, g_node, 0, g_node, 1)
+        inter = comm.Route(busbw=cluster.inter_node.busbw_gbps * 1e9, efficiency=comm.class_efficiency(
+            cluster.inter_node), per_node=1, nodes=nodes, intra_step=0.0,
+            inter_step=cluster.inter_node.latency_us * 1e-6, base=comm.class_base(cluster.inter_node), network=True)
         reduce = buckets * (_gather(psi / buckets * QGZ_BYTES, g_node, intra, eff, ls)
-                            + _gather(psi / buckets / g_node * QGZ_BYTES, nodes, inter, eff, ls))
+                            + _gather(psi / buckets / g_node * QGZ_BYTES, nodes, inter, eff, ls, net))
         rs_count = 2 * buckets
     else:
         reduce = buckets * _gather(psi / buckets * (QGZ_BYTES if plan.quantized_gradients else e), shard, main,
-                                   eff, ls)
+                                   eff, ls, net)
         rs_count = buckets
     if plan.offload_optimizer != "none":
         reduce += host_copy(cluster, psi * e / shard)  # the reduced partition goes to the host every micro-batch
@@ -217,12 +224,12 @@ def zero3_time(cluster: ClusterSpec, plan: Plan, us: tuple[Unit, ...], f: Factor
     fetches = 0
     collectives = rs_count
     for u in us:
-        g_f = sum(_gather(n * fwd_bytes, shard, main, eff, ls) + param_fetch(n) for n in u.tensors)
-        g_b = sum(_gather(n * e, back_n, back_link, eff, ls) + param_fetch(n) for n in u.tensors)
+        g_f = sum(_gather(n * fwd_bytes, shard, main, eff, ls, net) + param_fetch(n) for n in u.tensors)
+        g_b = sum(_gather(n * e, back_n, back_link, eff, ls, net) + param_fetch(n) for n in u.tensors)
         # a recomputed unit gathers for the recompute; its backward then gathers again only the
         # tensors released in between (reuse_gathers)
         regather = reuse_gathers(u.tensors, plan.live) if u.recomputed else ()
-        g_back = g_b + sum(_gather(n * e, back_n, back_link, eff, ls) + param_fetch(n) for n in regather)
+        g_back = g_b + sum(_gather(n * e, back_n, back_link, eff, ls, net) + param_fetch(n) for n in regather)
         passes = 2 * len(u.tensors) + len(regather)
         fetch = passes * overhead
         fetches += passes * u.count
@@ -244,8 +251,8 @@ def zero3_time(cluster: ClusterSpec, plan: Plan, us: tuple[Unit, ...], f: Factor
     if plan.mics_shard and plan.dp > plan.mics_shard:
         # MiCS: the gradient partitions all-reduced across the replicas once per step
         reps = plan.dp // plan.mics_shard
-        bw, lat = _link(cluster, plan, reps, stride=plan.mics_shard)
-        sync += comm.allreduce_time(psi * e / shard, reps, bw, lat * ls, eff)
+        sync += comm.route_allreduce(psi * e / shard, reps, _link(cluster, plan, reps, stride=plan.mics_shard), eff, ls,
+                                     net)
         collectives += 0  # per step, not per micro-batch
     return Zero3Time(gather=gather, sync=sync, fetches=fetches, collectives=collectives)
 

@@ -25,7 +25,7 @@ FRAG, FIXED = 0.1, 1e9
 DEVICE = DeviceProfile(
     name="toy", kind="gpu", memory_gb=80, peak_tflops={"bf16": 20, "fp16": 20, "fp32": 10},
     hbm_bandwidth_gbps=1000, gemm_efficiency=((1.0, 0.5), (1e30, 0.5)), gpus_per_node=2,
-    intra_node=Link(name="nvlink", busbw_gbps=100, latency_us=0), inter_node=Link(name="ib", busbw_gbps=10, latency_us=0),
+    intra_node=Link(name="intra", busbw_gbps=100, latency_us=0), inter_node=Link(name="inter", busbw_gbps=10, latency_us=0),
     factors={"dp_overlap": 0.5, "step_overhead_s": STEP_OVERHEAD, "microbatch_overhead_s": MB_OVERHEAD,
              "memory_overhead_gb": 1.0, "memory_fragmentation": FRAG})
 MODEL = ModelSpec(name="toy", hidden=64, layers=4, heads=4, ffn_hidden=256, activation="gelu", vocab=999,

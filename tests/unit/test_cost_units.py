@@ -10,7 +10,7 @@ import pytest
 
 from planner.cost import comm, compute, factors, memory, params, pipeline
 from planner.cost.layers import LayerCosts
-from planner.specs import ModelSpec, parse_cluster
+from planner.specs import ModelSpec, Plan, parse_cluster
 from planner.specs.hardware import ClusterSpec, DeviceProfile, Link
 
 # hidden 8, 2 heads of 4, 1 KV group (q 8, kv 4), SwiGLU FFN 16 (gate and up), vocabulary 11
@@ -56,7 +56,7 @@ def test_tp_groups_that_straddle_a_node_share_its_network():
     assert comm.group_sharing(4, 2, 2, 2, "tp") == (0, 0)
     c = parse_cluster("2x4xA100")
     links = comm.group_links(c, dataclasses.replace(_plan(), dp=1, tp=3, pp=2), "tp")
-    assert [x for link in links for x in link] == pytest.approx([230e9, 8e-6, 180e9, 20e-6], rel=1e-12, abs=0)
+    assert [x for link in links for x in link] == pytest.approx([230e9, 1.32e-6, 180e9, 11.5e-6], rel=1e-12, abs=0)
 
 
 def _plan():
@@ -192,3 +192,81 @@ def test_engine_descriptions_refuse_unknown_fields():
             Collective(**{**good, **bad})
     with pytest.raises(AssertionError):
         Engine(name="x", buffers=(), collectives=(), optimizer_sharded=None, source="")
+
+
+# --- link classes and hierarchical collectives (planner/cost/comm.py Route) ------------------
+
+def _route_cluster(nodes: int, per_node: int) -> "ClusterSpec":
+    from planner.specs.hardware import ClusterSpec, Link
+    return ClusterSpec(nodes=nodes, gpus_per_node=per_node, device=parse_cluster("8xA100").device,
+                       intra_node=Link(name="NVLink3 / NVSwitch", busbw_gbps=200, latency_us=2.0),
+                       inter_node=Link(name="8x HDR InfiniBand", busbw_gbps=100, latency_us=10.0))
+
+
+def test_intra_node_all_reduce_by_hand():
+    # 8 ranks on one NVSwitch node, 64 MB: ring bytes 2 x 7/8 x 64e6 over 200 GB/s at the class's
+    # efficiency 1.0, + the class's base 17.4 us + 14 ring steps x 2 us (one node: no tree)
+    c = _route_cluster(1, 8)
+    r = comm.group_routes(c, Plan(dp=8), "dp")[0]
+    assert (r.per_node, r.nodes) == (8, 1)
+    t = comm.route_allreduce(64e6, 8, r, 1.0)
+    assert t == pytest.approx(64e6 * 2 * 7 / 8 / 200e9 + 17.4e-6 + 14 * 2e-6, rel=1e-12)
+    # half the bandwidth doubles the byte term; no latency leaves it alone
+    half = comm.Route(busbw=100e9, efficiency=1.0, per_node=8, nodes=1, intra_step=2e-6, inter_step=0.0,
+                      base=17.4e-6)
+    assert comm.route_allreduce(64e6, 8, half, 1.0) - t == pytest.approx(64e6 * 2 * 7 / 8 / 200e9, rel=1e-9)
+
+
+def test_two_node_hierarchical_all_reduce_by_hand():
+    # 16 ranks on 2 nodes x 8 (DP 16): the node's network is shared by one crossing group:
+    # min(200, 100 / 1) = 100 GB/s at InfiniBand's 0.84; ring: 2 x 15/16 of the bytes, 2 x 7
+    # intra-node steps x 2 us + 2 x 1 network step x 10 us; tree: 2 x the bytes, same intra
+    # steps + 2 ceil(log2 2) = 2 network steps. Large message: ring; 2 KB: equal latency, ring
+    c = _route_cluster(2, 8)
+    r = comm.group_routes(c, Plan(dp=16), "dp")[0]
+    assert (r.per_node, r.nodes, r.busbw, r.efficiency) == (8, 2, 100e9, 0.84)
+    lat = 17.4e-6 + 14 * 2e-6 + 2 * 10e-6
+    assert comm.route_allreduce(1e9, 16, r, 1.0) == pytest.approx(1e9 * 2 * 15 / 16 / (100e9 * 0.84) + lat, rel=1e-12)
+    # a flat ring would pay 30 network steps: 300 us more than the hierarchical 2
+    assert comm.route_allreduce(2048, 16, r, 1.0) == pytest.approx(2048 * 2 * 15 / 16 / 84e9 + lat, rel=1e-12)
+    # 8 nodes of 2 (k 2, m 8): small messages go by tree (2 x 3 network steps, not 2 x 7)
+    r8 = comm.Route(busbw=84e9, efficiency=1.0, per_node=2, nodes=8, intra_step=2e-6, inter_step=10e-6, base=0.0)
+    small = comm.route_allreduce(2048, 16, r8, 1.0)
+    assert small == pytest.approx(2048 * 2 / 84e9 + 2 * 2e-6 + 6 * 10e-6, rel=1e-12)
+    big = comm.route_allreduce(1e9, 16, r8, 1.0)
+    assert big == pytest.approx(1e9 * 2 * 15 / 16 / 84e9 + 2 * 2e-6 + 14 * 10e-6, rel=1e-12)
+    # all-gather: (k - 1) intra-node and (m - 1) network steps
+    assert comm.route_allgather(1e9, 16, r, 1.0) == pytest.approx(
+        1e9 * 15 / 16 / 84e9 + 17.4e-6 + 7 * 2e-6 + 1 * 10e-6, rel=1e-12)
+
+
+def test_link_classes_from_names():
+    from planner.specs.hardware import Link
+    assert comm.link_class(Link(name="NVLink4 / NVSwitch", busbw_gbps=1, latency_us=0)) == "nvswitch"
+    assert comm.link_class(Link(name="8x NDR InfiniBand 400 Gb/s per node", busbw_gbps=1, latency_us=0)) == "infiniband"
+    assert comm.link_class(Link(name="4 Omni-Path links", busbw_gbps=1, latency_us=0)) == "omnipath"
+    assert comm.link_class(Link(name="PCIe Gen4 x16", busbw_gbps=1, latency_us=0)) == "pcie"
+    assert comm.link_class(Link(name="toy", busbw_gbps=1, latency_us=0)) == ""
+    assert comm.class_efficiency(Link(name="toy", busbw_gbps=1, latency_us=0)) == 1.0
+
+
+def test_network_efficiency_scales_only_network_bound_traffic():
+    # the 2-node route's bottleneck is the network: its bandwidth term takes network_efficiency
+    # (0.5 doubles it); an intra-node route's does not
+    c = _route_cluster(2, 8)
+    r = comm.group_routes(c, Plan(dp=16), "dp")[0]
+    assert r.network
+    full, half = comm.route_allgather(1e9, 16, r, 1.0), comm.route_allgather(1e9, 16, r, 1.0, network=0.5)
+    assert half - full == pytest.approx(1e9 * 15 / 16 / 84e9, rel=1e-12)
+    inside = comm.group_routes(_route_cluster(1, 8), Plan(dp=8), "dp")[0]
+    assert not inside.network
+    assert comm.route_allgather(1e9, 8, inside, 1.0, network=0.5) == comm.route_allgather(1e9, 8, inside, 1.0)
+
+
+def test_pipeline_send_pays_class_base_and_efficiency():
+    # across nodes: 1 MB over 100 GB/s / 8 GPUs at InfiniBand's 0.84 (x network 0.5) + 17.4 us + 10 us
+    c = _route_cluster(2, 8)
+    t = comm.p2p_time(1e6, c, True, 1.0, 0.5)
+    assert t == pytest.approx(1e6 / (100e9 / 8 * 0.84 * 0.5) + 17.4e-6 + 10e-6, rel=1e-12)
+    # inside a node: 200 GB/s at NVSwitch's 1.0, + 17.4 us + 2 us; network_efficiency does not apply
+    assert comm.p2p_time(1e6, c, False, 1.0, 0.5) == pytest.approx(1e6 / 200e9 + 17.4e-6 + 2e-6, rel=1e-12)

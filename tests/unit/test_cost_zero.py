@@ -46,20 +46,24 @@ def comm_total(plan: Plan, c: ClusterSpec | None = None) -> float:
 
 def test_every_collective_pays_its_latency():
     # compute is far smaller than communication here, so what hides is fixed (half of each
-    # unit's compute) and adding latency adds exactly count x (n - 1) steps x latency:
-    # 2 passes x 18 fetched tensors + ceil(327,936 / 1000) = 328 reduce-scatter buckets, ring over 4
+    # unit's compute) and adding latency adds exactly count x steps x latency: 2 passes x 18
+    # fetched tensors + ceil(327,936 / 1000) = 328 reduce-scatter buckets. The group of 4 spans
+    # 2 nodes with 2 ranks each: hierarchically 1 intra-node step and 1 network step per
+    # collective (the flat ring's 3 network steps would triple it)
     plan = z3()
     base = comm_total(plan)
     slow = comm_total(plan, cluster(inter_lat=10.0))
-    assert slow - base == pytest.approx((2 * FETCHED + math.ceil(PSI_T1 / 1000)) * 3 * 10e-6, rel=1e-11, abs=0)
+    assert slow - base == pytest.approx((2 * FETCHED + math.ceil(PSI_T1 / 1000)) * 1 * 10e-6, rel=1e-11, abs=0)
+    intra = comm_total(plan, cluster(intra_lat=4.0))
+    assert intra - base == pytest.approx((2 * FETCHED + 328) * 1 * 4e-6, rel=1e-11, abs=0)
     # latency_scale multiplies it
     scaled = dataclasses.replace(DEV, factors={**DEV.factors, "latency_scale": 0.5})
     half = comm_total(plan, cluster(dev=scaled, inter_lat=10.0))
-    assert half - base == pytest.approx((2 * FETCHED + 328) * 3 * 10e-6 * 0.5, rel=1e-11, abs=0)
+    assert half - base == pytest.approx((2 * FETCHED + 328) * 1 * 10e-6 * 0.5, rel=1e-11, abs=0)
     # a bigger reduce bucket means fewer reduce-scatters: 33 buckets of 10,000
     big = comm_total(dataclasses.replace(plan, bucket_elements=10_000), cluster(inter_lat=10.0))
     assert big - comm_total(dataclasses.replace(plan, bucket_elements=10_000)) == pytest.approx(
-        (2 * FETCHED + 33) * 3 * 10e-6, rel=1e-11, abs=0)
+        (2 * FETCHED + 33) * 1 * 10e-6, rel=1e-11, abs=0)
 
 
 def test_fetch_overhead_is_per_fetched_tensor_and_never_hidden():
@@ -334,20 +338,24 @@ def test_zero1_offload_copies_once_per_step_and_pipelines_do_not_overlap_it():
 
 
 def test_zero12_latency_is_paid_per_bucket():
-    # ZeRO-2 DP 4 over 2 nodes, 10 us per step: per micro-batch 328 reduce-scatters of 1000 elements,
-    # per step 328 all-gathers, each (4 - 1) steps; with no overlap all of it is exposed
+    # ZeRO-2 DP 4 over 2 nodes, 10 us per network step: per micro-batch 328 reduce-scatters of
+    # 1000 elements, per step 328 all-gathers, each 1 network step (2 nodes, hierarchical) where
+    # a flat ring would take 3; with no overlap all of it is exposed
     plan = Plan(dp=4, zero=2, micro_batch=1, grad_accum=2, bucket_elements=1000, overlap_comm=False)
     slow = run(plan, c=cluster(inter_lat=10.0)).time.dp_sync
     base = run(plan, c=cluster()).time.dp_sync
-    assert slow - base == pytest.approx((2 * 328 + 328) * 3 * 10e-6, rel=1e-11, abs=0)
+    assert slow - base == pytest.approx((2 * 328 + 328) * 1 * 10e-6, rel=1e-11, abs=0)
     # one bucket when the model is smaller than the bucket; ZeRO-0's flat buffer holds 5e8 elements
     big = dataclasses.replace(plan, bucket_elements=1_000_000)
     assert run(big, c=cluster(inter_lat=10.0)).time.dp_sync - run(big, c=cluster()).time.dp_sync == \
-        pytest.approx((2 + 1) * 3 * 10e-6, rel=1e-11, abs=0)
+        pytest.approx((2 + 1) * 1 * 10e-6, rel=1e-11, abs=0)
     z0 = Plan(dp=4, zero=0, micro_batch=1, grad_accum=2, bucket_elements=1000, precision="fp32")
-    # one all-reduce over 4 ranks: 2 ceil(log2 4) = 4 latency steps
+    # one all-reduce over 2 nodes x 2: ring and tree both take 2 network steps (2 (m - 1) =
+    # 2 ceil(log2 m)) and 2 (k - 1) = 2 intra-node steps
     assert run(z0, c=cluster(inter_lat=10.0)).time.dp_sync - run(z0, c=cluster()).time.dp_sync == \
-        pytest.approx(4 * 10e-6, rel=1e-11, abs=0)
+        pytest.approx(2 * 10e-6, rel=1e-11, abs=0)
+    assert run(z0, c=cluster(intra_lat=3.0)).time.dp_sync - run(z0, c=cluster()).time.dp_sync == \
+        pytest.approx(2 * 3e-6, rel=1e-11, abs=0)
 
 
 def test_zero3_counts_its_collectives_and_fetches():
@@ -482,11 +490,12 @@ def test_more_counts_and_latencies():
     assert counts(z3(bucket_elements=1_000_000), cluster()) == (2 * FETCHED, 2 * FETCHED + 1)
     base = comm_total(z3(bucket_elements=1_000_000))
     assert comm_total(z3(bucket_elements=1_000_000), cluster(inter_lat=10.0)) - base == pytest.approx(
-        (2 * FETCHED + 1) * 3 * 10e-6, rel=1e-11, abs=0)
+        (2 * FETCHED + 1) * 1 * 10e-6, rel=1e-11, abs=0)
     # qgZ's two hops pay their own links' latency: 1 step inside the node, 1 across
     q = z3(quantized_gradients=True)
     lat = comm_total(q, cluster(inter_lat=10.0, intra_lat=1.0)) - comm_total(q)
-    assert lat == pytest.approx(2 * FETCHED * 3 * 10e-6 + 328 * (1e-6 + 10e-6), rel=1e-11, abs=0)
+    # (the gathers: 1 intra-node step and 1 network step each)
+    assert lat == pytest.approx(2 * FETCHED * (1e-6 + 10e-6) + 328 * (1e-6 + 10e-6), rel=1e-11, abs=0)
     # MiCS's replica all-reduce pays latency_scale too: 2 ranks, 2 steps of 10 us, halved
     m = z3(mics_shard=2)
     half = dataclasses.replace(DEV, factors={**DEV.factors, "latency_scale": 0.5})

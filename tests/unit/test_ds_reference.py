@@ -1,32 +1,17 @@
-"""benchmarks/ds_reference.py: the rows of DeepSpeed's published runs are built as the source
+"""planner/calibrate/reference.py (`planner calibrate --reference`; benchmarks/ds_reference.py prints it): the rows of DeepSpeed's published runs are built as the source
 states them (one row's FLOPs and plan by hand), and the per-generation fitter recovers known
 factors from rows generated with them (a fitter that returns its start, or fits the wrong
 direction, fails)."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
+from planner.calibrate import reference as ds
 from planner.calibrate.fit import with_factors
 from planner.specs import find_device
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _bench():
-    path = ROOT / "benchmarks" / "ds_reference.py"
-    spec = importlib.util.spec_from_file_location("ds_reference", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["ds_reference"] = mod  # dataclasses resolve their module by name
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ds = _bench()
 ROWS = {r.id: r for r in ds.load_rows()}
 
 
@@ -101,7 +86,7 @@ def test_a_variant_the_cost_model_ignores_is_reported(monkeypatch):
 
 def test_fit_recovers_known_factors_from_synthetic_rows():
     dev, _ = find_device("A100-80GB")
-    truth = {"compute_scale": 1.45, "comm_efficiency": 0.6, "step_overhead_s": 2.0}
+    truth = {"compute_scale": 1.45, "network_efficiency": 0.6, "step_overhead_s": 0.03}  # overhead: <= CAPS
     true_dev = with_factors(dev, truth)
     ids = ("A03", "A06", "A08", "B01", "B05", "B08", "B10", "B15")
     rows = [dataclasses.replace(ROWS[i], measured=ds.predict(ROWS[i], true_dev)) for i in ids]
@@ -109,6 +94,8 @@ def test_fit_recovers_known_factors_from_synthetic_rows():
     assert all(abs(start[n] / truth[n] - 1) > 0.1 for n in truth if start[n])
     fit = ds.fit_factors(rows, dev, tuple(truth), lam=1e-9)
     for n, v in truth.items():
-        assert fit.factors[n] == pytest.approx(v, rel=0.02), (n, fit.factors)
+        # a 30 ms constant on 36-400 s steps is determined to a few ms only
+        tol = dict(abs=0.005) if n == "step_overhead_s" else dict(rel=0.02)
+        assert fit.factors[n] == pytest.approx(v, **tol), (n, fit.factors)
     assert fit.msle < 1e-6
     assert all(d > 0.5 for d in fit.determination.values())
