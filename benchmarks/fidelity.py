@@ -12,7 +12,8 @@ For each source and overall it prints
 - MAPE after: on the row's runtime with the factors shipped in profiles/ (and --fit's);
 - leave-one-source-out MAPE: the source predicted from factors fitted without it;
 and every fitted factor with the sources that determine it. A factor is fitted only where two
-or more independent sources determine it (megatron-core's compute_scale: T1 and S1); FSDP has
+or more independent sources determine it (megatron-core's compute_scale per GPU: H100 from S1,
+S5, S6, S7; B200 from S6, S7; A100 has one source, T1, and keeps the physics value); FSDP has
 one source (S8): nothing is fitted for it, its rows check physics alone. DeepSpeed's factors
 are the GPU profiles' (benchmarks/ds_reference.py fits them per generation); their
 leave-one-source-out refits that fit without the source (--no-loso-deepspeed skips it).
@@ -45,11 +46,17 @@ TARGETS = {"loso_per_source": 0.10, "loso_overall": 0.10, "t1_after": 0.05, "com
 Table 1 <= 5% under megatron-core; every run predicted to fit; compute_scale in [0.9, 1.1]."""
 MIN_ROWS = 5
 FITTED = {"megatron-core": ("compute_scale",)}
-"""Factors fitted per runtime (runtime-wide, across generations) by this benchmark."""
+"""Factors fitted per runtime by this benchmark, each per GPU generation (the runtime file's
+"by_device" trims) where two or more sources ran that runtime on that GPU: compute_scale is what
+the GEMM and attention kernels' measured ceilings leave unexplained on that GPU (clocks under a
+training run's sustained power, an fp8 ceiling derived rather than measured). A GPU with one
+source keeps the physics value, the runtime's file factor (1.0)."""
+MIN_SOURCES = 2
 BORROWED = {"fsdp": "megatron-core"}
-"""A runtime with one source (FSDP: S8) fits nothing; it takes compute_scale from the runtime
-whose sources determine it. The factor is what the GEMM curve misses on cuBLAS's GEMMs, which
-FSDP runs as Megatron-Core does; S8 stays held out of every fit, so its error is out of sample."""
+"""A runtime with one source (FSDP: S8) fits nothing; it takes the per-GPU compute_scale of the
+runtime whose sources determine it (the factor is what the kernels' ceilings miss on cuBLAS's
+GEMMs and the flash kernels, which FSDP runs as Megatron-Core does); S8 stays held out of every
+fit, so its error is out of sample."""
 BOUNDS = (0.5, 2.0)
 
 
@@ -77,28 +84,39 @@ def _golden(f: Callable[[float], float], lo: float, hi: float, iters: int = 40) 
     return (lo + hi) / 2
 
 
-def fit_runtime(runtime: str, rows: Sequence[rr.RefRow]) -> dict[str, float]:
-    """compute_scale of `runtime` minimising the mean over sources of each source's MAPE on
-    `rows` (every source weighs the same, however many rows it has; log-space golden section);
-    the runtime's file value when `rows` is empty."""
-    base = dict(get_runtime(runtime).factors)
-    if not rows:
-        return {n: base.get(n, 1.0) for n in FITTED.get(runtime, ())}
-    by_source: dict[str, list[rr.RefRow]] = {}
+def fit_runtime(runtime: str, rows: Sequence[rr.RefRow]) -> dict[str, dict[str, float]]:
+    """Per GPU with rows from at least MIN_SOURCES sources: the compute_scale of `runtime` on it
+    minimising the mean over those sources of each source's MAPE on its rows (every source weighs
+    the same, however many rows it has; log-space golden section). GPUs with fewer sources get
+    nothing (the runtime's physics value applies)."""
+    out: dict[str, dict[str, float]] = {}
+    for gpu in sorted({r.gpu for r in rows}):
+        by_source: dict[str, list[rr.RefRow]] = {}
+        for r in rows:
+            if r.gpu == gpu:
+                by_source.setdefault(r.source, []).append(r)
+        if len(by_source) < MIN_SOURCES:
+            continue
+
+        def loss(log_x: float) -> float:
+            with trial_factors(runtime, {}, {gpu: {"compute_scale": math.exp(log_x)}}):
+                return sum(sum(abs(predict(r)[0] / r.measured_s - 1) for r in rs) / len(rs)
+                           for rs in by_source.values()) / len(by_source)
+        out[gpu] = {"compute_scale": math.exp(_golden(loss, math.log(BOUNDS[0]), math.log(BOUNDS[1])))}
+    return out
+
+
+def gpu_sources(rows: Sequence[rr.RefRow]) -> dict[str, list[str]]:
+    out: dict[str, set[str]] = {}
     for r in rows:
-        by_source.setdefault(r.source, []).append(r)
-
-    def loss(log_x: float) -> float:
-        with trial_factors(runtime, {"compute_scale": math.exp(log_x)}):
-            return sum(sum(abs(predict(r)[0] / r.measured_s - 1) for r in rs) / len(rs)
-                       for rs in by_source.values()) / len(by_source)
-    return {"compute_scale": math.exp(_golden(loss, math.log(BOUNDS[0]), math.log(BOUNDS[1])))}
+        out.setdefault(r.gpu, set()).add(r.source)
+    return {g: sorted(s) for g, s in sorted(out.items())}
 
 
-def with_fit(runtime: str, factors: dict[str, float], fn: Callable[[], Any]) -> Any:
-    if not factors:
+def with_fit(runtime: str, by_device: dict[str, dict[str, float]] | None, fn: Callable[[], Any]) -> Any:
+    if by_device is None:
         return fn()
-    with trial_factors(runtime, factors):
+    with trial_factors(runtime, {}, by_device):
         return fn()
 
 
@@ -133,15 +151,14 @@ def run(loso_deepspeed: bool = True) -> dict[str, Any]:
     rows = rr.all_rows()
     scored = [r for r in rows if not r.unsupported]
     fits: dict[str, dict[str, Any]] = {}
-    for runtime, names in FITTED.items():
+    for runtime in FITTED:
         mine = [r for r in scored if r.runtime == runtime]
         sources = sorted({r.source for r in mine})
-        fit = fit_runtime(runtime, mine) if len(sources) >= 2 else fit_runtime(runtime, [])
-        fits[runtime] = {"factors": fit, "sources": sources, "rows": len(mine),
+        fits[runtime] = {"by_device": fit_runtime(runtime, mine), "sources": gpu_sources(mine), "rows": len(mine),
                          "loso": {s: fit_runtime(runtime, [r for r in mine if r.source != s]) for s in sources}}
     for runtime, donor in BORROWED.items():
         own = sorted({r.source for r in scored if r.runtime == runtime})
-        fits[runtime] = {**fits[donor], "borrowed_from": donor, "loso": {s: fits[donor]["factors"] for s in own}}
+        fits[runtime] = {**fits[donor], "borrowed_from": donor, "loso": {s: fits[donor]["by_device"] for s in own}}
     ds_loso = deepspeed_loso(scored) if loso_deepspeed else {}
     out_rows = []
     for r in rows:
@@ -151,7 +168,7 @@ def run(loso_deepspeed: bool = True) -> dict[str, Any]:
             # before runtimes the model had no fp8: those rows had no prediction
             before = None if r.cases[0].plan.precision == "fp8" else predict(r, before=True)[0]
             fit = fits.get(r.runtime, {})
-            after, fits_after, plan = with_fit(r.runtime, fit.get("factors", {}), lambda: predict(r))
+            after, fits_after, plan = with_fit(r.runtime, fit.get("by_device"), lambda: predict(r))
             if r.runtime in fits:
                 loso = with_fit(r.runtime, fit["loso"][r.source], lambda: predict(r))[0]
             elif r.runtime == "deepspeed":
@@ -207,8 +224,12 @@ def check_targets(sources: dict[str, Any], fits: dict[str, Any]) -> list[dict[st
     out.append({"target": "every run in the reference data predicted to fit", "value": len(nf), "met": not nf,
                 "detail": nf})
     lo, hi = TARGETS["compute_scale"]
-    scales = {f"{rt} (runtime-wide; fsdp borrows it)": f["factors"]["compute_scale"] for rt, f in fits.items()
-              if "compute_scale" in f["factors"] and not f.get("borrowed_from")}
+    scales = {f"{rt} on {gpu} (fsdp borrows it)": fs["compute_scale"] for rt, f in fits.items()
+              if not f.get("borrowed_from") for gpu, fs in f["by_device"].items() if "compute_scale" in fs}
+    for rt in fits:
+        v = get_runtime(rt).factors.get("compute_scale")
+        if v is not None:
+            scales[f"{rt} elsewhere (its file's physics value)"] = v
     for name, fs in profile_factors().items():
         if "compute_scale" in fs and "fitted" in fs["compute_scale"]["source"]:
             scales[f"deepspeed on {name}"] = fs["compute_scale"]["value"]
@@ -247,15 +268,21 @@ def render(rep: dict[str, Any], rows: bool = False) -> str:
                      + (f"; predicted not to fit: {len(s['not_fitting'])}" if s["not_fitting"] else "")
                      + (f"; not scored: {', '.join(s['unsupported'])}" if s["unsupported"] and k != "all" else ""))
     lines.append("")
-    lines.append("factors fitted here (runtime-wide, from the sources named; LOSO: refitted without each):")
+    lines.append("factors fitted here (per GPU, from the sources named; LOSO: refitted without each):")
     for rt, f in rep["fits"].items():
-        for n, v in f["factors"].items():
-            if f.get("borrowed_from"):
-                lines.append(f"  {rt:<14} {n:<16} {v:7.3f}  borrowed from {f['borrowed_from']} (one source of its own, "
-                             f"{', '.join(f['loso'])}, which no fit sees)")
+        if f.get("borrowed_from"):
+            lines.append(f"  {rt:<14} borrows {f['borrowed_from']}'s per-GPU factors (one source of its own, "
+                         f"{', '.join(f['loso'])}, which no fit sees)")
+            continue
+        for gpu, srcs in f["sources"].items():
+            fs = f["by_device"].get(gpu)
+            if fs is None:
+                lines.append(f"  {rt:<14} {gpu:<10} not fitted: one source ({', '.join(srcs)}); the file's physics values")
                 continue
-            loso = ", ".join(f"without {s}: {fs[n]:.3f}" for s, fs in f["loso"].items())
-            lines.append(f"  {rt:<14} {n:<16} {v:7.3f}  from {', '.join(f['sources'])} ({f['rows']} rows); {loso}")
+            for n, v in fs.items():
+                loso = ", ".join(f"without {s}: " + (f"{b[gpu][n]:.3f}" if gpu in b else "not fitted")
+                                 for s, b in f["loso"].items() if s in srcs)
+                lines.append(f"  {rt:<14} {gpu:<10} {n:<14} {v:7.3f}  from {', '.join(srcs)}; {loso}")
     lines.append("factors the GPU profiles ship for deepspeed (benchmarks/ds_reference.py; sources as the profile "
                  "states them):")
     for name, fs in rep["profiles"].items():

@@ -108,8 +108,8 @@ def megatron_gpt(name: str, hidden: int, layers: int, heads: int, vocab: int, se
 def _megatron_cases(model: ModelSpec, cluster: ClusterSpec, seq: int, gbs: int, tp: int, pp: int, dp: int,
                     recompute: tuple[str, ...], mbs: tuple[int, ...] = (1, 2, 4, 8),
                     chunks: tuple[int, ...] = (1, 2, 3, 4, 6, 8), zero: int = 1, sp: bool | None = None,
-                    tuned_recompute: bool = True) -> tuple:
-    train = TrainSpec(global_batch=gbs, seq_len=seq, precision="bf16", attention="flash")
+                    tuned_recompute: bool = True, attention: str = "flash") -> tuple:
+    train = TrainSpec(global_batch=gbs, seq_len=seq, precision="bf16", attention=attention)
     out = []
     for mb in mbs:
         if gbs % (mb * dp):
@@ -129,7 +129,10 @@ def _megatron_cases(model: ModelSpec, cluster: ClusterSpec, seq: int, gbs: int, 
 
 def table1_rows() -> list[RefRow]:
     """Interleaved 1F1B with scatter/gather, full recompute, no sequence parallelism (2021, before
-    Korthikanti et al. 2022), no distributed optimizer; micro-batch and chunks not stated."""
+    Korthikanti et al. 2022), no distributed optimizer; micro-batch and chunks not stated. The
+    attention core is Megatron-LM's of 2021 (before FlashAttention, Dao et al. 2022): torch.baddbmm
+    for Q K^T, the fused scale-mask-softmax over all s x s scores, torch.bmm with V
+    (megatron/model/transformer.py ParallelAttention at the paper's v2.x): the plan's eager kernel."""
     out = []
     for params_b, heads, hidden, layers, tp, pp, gpus, batch, tflops in TABLE1:
         model = megatron_gpt(f"gpt-{params_b}B", hidden, layers, heads, 51200, 2048)
@@ -139,7 +142,8 @@ def table1_rows() -> list[RefRow]:
         out.append(RefRow(id=f"T1-{params_b}B", source="T1", runtime="megatron-core", gpu="A100-80GB",
                           measured_s=flops / (gpus * tflops * 1e12),
                           cases=_megatron_cases(model, cluster, s, batch, tp, pp, gpus // (tp * pp), ("full",),
-                                                chunks=(1, 2, 4), zero=0, sp=False, tuned_recompute=False),
+                                                chunks=(1, 2, 4), zero=0, sp=False, tuned_recompute=False,
+                                                attention="eager"),
                           note=f"{params_b}B TP{tp} PP{pp}"))
     return out
 

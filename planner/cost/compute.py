@@ -9,6 +9,8 @@ counted from their shapes, never from those closed forms.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from planner.cost.attention import KERNELS
 from planner.specs.hardware import DeviceProfile
 from planner.specs.model import ModelSpec
@@ -134,15 +136,135 @@ def linear_times(device: DeviceProfile, tokens: float, k: float, n: float, preci
             shape_time(device, tokens, k, n, precision) + shape_time(device, k, n, tokens, precision))
 
 
-def block_compute_times(model: ModelSpec, device: DeviceProfile, s: int, b: int, t: int, precision: str,
-                        *, compute_scale: float, attention_scale: float) -> tuple[float, float]:
-    """(forward GEMM seconds, attention-core forward seconds) of one block on one TP rank.
+@dataclass(frozen=True, slots=True)
+class BlockCompute:
+    """Seconds of one block's compute on one TP rank for ONE micro-batch, no communication."""
 
-    Backward runs two GEMMs of each forward shape (input and weight gradient): 2x forward.
-    """
+    gemm_fwd: float
+    """The weight GEMMs' forward (QKV, attention output, FFN in, FFN out), x compute_scale."""
+    gemm_bwd: float
+    """Their backward: input and weight gradients, each from its own shape."""
+    core_fwd: float
+    """The attention core's forward, x attention_scale."""
+    core_bwd: float
+    """Its backward, including what the kernel recomputes (flash: QK^T)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionKernel:
+    """Which measured attention kernel family a runtime runs, and whether its mask lets the kernel
+    skip the blocks above the diagonal (profiles/runtimes/<name>.json "attention_kernels",
+    "causal_attention")."""
+
+    families: tuple[str, ...] = ("fa2",)
+    """Kernel families in the runtime's order of preference; the first one the profile measured is used."""
+    causal: bool = True
+
+
+def block_compute_times(model: ModelSpec, device: DeviceProfile, s: int, b: int, t: int, precision: str,
+                        *, compute_scale: float, attention_scale: float, kernel: str = "flash",
+                        attention: AttentionKernel = AttentionKernel()) -> BlockCompute:
+    """One block's compute on one TP rank.
+
+    On a device with a tile model (planner/specs/kernels.py: SMs, tiles, a measured GEMM ceiling
+    for this precision) every weight GEMM is timed from its (M, N, K) (linear_times: forward,
+    input gradient, weight gradient; shape_time's tile and wave quantization) and the attention
+    core from the flash kernel's measured throughput (flash_core_times) or, for a kernel without a
+    curve (eager, math; a GPU whose profile has none), from its batched GEMMs' shapes
+    (core_gemm_times). Without a tile model (a CPU profile): the FLOPs-only curve, backward
+    2x forward (and flash's recomputed QK^T)."""
     gemms, core = block_gemms(model, s, b, t)
-    fwd = sum(gemm_time(device, g, precision, compute_scale) / e for g, e in zip(gemms, ffn_time_divisors(model)))
-    return fwd, core_time(model, device, core, s, bf16_part(precision), attention_scale)
+    core_prec = bf16_part(precision)
+    per = weight_gemm_times(model, device, s, b, t, precision)
+    fwd, bwd = sum(x[0] for x in per) * compute_scale, sum(x[1] for x in per) * compute_scale
+    if not shaped(device, precision):
+        cf = core_time(model, device, core, s, core_prec, attention_scale)
+        rec = core_time(model, device, flash_recompute_flops(model, s, b, t), s, core_prec, attention_scale) \
+            if kernel in ("flash", "linear") else 0.0
+        return BlockCompute(gemm_fwd=fwd, gemm_bwd=bwd, core_fwd=cf, core_bwd=2.0 * cf + rec)
+    if model.linear_attention:
+        cf = core_time(model, device, core, s, core_prec, attention_scale)
+        cf_b = 2.0 * cf + core_time(model, device, flash_recompute_flops(model, s, b, t), s, core_prec, attention_scale)
+    else:
+        times = flash_core_times(model, device, s, b, t, core_prec, attention) if kernel == "flash" else None
+        if times is None:  # backward: two GEMMs per forward GEMM; flash also recomputes Q K^T
+            qk, pv = core_gemm_times(model, device, s, b, t, core_prec)
+            times = (qk + pv, 2.0 * (qk + pv) + (qk if kernel == "flash" else 0.0))
+        cf, cf_b = times[0] * attention_scale, times[1] * attention_scale
+    return BlockCompute(gemm_fwd=fwd, gemm_bwd=bwd, core_fwd=cf, core_bwd=cf_b)
+
+
+def weight_gemm_times(model: ModelSpec, device: DeviceProfile, s: int, b: int, t: int,
+                      precision: str) -> list[tuple[float, float]]:
+    """(forward, backward) seconds of each weight GEMM of block_gemms (QKV, attention output, FFN
+    in, FFN out) on one TP rank, before compute_scale, a pruned FFN's divided by its
+    sparse_gemm_efficiency: from their shapes (linear_times) where the device has a tile model,
+    else the FLOPs-only curve with backward 2x forward."""
+    divs = ffn_time_divisors(model)
+    if not shaped(device, precision):
+        gemms, _ = block_gemms(model, s, b, t)
+        return [(gemm_time(device, g, precision, 1.0) / e, 2.0 * gemm_time(device, g, precision, 1.0) / e)
+                for g, e in zip(gemms, divs)]
+    out = []
+    for (k, n), e in zip(weight_shapes(model, t), divs):
+        f_, b_ = linear_times(device, s * b, k, n, precision)
+        out.append((f_ / e, b_ / e))
+    return out
+
+
+def shaped(device: DeviceProfile, precision: str) -> bool:
+    """Whether the device's GEMMs at `precision` are timed from their shapes: a tile model and a
+    measured (or derived) ceiling for that precision in its profile's "kernels"."""
+    return device.kernels.tiled and precision in device.kernels.gemm_ceiling
+
+
+def weight_shapes(model: ModelSpec, t: int) -> tuple[tuple[float, float], ...]:
+    """(K, N) of each weight GEMM of block_gemms on one TP rank (M is the tokens, s b): QKV h ->
+    (q + 2 kv)/t, attention output q/t -> h, FFN in h -> k f/t (a GLU's gate and up fused into one
+    GEMM, as Megatron-Core's linear_fc1 and vidur's profiled mlp_up_proj run them), FFN out f/t -> h."""
+    h, q, kv, f, k = model.hidden, model.q_size, model.kv_size, model.ffn_size, model.ffn_in_matrices
+    return (h, (q + 2 * kv) / t), (q / t, h), (h, k * f / t), (f / t, h)
+
+
+def flash_core_times(model: ModelSpec, device: DeviceProfile, s: int, b: int, t: int, precision: str,
+                     attention: AttentionKernel = AttentionKernel()) -> tuple[float, float] | None:
+    """(forward, backward) seconds of the flash attention core on one TP rank from the kernel's
+    measured throughput (profiles' kernels.attention: the FlashAttention-2/-3 papers' figures, by
+    head dim, sequence length and mask) in the flash-attention benchmark's convention
+    (planner/specs/kernels.py): forward 4 b s^2 (a/t) d FLOPs, halved under a causal mask;
+    backward 2.5x that (it recomputes QK^T). The first of the runtime's kernel families the
+    profile measured; None when it has none, or for a precision flash does not run (fp32)."""
+    if precision not in ("bf16", "fp16"):
+        return None
+    d = model.dim_per_head
+    flops = 4.0 * b * s * s * (model.heads / t) * d * (0.5 if attention.causal else 1.0)
+    for fam in attention.families:
+        fwd = device.kernels.attention_tflops(fam, "fwd", d, s, attention.causal)
+        if fwd is not None:
+            bwd = device.kernels.attention_tflops(fam, "bwd", d, s, attention.causal)
+            return flops / (fwd * 1e12), 2.5 * flops / (bwd * 1e12)
+    return None
+
+
+def core_gemm_times(model: ModelSpec, device: DeviceProfile, s: int, b: int, t: int,
+                    precision: str) -> tuple[float, float]:
+    """Forward seconds of the attention core's two batched GEMMs, b a/t of each, from their
+    shapes: (scores Q K^T [s, d] x [d, s], P V [s, s] x [s, d]) (shape_time: tile and wave
+    quantization over the SMs; the s x s scores read and written through HBM where that bounds)."""
+    n = max(1, round(b * model.heads / t))
+    d = model.dim_per_head
+    return shape_time(device, s, s, d, precision, batch=n), shape_time(device, s, d, s, precision, batch=n)
+
+
+def logits_times(model: ModelSpec, device: DeviceProfile, s: int, b: int, t: int, precision: str,
+                 compute_scale: float) -> float:
+    """Forward + backward seconds of the output layer on one TP rank: [s b, h] x [h, V_pad/t]
+    timed from its three shapes (linear_times) where the device has a tile model, else 3x the
+    forward on the FLOPs-only curve."""
+    if not shaped(device, precision):
+        return 3.0 * gemm_time(device, logits_forward_flops(model, s, b, t), precision, compute_scale)
+    f_, b_ = linear_times(device, s * b, model.hidden, model.padded_vocab(t) / t, precision)
+    return (f_ + b_) * compute_scale
 
 
 def bf16_part(precision: str) -> str:

@@ -131,7 +131,7 @@ def ids_bytes(s: int, b: int) -> float:
 
 
 def shared_bytes(model: ModelSpec, s: int, b: int, t: int, *, act_bytes: float, kernel: str, plain: bool,
-                 recomputed: bool) -> float:
+                 recomputed: bool, mask: bool = True) -> float:
     """What a stage's blocks keep once per micro-batch (docs/runtime.md "Shared by a stage's
     blocks"): the mask, kept by SDPA in flash blocks that are not recomputed, and the rotary
     cos/sin, kept by blocks that are not recomputed (`plain`: the stage has such a block);
@@ -139,16 +139,18 @@ def shared_bytes(model: ModelSpec, s: int, b: int, t: int, *, act_bytes: float, 
     assert kernel in KERNELS, kernel
     out = 0.0
     if plain:
-        out += rotary_bytes(model, s, b) + (mask_bytes(model, s, b, t, act_bytes) if kernel == "flash" else 0.0)
+        out += rotary_bytes(model, s, b) + (mask_bytes(model, s, b, t, act_bytes) if kernel == "flash" and mask else 0.0)
     if recomputed:
         out += ids_bytes(s, b)
     return out
 
 
-def cache_bytes(model: ModelSpec, s: int, b: int, t: int, act_bytes: float) -> float:
+def cache_bytes(model: ModelSpec, s: int, b: int, t: int, act_bytes: float, mask: bool = True) -> float:
     """The stage cache's own set (the latest micro-batch's mask and cos/sin), one per stage
-    whatever the kernel or recompute (planner/model/attention.py StageCache)."""
-    return mask_bytes(model, s, b, t, act_bytes) + rotary_bytes(model, s, b)
+    whatever the kernel or recompute (planner/model/attention.py StageCache). `mask` False: a
+    runtime whose attention takes a causal flag instead of a mask tensor
+    (planner.cost.runtime.Runtime.materialises_mask) builds none."""
+    return (mask_bytes(model, s, b, t, act_bytes) if mask else 0.0) + rotary_bytes(model, s, b)
 
 
 def embedding_bytes(model: ModelSpec, s: int, b: int, t: int) -> float:
@@ -163,15 +165,23 @@ def embedding_bytes(model: ModelSpec, s: int, b: int, t: int) -> float:
     return out
 
 
-def head_bytes(model: ModelSpec, s: int, b: int, t: int, *, sequence_parallel: bool, act_bytes: float) -> float:
+def head_bytes(model: ModelSpec, s: int, b: int, t: int, *, sequence_parallel: bool, act_bytes: float,
+               fused_ce: bool = False) -> float:
     """Last stage: the final-norm input and statistics, the output-layer input (sequence
     shards under SP), the vocab-parallel cross-entropy's fp32 softmax b s V_p/T (Megatron's
     _VocabParallelCrossEntropy; the logits are never gathered), its out-of-shard target flags
-    (bool) and shard-local targets (int64), the loss's fp32 real-token weights and their count."""
+    (bool) and shard-local targets (int64), the loss's fp32 real-token weights and their count.
+
+    `fused_ce` (a fused cross-entropy kernel: flash-attn's CrossEntropyLoss, llm-foundry MPT's
+    default loss_fn; Megatron-Core's fused vocab-parallel cross-entropy, NeMo's
+    cross_entropy_loss_fusion): the kernel keeps its input logits in the activation dtype and an
+    fp32 log-sum-exp per token, and computes the gradient from them in backward, instead of an
+    fp32 softmax b s V_p/T."""
     e = act_bytes
     sr = s / t if sequence_parallel else s
     norm = e * b * sr * model.hidden + norm_stats_bytes(model, b * sr, e)
-    loss = FP32 * b * s * model.padded_vocab(t) / t + (BOOL + INT64 + FP32) * b * s + FP32
+    kept = (e * b * s * model.padded_vocab(t) / t + FP32 * b * s) if fused_ce else FP32 * b * s * model.padded_vocab(t) / t
+    loss = kept + (BOOL + INT64 + FP32) * b * s + FP32
     return norm + e * b * sr * model.hidden + loss
 
 

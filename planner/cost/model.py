@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from planner.cost import comm, compute, engines, longctx, memory, moe, params, pipeline
-from planner.cost.attention import attention_kernel, recomputes_scores
+from planner.cost.attention import attention_kernel
 from planner.cost.factors import Factors, cluster_factors
 from planner.cost.layers import LayerCosts
 from planner.cost.runtime import get_runtime
@@ -76,20 +76,22 @@ def _block_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
     prec = plan.precision if dev.supports(plan.precision) else "fp32"
     s, b, t, e = train.seq_len, plan.micro_batch, plan.tp, activation_bytes(plan.precision)
     kernel = _kernel(model, cluster, train)
-    gemm_f, core_f = compute.block_compute_times(model, dev, s, b, t, prec, compute_scale=f.compute_scale,
-                                                 attention_scale=f.attention_scale)
-    hbm = dev.hbm_bandwidth_gbps * 1e9
+    rt = get_runtime(plan.runtime)
+    bc = compute.block_compute_times(model, dev, s, b, t, prec, compute_scale=f.compute_scale,
+                                     attention_scale=f.attention_scale, kernel=kernel,
+                                     attention=compute.AttentionKernel(rt.attention_kernels, rt.causal_attention))
+    gemm_f, gemm_b, core_f = bc.gemm_fwd, bc.gemm_bwd, bc.core_fwd
+    # the attention core's backward beyond 2x its forward (flash: the recomputed Q K^T)
+    rec_f = bc.core_bwd - 2.0 * core_f
+    hbm = dev.hbm_bytes_per_s
     elem = compute.block_elementwise_bytes(model, s, b, t, e, plan.sequence_parallel, kernel)
     no_scores = compute.block_elementwise_bytes(model, s, b, t, e, plan.sequence_parallel, "flash")
     elem_f = elem / hbm * f.elementwise_scale
     scores_f = (elem - no_scores) / hbm * f.elementwise_scale
-    # flash's backward recomputes QK^T (one of the core's two GEMMs)
-    rec_f = compute.core_time(model, dev, compute.flash_recompute_flops(model, s, b, t), s, compute.bf16_part(prec),
-                              f.attention_scale) if recomputes_scores(kernel) else 0.0
     tp_fwd, tp_bwd = tp_block_comm(model, s, b, t, e, plan.sequence_parallel, _tp_link(cluster, plan),
                                    f.comm_efficiency)
-    if plan.sequence_parallel and get_runtime(plan.runtime).tp_comm_overlap:
-        tp_fwd, tp_bwd = overlapped_tp(tp_fwd, tp_bwd, gemm_f)
+    if plan.sequence_parallel and rt.tp_comm_overlap:
+        tp_fwd, tp_bwd = overlapped_tp(tp_fwd, tp_bwd, gemm_f, gemm_b)
     cp, kind = ctx
     a2a_f = a2a_b = 0.0
     if cp > 1:  # a rank's share of the s x s core: cp x a block's at s/cp (flash only: validate)
@@ -99,14 +101,16 @@ def _block_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
         a2a_f, a2a_b = cf, cb
     w = moe.share(model)
     if w:
-        gemm_f += w * (moe.ffn_time(model, dev, s, b, t, plan.ep, prec, f.compute_scale)
-                       - moe.dense_ffn_time(model, dev, s, b, t, prec, f.compute_scale))
+        moe_t = moe.ffn_time(model, dev, s, b, t, plan.ep, prec, f.compute_scale)
+        dense = compute.weight_gemm_times(model, dev, s, b, t, prec)[2:]  # the FFN a MoE block replaces
+        gemm_f += w * (moe_t - sum(x[0] for x in dense) * f.compute_scale)
+        gemm_b += w * (2.0 * moe_t - sum(x[1] for x in dense) * f.compute_scale)
         moe_e, dense_e = moe.ffn_elementwise_bytes(model, s, b, t, e)
         elem_f += w * (moe_e - dense_e) / hbm * f.elementwise_scale
         af, ab = moe.alltoall_comm(model, cluster, plan, s, e, f.comm_efficiency)
         a2a_f, a2a_b = a2a_f + w * af, a2a_b + w * ab
     fwd = gemm_f + core_f + elem_f
-    bwd = 2.0 * (gemm_f + core_f) + rec_f + 2.0 * elem_f
+    bwd = gemm_b + 2.0 * core_f + rec_f + 2.0 * elem_f
     selective = core_f + scores_f
     bp = block_probe(cluster, plan) if probe else None
     if bp is not None:
@@ -128,13 +132,14 @@ def block_compute_time(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
     return bt.forward + bt.backward
 
 
-def overlapped_tp(tp_fwd: float, tp_bwd: float, gemm_fwd: float) -> tuple[float, float]:
+def overlapped_tp(tp_fwd: float, tp_bwd: float, gemm_fwd: float, gemm_bwd: float | None = None) -> tuple[float, float]:
     """Megatron-Core's TP communication overlap (--tp-comm-overlap, Transformer Engine
     userbuffers; profiles/runtimes/megatron-core.json): each sequence-parallel all-gather /
     reduce-scatter is split into chunks pipelined with the GEMM that consumes or produces it,
     so a block exposes only the communication its GEMMs cannot cover: forward against the
-    forward GEMMs, backward against the backward GEMMs (2x forward: input and weight gradients)."""
-    return max(tp_fwd - gemm_fwd, 0.0), max(tp_bwd - 2.0 * gemm_fwd, 0.0)
+    forward GEMMs, backward against the backward GEMMs (input and weight gradients; 2x forward
+    when not given)."""
+    return max(tp_fwd - gemm_fwd, 0.0), max(tp_bwd - (2.0 * gemm_fwd if gemm_bwd is None else gemm_bwd), 0.0)
 
 
 def replicated_grad_allreduces(model: ModelSpec) -> int:
@@ -216,7 +221,7 @@ def _layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
     s, b, t, e = train.seq_len, plan.micro_batch, plan.tp, activation_bytes(plan.precision)
     prec = plan.precision if dev.supports(plan.precision) else "fp32"
     kernel = _kernel(model, cluster, train)
-    hbm = dev.hbm_bandwidth_gbps * 1e9
+    hbm = dev.hbm_bytes_per_s
     sbh = s * b * model.hidden
     v_local = model.padded_vocab(t) / t
     base = bt.forward + bt.backward + bt.tp_fwd + bt.tp_bwd
@@ -227,8 +232,7 @@ def _layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
     # first stage: embedding lookup and its gradient (memory-bound)
     first = 3.0 * 2.0 * sbh * e / hbm * f.elementwise_scale
     # last stage: final norm, output GEMM (2 b s h V_pad / t, backward 2x), cross-entropy in fp32
-    logits_f = compute.logits_forward_flops(model, s, b, t)
-    last = 3.0 * compute.gemm_time(dev, logits_f, compute.bf16_part(prec), f.compute_scale)
+    last = compute.logits_times(model, dev, s, b, t, compute.bf16_part(prec), f.compute_scale)
     last += (3.0 * s * b * v_local * (e + 8.0) + 6.0 * sbh * e) / hbm * f.elementwise_scale
     bp = block_probe(cluster, plan)
     if bp is not None:  # the same operators as the block's, in the same precision
@@ -293,7 +297,7 @@ def rebuilds_shared_per_block(plan: Plan) -> bool:
     segment ids reach the next block as new tensor objects and the executor's stage cache,
     keyed by their identity (planner/model/attention.py StageCache), misses. Measured with
     the executor's ActivationRecorder (docs/runtime.md)."""
-    return plan.zero == 3
+    return plan.zero == 3 and get_runtime(plan.runtime).executable
 
 
 def stage_extras(model: ModelSpec, s: int, b: int, t: int, plan: Plan, e: float, kernel: str,
@@ -323,12 +327,15 @@ def stage_extras(model: ModelSpec, s: int, b: int, t: int, plan: Plan, e: float,
     """
     sp, p, m = plan.sequence_parallel, plan.pp, plan.grad_accum
     plain = plan.recompute != "selective"
-    kept = memory.shared_bytes(model, s, b, t, act_bytes=e, kernel=kernel, plain=plain, recomputed=False)
-    cache = memory.cache_bytes(model, s, b, t, e) - kept  # the cache's set beyond the latest micro-batch's
+    rt = get_runtime(plan.runtime)
+    mask = rt.materialises_mask
+    kept = memory.shared_bytes(model, s, b, t, act_bytes=e, kernel=kernel, plain=plain, recomputed=False, mask=mask)
+    cache = memory.cache_bytes(model, s, b, t, e, mask) - kept  # the cache's set beyond the latest micro-batch's
     if rebuilds_shared_per_block(plan):
         kept = 0.0  # each plain block keeps its own set (block_act_bytes)
     first = memory.embedding_bytes(model, s, b, t)
-    last = memory.head_bytes(model, s, b, t, sequence_parallel=sp, act_bytes=e) + memory.logits_bytes(model, s, b, t, e)
+    last = memory.head_bytes(model, s, b, t, sequence_parallel=sp, act_bytes=e, fused_ce=rt.fused_cross_entropy) \
+        + memory.logits_bytes(model, s, b, t, e)
     last += kept + cache
     if p > 1:
         per0, fixed0 = memory.pipeline_bytes(model, s, b, t, sequence_parallel=sp, act_bytes=e, stage=0, p=p, m=m)
@@ -336,7 +343,7 @@ def stage_extras(model: ModelSpec, s: int, b: int, t: int, plan: Plan, e: float,
         per1, fixed1 = memory.pipeline_bytes(model, s, b, t, sequence_parallel=sp, act_bytes=e, stage=p - 1, p=p,
                                              m=m)
         last += per1 + fixed1
-    work = memory.shared_bytes(model, s, b, t, act_bytes=e, kernel=kernel, plain=True, recomputed=True)
+    work = memory.shared_bytes(model, s, b, t, act_bytes=e, kernel=kernel, plain=True, recomputed=True, mask=mask)
     return first, last, work
 
 

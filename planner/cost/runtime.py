@@ -53,6 +53,21 @@ class Runtime:
     """"plan": the kernel TrainSpec.attention names; else the kernel the runtime always runs."""
     precisions: tuple[str, ...]
     """Training precisions it offers (fp8: Transformer Engine)."""
+    attention_kernels: tuple[str, ...] = ("fa2",)
+    """The measured attention kernel families (profiles' kernels.attention) its flash attention
+    runs, in its order of preference: the first one the GPU's profile has times the core."""
+    causal_attention: bool = True
+    """Whether its flash kernel skips the blocks above the diagonal (a causal mask flag) or, given
+    an explicit mask, computes every block."""
+    fused_cross_entropy: bool = False
+    """Whether its loss is a fused cross-entropy kernel that keeps the logits in the activation
+    dtype and a log-sum-exp per token instead of an fp32 softmax (planner.cost.memory.head_bytes)."""
+
+    @property
+    def materialises_mask(self) -> bool:
+        """Whether the attention is given an s x s mask tensor (the executor's explicit causal,
+        within-document mask) rather than a causal flag, so a stage keeps it for backward."""
+        return not self.causal_attention
     tp_comm_overlap: bool
     p2p_overlap: bool
     flat_parameters: bool
@@ -77,6 +92,9 @@ def _load(path: Path) -> Runtime:
         raise SpecError(f"runtime {path.name}", f"missing field(s) {missing}", "fix the runtime data file")
     return Runtime(name=data["name"], zero_stages=tuple(data["zero_stages"]), zero_names=data.get("zero_names", {}),
                    precisions=tuple(data.get("precisions", ("bf16", "fp16", "fp32"))),
+                   attention_kernels=tuple(data.get("attention_kernels", ("fa2",))),
+                   causal_attention=bool(data.get("causal_attention", True)),
+                   fused_cross_entropy=bool(data.get("fused_cross_entropy", False)),
                    factors={k: float(v) for k, v in data.get("factors", {}).items()},
                    by_device={d: {k: float(v) for k, v in fs.items()} for d, fs in data.get("by_device", {}).items()},
                    sources=data.get("sources", {}), path=str(path),

@@ -86,10 +86,14 @@ def test_gemm_and_attention_core_times_use_the_efficiency_of_one_gemm():
     one = 2 * 64 * 64 * 4                                   # one head's s x d by d x s GEMM: 2 s^2 d
     assert compute.core_time(TINY, SLOPED, 1e6, 64, "fp32", 3.0) == pytest.approx(
         1e6 / (5e12 * eff(one)) * 3.0, rel=1e-12, abs=0)
-    gemm, core = compute.block_compute_times(TINY, SLOPED, 64, 2, 2, "bf16", compute_scale=2.0, attention_scale=3.0)
+    # a device without a tile model (SLOPED): the FLOPs-only curve, backward 2x forward, flash's
+    # backward adds the recomputed Q K^T (half the core's FLOPs)
+    bc = compute.block_compute_times(TINY, SLOPED, 64, 2, 2, "bf16", compute_scale=2.0, attention_scale=3.0)
     g, c = compute.block_gemms(TINY, 64, 2, 2)
-    assert gemm == pytest.approx(sum(x / (10e12 * eff(x)) * 2.0 for x in g), rel=1e-12, abs=0)
-    assert core == pytest.approx(c / (10e12 * eff(one)) * 3.0, rel=1e-12, abs=0)
+    assert bc.gemm_fwd == pytest.approx(sum(x / (10e12 * eff(x)) * 2.0 for x in g), rel=1e-12, abs=0)
+    assert bc.gemm_bwd == pytest.approx(2 * bc.gemm_fwd, rel=1e-12, abs=0)
+    assert bc.core_fwd == pytest.approx(c / (10e12 * eff(one)) * 3.0, rel=1e-12, abs=0)
+    assert bc.core_bwd == pytest.approx(2.5 * bc.core_fwd, rel=1e-12, abs=0)
 
 
 def test_elementwise_traffic_by_kernel_dropout_and_sequence_parallelism():

@@ -33,10 +33,12 @@ def test_the_gemms_fp8_does_not_cover_stay_bf16() -> None:
 
 def test_weight_gemms_run_at_the_fp8_peak_the_attention_core_at_bf16() -> None:
     dev = H100.device
-    g8, c8 = compute.block_compute_times(MODEL, dev, 4096, 1, 2, "fp8", compute_scale=1.0, attention_scale=1.0)
-    g16, c16 = compute.block_compute_times(MODEL, dev, 4096, 1, 2, "bf16", compute_scale=1.0, attention_scale=1.0)
-    assert g8 == pytest.approx(g16 * 989 / 1979)  # the same curve, a 1979 TFLOP/s peak
-    assert c8 == c16
+    b8 = compute.block_compute_times(MODEL, dev, 4096, 1, 2, "fp8", compute_scale=1.0, attention_scale=1.0)
+    b16 = compute.block_compute_times(MODEL, dev, 4096, 1, 2, "bf16", compute_scale=1.0, attention_scale=1.0)
+    # the same tile model and ceiling, a 1979 TFLOP/s peak (compute-bound shapes at 4096 tokens)
+    assert b8.gemm_fwd == pytest.approx(b16.gemm_fwd * 989 / 1979)
+    assert b8.gemm_bwd == pytest.approx(b16.gemm_bwd * 989 / 1979)
+    assert (b8.core_fwd, b8.core_bwd) == (b16.core_fwd, b16.core_bwd)
 
 
 def test_fp8_bytes_by_hand() -> None:

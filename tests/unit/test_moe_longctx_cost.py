@@ -171,8 +171,13 @@ def test_cp_block_core_is_cp_times_the_local_one():
     lp, ltr = longctx.local(p, tr)
     plain = _block_times(m, c, ltr, lp, f)
     cp2 = _block_times(m, c, ltr, lp, f, (2, "ulysses"))
-    core = compute.core_time(m, c.device, compute.block_gemms(m, 32768, 1, 1)[1], 32768, "bf16",
-                             f.attention_scale)
+    # the local core from the flash kernel's measured throughput (the executor: FA2 over every block)
+    core = compute.block_compute_times(m, c.device, 32768, 1, 1, "bf16", compute_scale=f.compute_scale,
+                                       attention_scale=f.attention_scale,
+                                       attention=compute.AttentionKernel(("fa2",), False)).core_fwd
+    assert core == pytest.approx(compute.flash_core_times(m, c.device, 32768, 1, 1, "bf16",
+                                                          compute.AttentionKernel(("fa2",), False))[0]
+                                 * f.attention_scale)
     assert cp2.forward - plain.forward == pytest.approx(core)          # (2 - 1) x the local core
     assert cp2.selective - plain.selective == pytest.approx(core)
     assert cp2.a2a_fwd > 0 and plain.a2a_fwd == 0

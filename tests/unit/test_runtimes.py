@@ -48,6 +48,10 @@ def test_deepspeed_takes_the_device_factors_the_others_their_own() -> None:
     fs = cluster_factors(CLUSTER, "fsdp")
     assert fs.compute_scale == mc.compute_scale  # one source of its own: borrowed from megatron-core
     assert fs.zero3_fetch_overhead_s == 0.0
+    # megatron-core's per-GPU trim where two or more sources ran it on that GPU (H100: S1, S5-S7)
+    from planner.specs import parse_cluster
+    h100 = cluster_factors(parse_cluster("8xH100-SXM"), "megatron-core")
+    assert h100.compute_scale == rtm.get_runtime("megatron-core").by_device["H100-SXM"]["compute_scale"] != 1.0
 
 
 def test_trial_factors_apply_inside_the_block_only() -> None:
@@ -68,19 +72,22 @@ def test_megatron_core_exposes_only_uncovered_tp_comm() -> None:
     mc = dataclasses.replace(plan, runtime="megatron-core")
     train = cm.runtime_train(TRAIN, mc)
     f = cluster_factors(CLUSTER, "megatron-core")
-    gemm, _ = cm.compute.block_compute_times(MODEL, CLUSTER.device, 2048, 1, 8, "bf16",
-                                              compute_scale=f.compute_scale, attention_scale=f.attention_scale)
+    bc = cm.compute.block_compute_times(MODEL, CLUSTER.device, 2048, 1, 8, "bf16",
+                                        compute_scale=f.compute_scale, attention_scale=f.attention_scale)
     raw = cm.tp_block_comm(MODEL, 2048, 1, 8, 2.0, True, cm._tp_link(CLUSTER, mc), f.comm_efficiency)
     bt = cm._block_times(MODEL, CLUSTER, train, mc, f)
-    assert bt.tp_fwd == pytest.approx(max(raw[0] - gemm, 0.0))
-    assert bt.tp_bwd == pytest.approx(max(raw[1] - 2 * gemm, 0.0))
+    assert bt.tp_fwd == pytest.approx(max(raw[0] - bc.gemm_fwd, 0.0))
+    assert bt.tp_bwd == pytest.approx(max(raw[1] - bc.gemm_bwd, 0.0))  # the backward GEMMs from their shapes
     assert raw[0] > 0 and bt.tp_fwd < raw[0]  # the overlap matters on this shape
 
 
-def test_megatron_core_and_fsdp_run_flash_attention() -> None:
-    for rt in ("megatron-core", "fsdp"):
-        assert cm.runtime_train(TRAIN, Plan(runtime=rt, zero=3 if rt == "fsdp" else 0)).attention == "flash"
-    assert cm.runtime_train(TRAIN, Plan()).attention == "eager"  # deepspeed runs what the user chose
+def test_fsdp_runs_flash_attention_megatron_core_the_backend_chosen() -> None:
+    assert cm.runtime_train(TRAIN, Plan(runtime="fsdp", zero=3)).attention == "flash"
+    # deepspeed and megatron-core (--attention-backend unfused / local) run what the user chose
+    assert cm.runtime_train(TRAIN, Plan()).attention == "eager"
+    assert cm.runtime_train(TRAIN, Plan(runtime="megatron-core", zero=0)).attention == "eager"
+    flash = dataclasses.replace(TRAIN, attention="flash")
+    assert cm.runtime_train(flash, Plan(runtime="megatron-core", zero=0)).attention == "flash"
 
 
 def test_megatron_core_hides_steady_state_pipeline_sends() -> None:
