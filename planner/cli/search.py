@@ -161,6 +161,9 @@ def _print_search(console: Console, result, cluster, run_dir: Path, written: lis
               help="Search into a run directory that holds a plan for other inputs, moving that plan to "
                    "RUN_DIR/previous/<time>/ (without it such a directory is refused).")
 @click.option("--exhaustive", is_flag=True, help="Evaluate every legal plan instead of sampling with Optuna.")
+@click.option("--prune", type=click.IntRange(0, 1000), default=0, show_default=True, metavar="K",
+              help="With --exhaustive: keep the fastest max(K, --top) plans exact and estimate only the plans "
+                   "the bounds cannot discard (trials.csv then lists those; docs/search.md). 0: every plan.")
 @click.option("--trials", "n_trials", type=click.IntRange(1, 1_000_000), default=100, show_default=True,
               help="Optuna trials the study should hold (a rerun resumes up to this many).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Optuna sampler seed.")
@@ -189,6 +192,11 @@ def search(ctx: click.Context, **kw: Any) -> None:
     runtimes = runtimes_for(kw["runtime"], kw["megatron_features"])
     model, cluster, train = load_inputs(kw)
     fp8_offered(train, runtimes)
+    if kw["prune"] and not kw["exhaustive"]:
+        raise SpecError("--prune", "prunes the exhaustive sweep", "add --exhaustive, or drop --prune")
+    if kw["prune"] and kw["objective"] == "cost":
+        raise SpecError("--prune", "keeps the fastest plans exact, not the cheapest (--objective cost)",
+                        "drop --prune")
     spec = load_bill(kw, model, cluster)
     name = kw["name"] or _default_name(model.name, gpus)
     if not _NAME_RE.match(name) or name in (".", ".."):
@@ -227,7 +235,8 @@ def search(ctx: click.Context, **kw: Any) -> None:
                                          n_trials=kw["n_trials"], seed=kw["seed"],
                                          storage=storage if rt == runtimes[0] else None,
                                          progress=progress if rt == runtimes[0] else None, runtime=rt,
-                                         study_name=tuning.study if rt == runtimes[0] else None)
+                                         study_name=tuning.study if rt == runtimes[0] else None,
+                                         prune=max(kw["prune"], kw["top"]) if kw["prune"] else 0)
             except SpecError:
                 if len(runtimes) == 1:
                     raise

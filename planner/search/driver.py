@@ -11,7 +11,7 @@ from typing import Callable
 from planner.errors import SpecError
 from planner.search.baseline import conventional_baseline
 from planner.search.evaluate import Evaluator, Trial, pareto_front, rank
-from planner.search.exhaustive import exhaustive as run_exhaustive
+from planner.search.exhaustive import exhaustive as run_exhaustive, pruned_sweep
 from planner.search.heuristic import heuristic
 from planner.search.space import Space
 from planner.specs.estimate import GB, Estimate
@@ -37,6 +37,9 @@ class SearchResult:
     space_size: int
     wall_s: float
     study_name: str = ""
+    pruned: dict[str, int] | None = None
+    """A pruned exhaustive sweep's discarded (point, precision) pairs by reason
+    (planner.search.exhaustive.PRUNED); None when every point was estimated or Optuna searched."""
 
     @property
     def best(self) -> Trial:
@@ -86,9 +89,11 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *, exhausti
            n_trials: int = 100, seed: int = 0, storage: object = None, progress: Progress | None = None,
            max_interleave: int | None = None, megatron_features: bool = False,
            runtime: str = "deepspeed", study_name: str | None = None,
-           context_parallel: str = "auto") -> SearchResult:
+           context_parallel: str = "auto", prune: int = 0) -> SearchResult:
     """Find the fastest plan that fits (the Optuna study `study_name` in `storage`; default
-    a name derived from the inputs). Raises SpecError (one line) when nothing fits anywhere.
+    a name derived from the inputs). Exhaustive with `prune` K > 0: the pruned sweep, the top K
+    plans exact, only the points the bounds cannot discard estimated (docs/search.md). Raises
+    SpecError (one line) when nothing fits anywhere.
     context_parallel: Space.context_parallel (on, off, or auto: from LONG_SEQUENCE tokens)."""
     t0 = time.perf_counter()
     extra = {} if max_interleave is None else {"max_interleave": max_interleave}
@@ -99,7 +104,14 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *, exhausti
     space.require_nonempty()
     evaluate = Evaluator(model, cluster, train, runtime=runtime)
     name = ""
-    if exhaustive:
+    pruned = None
+    if exhaustive and prune > 0:
+        sweep = pruned_sweep(space, evaluate, top=prune, progress=progress)
+        trials, pruned, method = sweep.trials, sweep.pruned, "exhaustive"
+        if not any(t.feasible for t in trials):
+            # nothing fits: the every-plan sweep finds the least memory any plan needs, to say so
+            trials, pruned = run_exhaustive(space, evaluate), None
+    elif exhaustive:
         trials = run_exhaustive(space, evaluate, progress)
         method = "exhaustive"
     else:
@@ -121,4 +133,5 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *, exhausti
         raise fits_nowhere(model, cluster, train, trials)
     base_plan, base = conventional_baseline(model, cluster, train)
     return SearchResult(method=method, trials=tuple(trials), ranked=tuple(ranked), baseline_plan=base_plan,
-                        baseline=base, space_size=space.size(), wall_s=time.perf_counter() - t0, study_name=name)
+                        baseline=base, space_size=space.size(), wall_s=time.perf_counter() - t0, study_name=name,
+                        pruned=pruned)

@@ -88,9 +88,12 @@ class Evaluator:
     def _evaluate(self, outer: Outer, source: str) -> Trial:
         """The outer point completed in each searched precision: the fastest that fits (else
         the first, with its reason)."""
-        trials = [self._evaluate_in(outer, source, p) for p in self.precisions]
-        ok = [t for t in trials if t.feasible]
-        return max(ok, key=lambda t: t.tokens_per_s) if ok else trials[0]
+        return best_of([self._evaluate_in(outer, source, p) for p in self.precisions])
+
+    def evaluate_in(self, outer: Outer, precision: str, source: str) -> Trial:
+        """The outer point completed in one precision (not cached: the pruned sweep,
+        planner.search.exhaustive.pruned_sweep, evaluates precisions separately)."""
+        return self._evaluate_in(outer, source, precision)
 
     def _evaluate_in(self, outer: Outer, source: str, precision: str) -> Trial:
         model, train = self.model, self.train
@@ -114,6 +117,13 @@ class Evaluator:
             problems = runtime_problems(plan) + problems
         return Trial(outer=outer, plan=plan, estimate=est, feasible=not problems, problems=tuple(problems),
                      needs_bytes=est.peak_memory_bytes, capacity_bytes=est.capacity_bytes, source=source)
+
+
+def best_of(trials: list[Trial]) -> Trial:
+    """One outer point's trial from its precisions' (in Evaluator.precisions order): the fastest
+    that fits, else the first."""
+    ok = [t for t in trials if t.feasible]
+    return max(ok, key=lambda t: t.tokens_per_s) if ok else trials[0]
 
 
 def rank(trials: list[Trial] | tuple[Trial, ...]) -> list[Trial]:

@@ -149,7 +149,8 @@ def write_outputs(run_dir: Path, result, model, cluster, train, *, scale: str | 
     best = result.best
     extra = {
         "search": {"method": result.method, "trials": result.distinct, "rows": len(result.trials),
-                   "space_size": result.space_size, "wall_s": result.wall_s, "study_name": result.study_name},
+                   "space_size": result.space_size, "wall_s": result.wall_s, "study_name": result.study_name,
+                   **({"pruned": result.pruned} if getattr(result, "pruned", None) is not None else {})},
         "top": [{"plan": t.plan.to_dict(), "description": t.plan.describe(), "estimate": estimate_summary(t.estimate)}
                 for t in result.ranked[:top]],
         "pareto_front": [{"plan": t.plan.to_dict(), "tokens_per_s": t.tokens_per_s, "peak_memory_gb": t.needs_gb}
