@@ -108,7 +108,10 @@ def test_prices_file_cites_every_price():
             assert kind == "spot" if col == "spot" else kind in ("on_demand", "capacity_block"), (gpu, col)
     h100 = bill.price_for("H100-SXM", "spot")
     assert h100.usd_per_gpu_hour == 1.49 and "gridstackhub" in h100.source and "Vast.ai" in h100.text()
-    assert bill.price_for("A6000", "on_demand") is None
+    a6000, l40s = bill.price_for("A6000", "on_demand"), bill.price_for("L40S", "spot")
+    assert a6000.usd_per_gpu_hour == 0.491 and "RunPod" in a6000.text() and "2026-04-22" in a6000.text()
+    assert l40s.usd_per_gpu_hour == 1.1027 and "modal.com" in l40s.source and l40s.kind == "spot"
+    assert bill.price_for("RTX-4090", "on_demand") is None and bill.price_for("V100", "spot") is None
 
 
 def test_profiles_carry_nvme_capacity_and_checkpoint_bandwidth_with_sources():
