@@ -3,11 +3,12 @@
 Step-time factors are fitted to the runs' step times and to the profiler's per-block times
 (TP 1 points: forward + backward of one block); memory factors to the runs' peak memory.
 Residuals are log(predicted / measured), so every run weighs the same whatever its size.
-Solver: Levenberg-Marquardt (planner/calibrate/solver.py) in a transformed space (log for
-positive factors, logit for dp_overlap, a fraction) with a ridge penalty lam * (z - z_default)^2
+Solver: the package's one fitter (planner/calibrate/solver.py fit_relative: Levenberg-Marquardt
+in a transformed space: log for positive factors, logit for dp_overlap, a fraction, softplus for
+additive terms) with a ridge penalty lam * (z - z_default)^2
 that keeps factors the runs cannot determine at their defaults (Tikhonov regularisation).
 lam is chosen by leave-one-out cross-validation over the runs; the held-out error of each run
-(fitted without it, same lam) is the honest figure.
+(fitted without it, same lam: solver.leave_out) is the honest figure.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from planner.calibrate.runs import MeasuredRun
-from planner.calibrate.solver import least_squares
+from planner.calibrate.solver import Log, Logit, Param, Softplus, fit_relative, leave_out
 from planner.cost import estimate, layer_costs
 from planner.cost.factors import DEFAULTS
 from planner.specs.hardware import ClusterSpec, DeviceProfile
@@ -38,38 +39,14 @@ def with_factors(device: DeviceProfile, factors: dict[str, float]) -> DeviceProf
     return dataclasses.replace(device, factors={**device.factors, **factors})
 
 
-def _softplus(z: float) -> float:
-    return z + math.log1p(math.exp(-z)) if z > 0 else math.log1p(math.exp(z))
-
-
-def _softplus_inv(v: float) -> float:
-    return v + math.log(-math.expm1(-v)) if v < 30 else v
-
-
-class Transform:
-    """Unconstrained z <-> factor value. Multipliers: log. Fractions: logit. Additive terms
-    (seconds, GB, fragmentation) may be 0: unit x softplus(z), whose slope does not vanish near
-    0 as a log's would (an overhead started at ~0 in log space never grows)."""
-
-    def __init__(self, name: str, unit: float) -> None:
-        self.name, self.unit = name, unit
-        self.kind = "logit" if name in FRACTIONS else "softplus" if name in ADDITIVE else "log"
-
-    def to_z(self, v: float) -> float:
-        if self.kind == "logit":
-            v = min(max(v, 1e-4), 1 - 1e-4)
-            return math.log(v / (1 - v))
-        if self.kind == "softplus":
-            return _softplus_inv(max(v / self.unit, 1e-3))
-        return math.log(v)
-
-    def value(self, z: float) -> float:
-        z = max(min(z, 50.0), -50.0)
-        if self.kind == "logit":
-            return 1 / (1 + math.exp(-z))
-        if self.kind == "softplus":
-            return float(self.unit * _softplus(z))
-        return math.exp(z)
+def param(name: str, unit: float) -> Param:
+    """How `name` is fitted: multipliers in log space, fractions (dp_overlap) as a logit, additive
+    terms (seconds, GB, fragmentation), which may be 0, as unit x softplus."""
+    if name in FRACTIONS:
+        return Logit(name)
+    if name in ADDITIVE:
+        return Softplus(name, unit)
+    return Log(name)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -125,19 +102,12 @@ def _fit(device: DeviceProfile, names: tuple[str, ...], observations: list[tuple
          lam: float, unit: float) -> GroupFit:
     """observations: (predict(device) -> value, measured value); unit: scale of the additive
     factors (the runs' median step time in seconds, or their median memory in GB)."""
-    meas = np.array([v for _, v in observations])
-    tr = [Transform(n, 0.1 if n == "memory_fragmentation" else unit) for n in names]
-    z0 = np.array([t.to_z(device.factor(n, DEFAULTS[n])) for n, t in zip(names, tr)])
-
-    def resid(z: np.ndarray) -> np.ndarray:
-        dev = with_factors(device, {t.name: t.value(zi) for t, zi in zip(tr, z)})
-        pred = np.array([max(p(dev), 1e-30) for p, _ in observations])
-        return np.concatenate([np.log(pred / meas), math.sqrt(lam) * (z - z0)])
-
-    sol = least_squares(resid, z0)
-    sens = np.abs(sol.jacobian[:len(observations)]).sum(axis=0)
-    return GroupFit(factors={t.name: t.value(zi) for t, zi in zip(tr, sol.x)}, lam=lam,
-                    sensitivity={n: float(s) for n, s in zip(names, sens)}, iterations=sol.iterations)
+    params = [param(n, 0.1 if n == "memory_fragmentation" else unit) for n in names]
+    f = fit_relative(lambda v: [p(with_factors(device, v)) for p, _ in observations], [m for _, m in observations],
+                     params, {n: device.factor(n, DEFAULTS[n]) for n in names}, lam=lam)
+    sens = np.abs(f.solution.jacobian[:len(observations)]).sum(axis=0)
+    return GroupFit(factors=f.values, lam=lam, sensitivity={n: float(s) for n, s in zip(names, sens)},
+                    iterations=f.iterations)
 
 
 def fit_group(device: DeviceProfile, names: tuple[str, ...], runs: list[MeasuredRun],
@@ -148,11 +118,10 @@ def fit_group(device: DeviceProfile, names: tuple[str, ...], runs: list[Measured
     unit = float(np.median([measure(r) for r in runs]))
 
     def loo(lam: float) -> list[float]:
-        out = []
-        for i, r in enumerate(runs):
+        def held(i: int) -> float:
             f = _fit(device, names, obs[:i] + obs[i + 1:] + list(extra), lam, unit)
-            out.append(predict(with_factors(device, f.factors), r))
-        return out
+            return predict(with_factors(device, f.factors), runs[i])
+        return list(leave_out(range(len(runs)), held).values())
 
     if len(runs) >= 3:
         scores, held = {}, {}

@@ -13,10 +13,10 @@ V/16lh), or 8 N tokens) / predicted step time / GPUs. Error = predicted / measur
 Then one set of named factors per GPU generation (A100: sections A and B; V100: A's 13B row, C,
 D, E), never one per row, minimising the mean squared log error over the rows marked "fit" (plus
 a small ridge toward the profile's current values, which keeps a factor the rows cannot
-determine where it was): Levenberg-Marquardt from planner/calibrate/solver.py, polished by
-Nelder-Mead (the cost model's max/min kinks stop LM at corners), from several starting points,
-in a transformed space (multipliers bounded to a physical range, logit for dp_overlap as in
-planner/calibrate/fit.py, seconds linear and >= 0). The factor list per generation is a
+determine where it was): the package's one fitter, planner/calibrate/solver.py fit_relative
+(Levenberg-Marquardt polished by Nelder-Mead: the cost model's max/min kinks stop LM at
+corners), from several starting points, in a transformed space (multipliers bounded to a
+physical range, logit for dp_overlap as in planner/calibrate/fit.py, seconds linear and >= 0). The factor list per generation is a
 parameter (--factors); by default BASE_FACTORS plus every time factor planner/cost/factors.py
 has gained since (latency_scale, zero3_fetch_overhead_s, cpu_adam_scale, ...). Every row is
 also predicted by a fit that did not see it (leave-one-out, warm-started at the full fit; a
@@ -34,11 +34,9 @@ Megatron-LM's Table 1 stays the separate check for --megatron-features plans (be
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import dataclasses
 import json
 import math
-import multiprocessing
 import os
 import sys
 import time
@@ -48,8 +46,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from planner.calibrate.fit import ADDITIVE, FRACTIONS, Transform, with_factors
-from planner.calibrate.solver import Solution, least_squares
+from planner.calibrate.fit import ADDITIVE, FRACTIONS, with_factors
+from planner.calibrate.solver import Additive, Bounded, Logit, Param, fit_relative, leave_out, pmap
 from planner.cost import estimate
 from planner.cost.factors import DEFAULTS, factor
 from planner.rundir import atomic_write_json
@@ -260,47 +258,15 @@ BOUNDS = {"compute_scale": (0.5, 4.0), "attention_scale": (0.25, 8.0), "elementw
 stated at 0.825-0.9 of their line rate (the profiles take 0.9), so 1/0.9 is about the line rate."""
 
 
-class Bounded:
-    """A multiplier kept inside (lo, hi): value = exp(log lo + (log hi - log lo) sigmoid(z))."""
-
-    kind = "bounded"
-
-    def __init__(self, name: str, lo: float, hi: float) -> None:
-        self.name, self.lo, self.hi = name, math.log(lo), math.log(hi)
-
-    def to_z(self, v: float) -> float:
-        u = (math.log(v) - self.lo) / (self.hi - self.lo)
-        u = min(max(u, 1e-4), 1 - 1e-4)
-        return math.log(u / (1 - u))
-
-    def value(self, z: float) -> float:
-        z = max(min(z, 50.0), -50.0)
-        return math.exp(self.lo + (self.hi - self.lo) / (1 + math.exp(-z)))
-
-
-class Additive:
-    """A non-negative term (seconds): value = unit x |z|. Its slope does not vanish at 0, where
-    these factors start (planner.calibrate.fit's softplus has slope ~1e-3 there, and the ridge
-    then holds the factor at 0 whatever the rows say)."""
-
-    kind = "additive"
-
-    def __init__(self, name: str, unit: float, cap: float = math.inf) -> None:
-        self.name, self.unit, self.cap = name, unit, cap
-
-    def to_z(self, v: float) -> float:
-        return min(max(v, 0.0), self.cap) / self.unit
-
-    def value(self, z: float) -> float:
-        return min(self.unit * abs(z), self.cap)
-
-
-def transform(name: str, device: DeviceProfile) -> Transform | Bounded | Additive:
-    """logit for dp_overlap (planner.calibrate.fit's Transform); multipliers bounded to BOUNDS
-    (an unknown one to 1/20..20 x its value); seconds and factors that sit at 0 additive."""
+def transform(name: str, device: DeviceProfile) -> Param:
+    """logit for dp_overlap (as planner.calibrate.fit does); multipliers bounded to BOUNDS (an
+    unknown one to 1/20..20 x its value); seconds and factors that sit at 0 additive (value =
+    unit x |z|: planner.calibrate.fit's softplus has slope ~1e-3 at 0, where these start, and the
+    ridge would then hold them there whatever the rows say). The parametrisations are
+    planner/calibrate/solver.py's."""
     v = factor_value(device, name)
     if name in FRACTIONS:
-        return Transform(name, 1.0)
+        return Logit(name)
     if name in ADDITIVE or v <= 0 or name.endswith(("_s", "_us", "_ms", "_gb")):
         return Additive(name, UNITS.get(name, 1e-4 if name.endswith("_s") else 1.0), CAPS.get(name, math.inf))
     lo, hi = BOUNDS.get(name, (v / 20.0, v * 20.0))
@@ -331,47 +297,6 @@ class Fit:
     """Multipliers that ended at a bound of BOUNDS (the rows push them past what is physical)."""
 
 
-def nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, *, step: float = 0.3, max_evals: int = 0,
-                tol: float = 1e-10) -> tuple[np.ndarray, float, int]:
-    """Minimise f from x0 with the Nelder-Mead simplex (Nelder & Mead 1965; the standard
-    reflection 1, expansion 2, contraction 1/2, shrink 1/2 of Lagarias et al. 1998). Returns
-    (x, f(x), evaluations); stops after max_evals (default 40 x dimensions) or when the
-    simplex's values agree within tol."""
-    n = len(x0)
-    max_evals = max_evals or 40 * n
-    pts = [np.asarray(x0, dtype=float)] + [x0 + step * np.eye(n)[i] for i in range(n)]
-    vals = [f(p) for p in pts]
-    evals = n + 1
-    while evals < max_evals:
-        order = np.argsort(vals)
-        pts, vals = [pts[i] for i in order], [vals[i] for i in order]
-        if vals[-1] - vals[0] <= tol * max(abs(vals[0]), 1e-30):
-            break
-        centre = np.mean(pts[:-1], axis=0)
-        xr = centre + (centre - pts[-1])
-        fr = f(xr)
-        evals += 1
-        if fr < vals[0]:
-            xe = centre + 2.0 * (centre - pts[-1])
-            fe = f(xe)
-            evals += 1
-            pts[-1], vals[-1] = (xe, fe) if fe < fr else (xr, fr)
-        elif fr < vals[-2]:
-            pts[-1], vals[-1] = xr, fr
-        else:
-            xc = centre + 0.5 * ((xr if fr < vals[-1] else pts[-1]) - centre)
-            fc = f(xc)
-            evals += 1
-            if fc < min(fr, vals[-1]):
-                pts[-1], vals[-1] = xc, fc
-            else:
-                pts = [pts[0]] + [pts[0] + 0.5 * (p - pts[0]) for p in pts[1:]]
-                vals = [vals[0]] + [f(p) for p in pts[1:]]
-                evals += n
-    i = int(np.argmin(vals))
-    return pts[i], vals[i], evals
-
-
 def fit_factors(rows: Sequence[Row], device: DeviceProfile, names: Sequence[str], *, lam: float = LAM,
                 start: Mapping[str, float] | None = None, starts: int = 1, perturbations: Sequence[int] = (),
                 nm_evals: int = 0, predictor: Callable[[Row, DeviceProfile], float] = predict) -> Fit:
@@ -382,41 +307,22 @@ def fit_factors(rows: Sequence[Row], device: DeviceProfile, names: Sequence[str]
     `start` itself); the lowest cost wins (the cost model's max/min kinks leave corners and
     shallow local minima)."""
     tr = [transform(n, device) for n in names]
-    prior = np.array([t.to_z(factor_value(device, n)) for t, n in zip(tr, names)])
-    z0 = prior if start is None else np.array([t.to_z(start[n]) for t, n in zip(tr, names)])
     meas = np.array([r.measured for r in rows])
     scale = 1.0 / math.sqrt(len(rows))
-
-    def resid(z: np.ndarray) -> np.ndarray:
-        dev = with_factors(device, {t.name: t.value(zi) for t, zi in zip(tr, z)})
-        pred = np.array([max(predictor(r, dev), 1e-30) for r in rows])
-        return np.concatenate([scale * np.log(pred / meas), math.sqrt(lam) * (z - prior)])
-
-    def solve(z: np.ndarray) -> Solution:
-        # Levenberg-Marquardt, then a Nelder-Mead polish: the cost model's max/min kinks stop
-        # LM's forward-difference steps at a corner; the simplex walks off it, LM finishes
-        first = least_squares(resid, z, ftol=FTOL, xtol=XTOL)
-        z2, c2, evals = nelder_mead(lambda x: 0.5 * float(resid(x) @ resid(x)), first.x, max_evals=nm_evals)
-        if c2 >= first.cost * (1 - 1e-6):
-            return dataclasses.replace(first, iterations=first.iterations + evals)
-        last = least_squares(resid, z2, ftol=FTOL, xtol=XTOL)
-        best = min((first, last), key=lambda x: x.cost)
-        return dataclasses.replace(best, iterations=first.iterations + evals + last.iterations)
-
-    seeds = list(perturbations) or list(range(starts))
-    sols = [solve(z0 if k == 0 else z0 + np.random.default_rng(k).uniform(-2.0, 2.0, len(names))) for k in seeds]
-    sol = min(sols, key=lambda x: x.cost)
-    r = resid(sol.x)[:len(rows)] / scale
+    fit = fit_relative(lambda v: [predictor(r, with_factors(device, v)) for r in rows], meas, tr,
+                       {n: factor_value(device, n) for n in names}, start=start, lam=lam, weight=scale,
+                       seeds=list(perturbations) or list(range(starts)), polish=True, nm_evals=nm_evals,
+                       ftol=FTOL, xtol=XTOL)
+    sol, values = fit.solution, fit.values
+    after = with_factors(device, values)
+    r = scale * np.log(np.array([max(predictor(x, after), 1e-30) for x in rows]) / meas) / scale
     jac = sol.jacobian[:len(rows)]
     sens = np.abs(jac).mean(axis=0) / scale
     info = (jac ** 2).sum(axis=0)
-    values = {t.name: float(t.value(zi)) for t, zi in zip(tr, sol.x)}
-    at_bound = [t.name for t in tr if isinstance(t, Bounded) and
-                min(abs(math.log(values[t.name]) - t.lo), abs(math.log(values[t.name]) - t.hi)) < 0.01]
+    at_bound = [t.name for t in tr if isinstance(t, Bounded) and t.at_bound(values[t.name])]
     return Fit(factors=values, sensitivity={n: float(x) for n, x in zip(names, sens)},
                determination={n: float(i / (i + lam)) if i + lam > 0 else 0.0 for n, i in zip(names, info)},
-               msle=float(np.mean(r ** 2)), cost=sol.cost, iterations=sum(x.iterations for x in sols),
-               at_bound=at_bound)
+               msle=float(np.mean(r ** 2)), cost=sol.cost, iterations=fit.iterations, at_bound=at_bound)
 
 
 _STATE: dict[str, Any] = {}
@@ -432,14 +338,6 @@ def _task(task: tuple[str, str, int]) -> Any:
     rows = [r for j, r in enumerate(g["fitted"]) if j != i]  # leave row i out, warm-start at the full fit
     f = fit_factors(rows, g["device"], g["names"], lam=g["lam"], start=g["start"], nm_evals=LOO_NM * len(g["names"]))
     return predict(g["fitted"][i], with_factors(g["device"], f.factors)), f.factors
-
-
-def pmap(fn: Callable[[Any], Any], items: Sequence[Any], jobs: int) -> list[Any]:
-    """map over a fork pool of `jobs` processes (serially for one job or where fork is missing)."""
-    if jobs > 1 and len(items) > 1 and "fork" in multiprocessing.get_all_start_methods():
-        with cf.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
-            return list(pool.map(fn, items))
-    return [fn(x) for x in items]
 
 
 # --- the benchmark --------------------------------------------------------------------------
@@ -479,7 +377,7 @@ def run(*, factor_names: Mapping[str, Sequence[str]] | None = None, lam: float =
         _STATE[gen]["fit"] = min(fits[gen], key=lambda f: f.cost)
         _STATE[gen]["start"] = _STATE[gen]["fit"].factors
     loo_tasks = [("loo", g, i) for g in _STATE for i in range(len(_STATE[g]["fitted"]))] if loo else []
-    loo_out = dict(zip(loo_tasks, pmap(_task, loo_tasks, jobs)))
+    loo_out = leave_out(loo_tasks, _task, jobs=jobs)
     for gen, ginfo in meta["generations"].items():
         st = _STATE[gen]
         device, grows, missing, fitted, names, fit = (st[k] for k in ("device", "rows", "missing", "fitted", "names",

@@ -17,8 +17,8 @@ decode_compute_scale for decode steps) with the factor-free terms from cost.pref
 decode_terms. Once it is known which side of each max() binds, that is linear in x =
 (prefill_compute_scale, decode_compute_scale, 1/decode_bw_efficiency, serve_comm_scale,
 serve_step_overhead_s, serve_tp_step_s, serve_wake_s, decode_attention_scale; the last one's column
-taken at the current scale and efficiency): a least-squares problem (numpy lstsq) on relative
-errors of group means: the steps of one run averaged per group (decode: per batch size; prefill:
+taken at the current scale and efficiency): a least-squares problem on relative errors of group
+means (planner/calibrate/solver.py linear_relative, the package's one fitter): the steps of one run averaged per group (decode: per batch size; prefill:
 after an idle wait or not), each group's row divided by its mean measured time and weighted by
 its step count (_fit_from). The binding side is taken from the current
 factors and the fit repeated until it no longer changes. A factor no row determines (no TP
@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from planner.calibrate.core import mape
+from planner.calibrate.solver import linear_relative
 from planner.errors import SpecError
 from planner.rundir import atomic_write_json
 from planner.serve.cost import SERVE_DEFAULTS, combine, decode_terms, prefill_terms
@@ -177,20 +178,8 @@ def _fit_from(obs: list[Obs], meas_rows: np.ndarray, f: dict[str, float], iters:
             # cache read shares the weights' bandwidth share, as before it was a factor
             cols, _ = _group_mean(np.array([_columns(t, decode, f, fold=True) for t, _, decode in obs]), group)
             free = [j for j in range(n) if np.any(cols[:, j] > 0)]
-        x = x_now.copy()
-        while free:
-            fixed = [j for j in range(n) if j not in free]
-            rhs = meas - cols[:, fixed] @ x_now[fixed]
-            a = cols[:, free] / meas[:, None] * w[:, None]
-            sol, *_ = np.linalg.lstsq(a, rhs / meas * w, rcond=None)
-            bad = [free[k] for k, v in enumerate(sol) if v < 0 or (v == 0 and free[k] not in MAY_BE_ZERO)]
-            if not bad:
-                x[free] = sol
-                break
-            for j in bad:  # a negative fixed term is 0; a non-positive scale keeps its current value
-                if j in MAY_BE_ZERO:
-                    x_now[j] = x[j] = 0.0
-            free = [j for j in free if j not in bad]
+        # a negative fixed term is 0; a non-positive scale keeps its current value
+        x = linear_relative(cols, meas, w, x_now, free, MAY_BE_ZERO)
         new = {k: float(1.0 / x[j] if k == "decode_bw_efficiency" else x[j]) for j, k in enumerate(ORDER)}
         if all(math.isclose(new[k], f[k], rel_tol=1e-9, abs_tol=1e-12) for k in ORDER):
             break
