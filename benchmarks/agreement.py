@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.calibrate import apply, calibrate
+from planner.calibrate.accuracy import rel_error
 from planner.tune.bench import Setup, measured_run, profile_machine, round_robin, step_time
 from planner.cost import estimate, memory
 from planner.cost.attention import attention_kernel
@@ -139,10 +140,10 @@ def predicted_activations(s: Setup, stage: int) -> tuple[dict[int, float], float
 
 
 def rel(pred: float, meas: float) -> float:
-    """|predicted - measured| / measured in percent (0 when both are 0)."""
+    """|rel_error| in percent (0 when both are 0)."""
     if meas == 0:
         return 0.0 if pred == 0 else math.inf
-    return 100.0 * abs(pred - meas) / meas
+    return 100.0 * abs(rel_error(pred, meas))
 
 
 def check(s: Setup, m: dict[str, Any]) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 Runs each plan with the executor (real DeepSpeed, gloo) and prints the cost model's
 prediction (planner.cost.estimate with the built-in or --profile CPU profile) beside it.
-Relative error = (predicted - measured) / measured. Run alone: it takes the 2 cores.
+Relative error = predicted / measured - 1 (planner.calibrate.accuracy). Run alone: it takes the 2 cores.
 
     flock /tmp/planner-cpu.lock .venv/bin/python benchmarks/executor_fidelity.py [--steps 8] [--profile P]
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from planner import dsconfig  # noqa: E402
+from planner.calibrate.accuracy import mape  # noqa: E402
 from planner.cost import estimate  # noqa: E402
 from planner.runtime.train.launch import run_plan  # noqa: E402
 from planner.rundir import atomic_write_json, plan_document  # noqa: E402
@@ -66,11 +66,11 @@ def main() -> int:
     terr, merr = [], []
     for desc, m in rows:
         p, e = m["predicted"], m["relative_error"]
-        terr.append(abs(e["step_time_s"]))
-        merr.append(abs(e["peak_memory_gb"]))
+        terr.append(e["step_time_s"])
+        merr.append(e["peak_memory_gb"])
         print(f"{desc:<92} {m['step_time_s']:7.3f} {p['step_time_s']:7.3f} {e['step_time_s']:+6.0%}   "
               f"{m['peak_memory_gb']:6.3f} {p['peak_memory_gb']:6.3f} {e['peak_memory_gb']:+6.0%}")
-    print(f"mean absolute error: step time {statistics.fmean(terr):.0%}, peak memory {statistics.fmean(merr):.0%} "
+    print(f"mean absolute error: step time {mape(terr):.0%}, peak memory {mape(merr):.0%} "
           f"over {len(rows)} plans ({time.time() - t0:.0f} s)")
     return 0
 

@@ -39,6 +39,7 @@ sys.path.insert(0, str(HERE))
 import reference_rows as rr  # noqa: E402
 
 from planner.cost import estimate  # noqa: E402
+from planner.calibrate.accuracy import mape, rel_error  # noqa: E402
 from planner.cost.runtime import get_runtime, trial_factors  # noqa: E402
 
 TARGETS = {"loso_per_source": 0.10, "loso_overall": 0.10, "t1_after": 0.05, "compute_scale": (0.9, 1.1)}
@@ -149,10 +150,6 @@ def deepspeed_loso(rows: Sequence[rr.RefRow]) -> dict[str, float]:
     return out
 
 
-def _mape(errs: list[float]) -> float | None:
-    return sum(abs(e) for e in errs) / len(errs) if errs else None
-
-
 def run(loso_deepspeed: bool = True) -> dict[str, Any]:
     rows = rr.all_rows()
     scored = [r for r in rows if not r.unsupported]
@@ -182,17 +179,17 @@ def run(loso_deepspeed: bool = True) -> dict[str, Any]:
             else:
                 loso = after  # nothing fitted for this runtime: every source is already held out
             rec.update(before_s=before, after_s=after, loso_s=loso, fits=fits_after, plan=plan,
-                       err_before=None if before is None else before / r.measured_s - 1, err_after=after / r.measured_s - 1,
-                       err_loso=None if loso is None else loso / r.measured_s - 1)
+                       err_before=rel_error(before, r.measured_s), err_after=rel_error(after, r.measured_s),
+                       err_loso=rel_error(loso, r.measured_s))
         out_rows.append(rec)
     sources: dict[str, dict[str, Any]] = {}
     for key in list(rr.SOURCE_NAMES) + ["all"]:
         recs = [x for x in out_rows if key in (x["source"], "all")]
         sc = [x for x in recs if not x["unsupported"]]
         sources[key] = {"name": rr.SOURCE_NAMES.get(key, "every scored row"), "rows": len(recs), "scored": len(sc),
-                        "mape_before": _mape([x["err_before"] for x in sc if x["err_before"] is not None]),
-                        "mape_after": _mape([x["err_after"] for x in sc]),
-                        "mape_loso": _mape([x["err_loso"] for x in sc if x["err_loso"] is not None])
+                        "mape_before": mape([x["err_before"] for x in sc if x["err_before"] is not None]),
+                        "mape_after": mape([x["err_after"] for x in sc]),
+                        "mape_loso": mape([x["err_loso"] for x in sc if x["err_loso"] is not None])
                         if all(x["err_loso"] is not None for x in sc) else None,
                         "not_fitting": [x["id"] for x in sc if not x["fits"]],
                         "unsupported": sorted({w for x in recs if x["unsupported"] for w in x["unsupported"].split("; ")})}

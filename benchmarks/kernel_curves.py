@@ -32,6 +32,7 @@ sys.path.insert(0, str(HERE))
 from serve_vidur_extract import _csv  # noqa: E402  (reads one CSV from the bare clone)
 
 from planner.cost.compute import wave_efficiency  # noqa: E402
+from planner.calibrate.accuracy import mape, rel_error  # noqa: E402
 from planner.rundir import atomic_write_json, atomic_write_text  # noqa: E402
 from planner.specs.hardware import PROFILES_DIR  # noqa: E402
 
@@ -104,10 +105,10 @@ def measure(pts: list[dict], name: str, peak: float, hbm: float) -> dict:
     for p in mine:  # planner.cost.compute.shape_time, fp16
         model = max(p["flops"] / (peak * ceiling * p["q"]),
                     2.0 * (p["m"] * p["k"] + p["k"] * p["n"] + p["m"] * p["n"]) / achievable)
-        errs.append(model / p["s"] - 1)
+        errs.append(rel_error(model, p["s"]))
     return {"ceiling": round(ceiling, 3), "gemms": len(mine), "large": len(big),
             "ceiling_p10_p90": [round(sorted(big)[len(big) // 10], 3), round(sorted(big)[9 * len(big) // 10], 3)],
-            "mape": statistics.fmean(abs(e) for e in errs), "bias": statistics.fmean(errs),
+            "mape": mape(errs), "bias": statistics.fmean(errs),
             "hbm_efficiency": round(achievable / hbm, 3), "hbm_samples": len(adds)}
 
 

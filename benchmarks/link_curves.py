@@ -30,6 +30,8 @@ sys.path.insert(0, str(HERE))
 
 import numpy as np  # noqa: E402
 
+from planner.calibrate.accuracy import mape_of  # noqa: E402
+
 from serve_vidur_extract import _csv  # noqa: E402
 
 VIDUR_COMMIT = "7d47513363"
@@ -54,7 +56,7 @@ def alpha_beta(points: list[tuple[int, float]], c: float) -> tuple[float, float,
     a_mat = np.stack([np.ones_like(s), s * c], 1) / t[:, None]
     (a, b), *_ = np.linalg.lstsq(a_mat, np.ones_like(t), rcond=None)
     pred = a + b * s * c
-    return float(a), float(1.0 / b), float(np.mean(np.abs(pred / t - 1)))
+    return float(a), float(1.0 / b), mape_of(pred.tolist(), t.tolist())
 
 
 def measure(repo: str) -> dict:

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from planner.runtime.serve.run import METRICS_FILE, run_serving  # noqa: E402
 from planner.rundir import atomic_write_json  # noqa: E402
+from planner.calibrate.accuracy import rel_error  # noqa: E402
 from planner.specs import parse_cluster, preset, scale  # noqa: E402
 
 WORKLOADS = {"tiny": dict(prompt_len=32, output_len=16, prompt_sigma=0.3, output_sigma=0.3, seed=0),
@@ -143,7 +144,9 @@ def _pct(pred: float, meas: float) -> str:
 
 
 def _err(pred: float, meas: float) -> float:
-    return abs(pred - meas) / meas if meas else float("nan")
+    """|rel_error| (NaN where there is nothing to compare)."""
+    e = rel_error(pred, meas)
+    return float("nan") if e is None else abs(e)
 
 
 def crossing(rates: list[float], p50s: list[float], target_s: float) -> tuple[float, str]:

@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from planner.calibrate.fit import with_factors  # noqa: E402
+from planner.calibrate.accuracy import mape, rel_error  # noqa: E402
 from planner.errors import SpecError  # noqa: E402
 from planner.rundir import atomic_write_json  # noqa: E402
 from planner.specs import ModelSpec, find_device, parse_cluster  # noqa: E402
@@ -268,25 +269,25 @@ def compare(rows: Sequence[Row]) -> dict[str, Any]:
     out = []
     for r in rows:
         p = predict(r)
-        err = None if p["predicted"] is None else p["predicted"] / r.value - 1.0
+        err = rel_error(p["predicted"], r.value)
         out.append({"id": r.id, "source": r.source, "where": r.where, "engine": r.engine, "model": r.model_name,
                     "gpus": r.cluster.spec, "tp": r.tp, "weights": r.weight_precision, "kv": r.kv_precision,
                     "prompt_len": r.prompt_len, "output_len": r.output_len, "batch": r.batch, "concurrency": r.concurrency, "metric": r.metric,
                     "published": r.value, **p, "error": err, "in_mape": r.in_mape})
-    mape: dict[str, dict[str, float]] = {}
+    by_metric: dict[str, dict[str, float]] = {}
     for m in METRICS:
-        errs = [abs(x["error"]) for x in out if x["metric"] == m and x["in_mape"] and x["error"] is not None]
+        errs = [x["error"] for x in out if x["metric"] == m and x["in_mape"] and x["error"] is not None]
         if errs:
-            mape[m] = {"rows": len(errs), "mape": sum(errs) / len(errs)}
+            by_metric[m] = {"rows": len(errs), "mape": mape(errs)}
     groups = {}
     for name, members in GROUPS.items():
-        errs = [abs(x["error"]) for x in out if x["metric"] in members and x["in_mape"] and x["error"] is not None]
+        errs = [x["error"] for x in out if x["metric"] in members and x["in_mape"] and x["error"] is not None]
         if errs:
-            groups[name] = {"rows": len(errs), "mape": sum(errs) / len(errs),
+            groups[name] = {"rows": len(errs), "mape": mape(errs),
                             "by_row": contributions(out, members)}
-    every = [abs(x["error"]) for x in out if x["in_mape"] and x["error"] is not None]
+    every = [x["error"] for x in out if x["in_mape"] and x["error"] is not None]
     if every:
-        mape["all"] = {"rows": len(every), "mape": sum(every) / len(every)}
+        by_metric["all"] = {"rows": len(every), "mape": mape(every)}
     cost, _ = _serve()
     factors = {r.cluster.device.name: cost.serve_factors(r.cluster) for r in rows}
     implied = {}
@@ -295,7 +296,7 @@ def compare(rows: Sequence[Row]) -> dict[str, Any]:
         if alone and x["predicted"]:
             slower = x["published"] / x["predicted"] if r.metric == "tpot_s" else x["predicted"] / x["published"]
             implied[r.id] = factors[r.cluster.device.name]["decode_bw_efficiency"] / slower
-    return {"rows": out, "mape": mape, "groups": groups, "serve_factors": factors,
+    return {"rows": out, "mape": by_metric, "groups": groups, "serve_factors": factors,
             "implied_decode_bw_efficiency": implied}
 
 

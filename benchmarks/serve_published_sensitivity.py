@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import serve_published as sp  # noqa: E402
+from planner.calibrate.accuracy import mape  # noqa: E402
 from planner.errors import SpecError  # noqa: E402
 from planner.serve import queue  # noqa: E402
 from planner.serve.memory import serve_memory  # noqa: E402
@@ -164,10 +165,9 @@ def split_mape(rows: Sequence[sp.Row], result: list[dict[str, Any]]) -> str:
     if not ttft:
         return ""
     kept = [x for x in ttft if x["id"] not in open_ids]
-    mape = lambda xs: sum(abs(x["error"]) for x in xs) / len(xs)  # noqa: E731
-    line = f"TTFT MAPE of benchmarks/serve_published.py: {mape(ttft):.0%} over all {len(ttft)} TTFT rows (the target's figure)"
+    line = f"TTFT MAPE of benchmarks/serve_published.py: {mape(x['error'] for x in ttft):.0%} over all {len(ttft)} TTFT rows (the target's figure)"
     if kept and len(kept) < len(ttft):
-        line += (f"; {mape(kept):.0%} over the {len(kept)} the stated settings determine "
+        line += (f"; {mape(x['error'] for x in kept):.0%} over the {len(kept)} the stated settings determine "
                  f"({', '.join(x['id'] for x in kept)}: a diagnostic, not the target)")
     return line
 

@@ -87,8 +87,10 @@ def main() -> int:
         padding = p["throughput_ratio"] / cal["tokens_ratio"]  # verify's real-token correction
         builtin["throughput_ratio"] = builtin["tokens_ratio"] * padding
 
+        from planner.calibrate.accuracy import rel_error
+
         def err(pred: float, meas: float) -> float:
-            return 100.0 * (pred - meas) / meas
+            return 100.0 * rel_error(pred, meas)
 
         b, pl = v["baseline"], v["planned"]
         print()

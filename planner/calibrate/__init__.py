@@ -4,7 +4,8 @@ closed loop that produces the runs is planner/tune).
     from planner.calibrate import calibrate, load_measured
     cal = calibrate(profile, [load_measured(d) for d in run_dirs])
 """
-from planner.calibrate.core import Calibration, apply, calibrate, mape
+from planner.calibrate.accuracy import mape, mape_of, rel_error
+from planner.calibrate.core import Calibration, apply, calibrate
 from planner.calibrate.runs import MeasuredRun, load_measured
 
-__all__ = ["Calibration", "MeasuredRun", "apply", "calibrate", "load_measured", "mape"]
+__all__ = ["Calibration", "MeasuredRun", "apply", "calibrate", "load_measured", "mape", "mape_of", "rel_error"]

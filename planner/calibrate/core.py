@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import datetime
-import math
 from dataclasses import dataclass
 from typing import Any
 
+from planner.calibrate.accuracy import mape_of
 from planner.calibrate.fit import (MEMORY_FACTORS, TIME_FACTORS, fit_group, layer_observations, predict_layer,
                                    predict_memory, predict_time, with_factors)
 from planner.calibrate.runs import MeasuredRun
@@ -13,10 +13,9 @@ from planner.errors import SpecError
 from planner.specs.hardware import DeviceProfile, profile_from_dict
 
 
-def mape(pred: list[float], meas: list[float]) -> float:
-    """Mean absolute percentage error, in percent (NaN where there is nothing to compare)."""
-    pairs = [(p, m) for p, m in zip(pred, meas) if math.isfinite(p)]
-    return 100.0 * sum(abs(p - m) / m for p, m in pairs) / len(pairs) if pairs else float("nan")
+def pct(fraction: float | None) -> float:
+    """A MAPE (accuracy.mape, a fraction) in percent; NaN where there was nothing to compare."""
+    return float("nan") if fraction is None else 100.0 * fraction
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,11 +58,11 @@ def calibrate(device: DeviceProfile, runs: list[MeasuredRun], *, use_layers: boo
     summary = {
         "runs": len(runs), "layer_points": len(layers),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "step_time_mape_pct": {w: mape(col("step_time_s", w), col("step_time_s", "measured"))
+        "step_time_mape_pct": {w: pct(mape_of(col("step_time_s", w), col("step_time_s", "measured")))
                                for w in ("before", "after", "held_out")},
-        "memory_mape_pct": {w: mape(col("peak_memory_gb", w), col("peak_memory_gb", "measured"))
+        "memory_mape_pct": {w: pct(mape_of(col("peak_memory_gb", w), col("peak_memory_gb", "measured")))
                             for w in ("before", "after", "held_out")},
-        "layer_time_mape_pct": {w: mape([x[f"{w}_s"] for x in layer_rows], [x["measured_s"] for x in layer_rows])
+        "layer_time_mape_pct": {w: pct(mape_of([x[f"{w}_s"] for x in layer_rows], [x["measured_s"] for x in layer_rows]))
                                 for w in ("before", "after")},
         "lambda": {"time": tfit.lam, "memory": mfit.lam},
         "sensitivity": {**tfit.sensitivity, **mfit.sensitivity},

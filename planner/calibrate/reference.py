@@ -46,6 +46,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from planner.calibrate.accuracy import mape, rel_error
 from planner.calibrate.fit import ADDITIVE, FRACTIONS, with_factors
 from planner.calibrate.solver import Additive, Bounded, Logit, Param, fit_relative, leave_out, pmap
 from planner.cost import estimate
@@ -342,15 +343,6 @@ def _task(task: tuple[str, str, int]) -> Any:
 
 # --- the benchmark --------------------------------------------------------------------------
 
-def _err(pred: float | None, meas: float) -> float | None:
-    return None if pred is None or not math.isfinite(pred) else pred / meas - 1.0
-
-
-def _mape(errs: list[float | None]) -> float | None:
-    e = [abs(x) for x in errs if x is not None]
-    return sum(e) / len(e) if e else None
-
-
 def run(*, factor_names: Mapping[str, Sequence[str]] | None = None, lam: float = LAM,
         inter_gbps: Mapping[str, float] | None = None, loo: bool = True, jobs: int = 2, starts: int = STARTS,
         data: Path = DATA) -> dict[str, Any]:
@@ -418,8 +410,8 @@ def run(*, factor_names: Mapping[str, Sequence[str]] | None = None, lam: float =
                 "role": "fit" if in_fit else "held out" if not r.fit else "excluded",
                 "metric": r.metric, "measured": r.measured,
                 "before": before, "after": after, "loo": loo_v,
-                "err_before": _err(before, r.measured), "err_after": _err(after, r.measured),
-                "err_loo": _err(loo_v, r.measured), "notes": notes,
+                "err_before": rel_error(before, r.measured), "err_after": rel_error(after, r.measured),
+                "err_loo": rel_error(loo_v, r.measured), "notes": notes,
                 "plan": r.plan.describe(), "cluster": r.cluster_name, "gpus": r.gpus,
                 "global_batch": r.train.global_batch, "seq": r.train.seq_len,
                 "source_tflops_convention": r.flops, "source": r.source, "assumed": list(r.assumed),
@@ -431,7 +423,7 @@ def run(*, factor_names: Mapping[str, Sequence[str]] | None = None, lam: float =
                 rec["formula_tflops_at_measured_step"] = source_flops(r) / r.measured / r.world / 1e12
             if r.memory_gb is not None:
                 rec["memory"] = {"kind": r.memory_kind, "measured_gb": r.memory_gb,
-                                 "predicted_gb": memory_of(r, ea), "err": _err(memory_of(r, ea), r.memory_gb)}
+                                 "predicted_gb": memory_of(r, ea), "err": rel_error(memory_of(r, ea), r.memory_gb)}
             if r.phases_s:
                 rec["phases_s"] = {"measured": dict(r.phases_s), "predicted_after": phases_of(ea)}
             by_id[r.id] = rec
@@ -446,12 +438,12 @@ def run(*, factor_names: Mapping[str, Sequence[str]] | None = None, lam: float =
     for k, recs in groups.items():
         report["sections"][k] = {
             "rows": len(recs),
-            "mape_before": _mape([x["err_before"] for x in recs]),
-            "mape_after": _mape([x["err_after"] for x in recs]),
-            "mape_after_fitted": _mape([x["err_after"] for x in recs if x["role"] == "fit"]),
-            "mape_after_held_out": _mape([x["err_after"] for x in recs if x["role"] == "held out"]),
-            "mape_loo": _mape([x["err_loo"] for x in recs]),
-            "memory_mape": _mape([x["memory"]["err"] for x in recs if "memory" in x]),
+            "mape_before": mape([x["err_before"] for x in recs]),
+            "mape_after": mape([x["err_after"] for x in recs]),
+            "mape_after_fitted": mape([x["err_after"] for x in recs if x["role"] == "fit"]),
+            "mape_after_held_out": mape([x["err_after"] for x in recs if x["role"] == "held out"]),
+            "mape_loo": mape([x["err_loo"] for x in recs]),
+            "memory_mape": mape([x["memory"]["err"] for x in recs if "memory" in x]),
         }
     report["runtime_s"] = time.perf_counter() - t0
     return report

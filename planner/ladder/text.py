@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from planner.calibrate.accuracy import rel_error
 from planner.ladder.claims import ours_text
 
 
@@ -20,10 +21,9 @@ GAIN_TARGET = 0.15
 
 
 def _err(predicted: float | None, measured: float | None) -> str:
-    """(predicted - measured) / measured as a signed percentage, "-" without both."""
-    if not predicted or not measured:
-        return "-"
-    return f"{(predicted - measured) / measured:+.0%}"
+    """rel_error as a signed percentage, "-" without both."""
+    e = rel_error(predicted, measured) if predicted else None
+    return "-" if e is None else f"{e:+.0%}"
 
 
 def _name(r: dict[str, Any]) -> str:

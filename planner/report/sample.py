@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from planner.calibrate.accuracy import rel_error
 from planner.rundir import atomic_write_json
 from planner.specs import Estimate, ModelSpec, Plan, TrainSpec, parse_cluster, preset
 from planner.specs.estimate import GB
@@ -68,9 +69,9 @@ def _measured(plan: Plan, model: ModelSpec, est: Estimate, train: TrainSpec, rng
             "model_state_gb_per_rank": [est.stage_memory[0].params / GB] * len(per_rank), "loss": loss,
             "predicted": {"step_time_s": est.step_time_s, "tokens_per_s": est.tokens_per_s,
                           "peak_memory_gb": est.peak_memory_gb, "allocated_peak_gb": est.allocated_peak_bytes / GB},
-            "relative_error": {"step_time_s": (est.step_time_s - mean) / mean,
-                               "tokens_per_s": (est.tokens_per_s - tps) / tps,
-                               "peak_memory_gb": (est.peak_memory_gb - peak) / peak},
+            "relative_error": {"step_time_s": rel_error(est.step_time_s, mean),
+                               "tokens_per_s": rel_error(est.tokens_per_s, tps),
+                               "peak_memory_gb": rel_error(est.peak_memory_gb, peak)},
             "events": [{"step": 12, "kind": "checkpoint", "message": "saved checkpoint global_step12"}]}
 
 

@@ -33,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from planner.calibrate.core import mape
+from planner.calibrate.accuracy import mape_of
+from planner.calibrate.core import pct
 from planner.calibrate.solver import linear_relative
 from planner.errors import SpecError
 from planner.rundir import atomic_write_json
@@ -194,8 +195,8 @@ def fit_report(runs: list[dict[str, Any]], factors: dict[str, float], device: De
     obs = [o for r in runs for o in _observations(r, device)]
     meas = [m for _, m, _ in obs]
     before = {k: device.factor(k, SERVE_DEFAULTS[k]) for k in ORDER}
-    return {"steps": len(obs), "mape_before_pct": mape(_predict(obs, before), meas),
-            "mape_after_pct": mape(_predict(obs, factors), meas), "factors": factors}
+    return {"steps": len(obs), "mape_before_pct": pct(mape_of(_predict(obs, before), meas)),
+            "mape_after_pct": pct(mape_of(_predict(obs, factors), meas)), "factors": factors}
 
 
 def apply_serving(profile_data: dict[str, Any], factors: dict[str, float], report: dict[str, Any]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import pytest
 from planner.errors import SpecError
 from planner.data.corpus import DataSpec
 from planner.data.batching import Layout, Rows, batches_for_tokens, padding_stats
-from planner.runtime.observe.metrics import relative_error
+from planner.calibrate.accuracy import rel_error
 from planner.runtime.observe.monitor import MonitorSettings, StabilityMonitor
 from planner.specs import preset, scale
 
@@ -368,5 +368,6 @@ def test_block_flags_first_k_of_each_stage() -> None:
 
 
 def test_relative_error_sign() -> None:
-    assert relative_error(2.0, 3.0) == pytest.approx(0.5)
-    assert relative_error(None, 1.0) is None
+    """metrics.json's relative_error is planner.calibrate.accuracy.rel_error(predicted, measured)."""
+    assert rel_error(3.0, 2.0) == pytest.approx(0.5)
+    assert rel_error(1.0, None) is None and rel_error(None, 1.0) is None and rel_error(1.0, 0.0) is None

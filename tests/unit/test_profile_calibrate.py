@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from planner.calibrate import calibrate, load_measured, mape
+from planner.calibrate import calibrate, load_measured, mape, mape_of, rel_error
 from planner.calibrate.fit import with_factors
 from planner.search.trials import plan_from_row
 from planner.tune.refine import refine, top_plans
@@ -71,8 +71,11 @@ def test_calibration_recovers_synthetic_factors():
 
 
 def test_mape():
-    assert mape([110.0, 90.0], [100.0, 100.0]) == pytest.approx(10.0)
-    assert math.isnan(mape([float("nan")], [1.0]))
+    """planner.calibrate.accuracy: the one relative error and MAPE (fractions)."""
+    assert rel_error(110.0, 100.0) == pytest.approx(0.10) and rel_error(90.0, 100.0) == pytest.approx(-0.10)
+    assert mape([0.10, -0.30, None]) == pytest.approx(0.20)  # None skipped, not counted as 0
+    assert mape_of([110.0, 90.0], [100.0, 100.0]) == pytest.approx(0.10)
+    assert mape_of([float("nan")], [1.0]) is None and mape([]) is None
 
 
 def _write_run(d, plan, step=0.5, mem=1.2, status="ok"):

@@ -6,6 +6,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from planner.calibrate.accuracy import rel_error
 from planner.runtime.files import RANKS_DIR
 from planner.specs.estimate import GB
 
@@ -40,13 +41,6 @@ def state_errors(measured: list[dict[str, float]], predicted: list[dict[str, flo
     """Per rank and class, predicted - measured GB (a class the cost model has no buffer for,
     such as "other", is predicted 0)."""
     return [{k: p.get(k, 0.0) - v for k, v in m.items()} for m, p in zip(measured, predicted)]
-
-
-def relative_error(measured: float | None, predicted: float | None) -> float | None:
-    """(predicted - measured) / measured: +0.2 means the estimate was 20% high."""
-    if measured is None or predicted is None or measured == 0:
-        return None
-    return (predicted - measured) / measured
 
 
 def _progress_losses(run: Path) -> list[float]:
@@ -114,7 +108,7 @@ def build_metrics(result: dict, plan, model, warmup: int, steps: int, estimate_d
         "rss_before_model_gb_per_rank": [r["rss_before_model_bytes"] / GB for r in ranks],
         "loss": result["loss"], "resumed_at": result["resumed_at"], "skipped_batches": result["skipped_batches"],
         "predicted": predicted,
-        "relative_error": {k: relative_error(measured[k], predicted[k]) for k in measured},
+        "relative_error": {k: rel_error(predicted[k], measured[k]) for k in measured},
         "events": result["events"],
         # the trainer's figures (planner/runtime/train/loop.py): the rate each step used, the schedule
         # DeepSpeed ran (its ds_config "scheduler" block), held-out losses, time in all-reduce
