@@ -50,7 +50,7 @@ from planner.calibrate.accuracy import mape, rel_error
 from planner.calibrate.fit import ADDITIVE, FRACTIONS, with_factors
 from planner.calibrate.solver import Additive, Bounded, Logit, Param, fit_relative, leave_out, pmap
 from planner.cost import estimate
-from planner.cost.factors import DEFAULTS, factor
+from planner.cost.factors import DEFAULTS, Factors, factor
 from planner.rundir import atomic_write_json
 from planner.specs import Estimate, ModelSpec, Plan, TrainSpec, find_device, parse_cluster
 from planner.specs.estimate import GB
@@ -100,7 +100,10 @@ than stated) and leaving C out sends C's error to 470%. V100 keeps the measured 
 
 
 def default_factor_names(gen: str | None = None) -> tuple[str, ...]:
-    new = tuple(n for n in DEFAULTS if n not in KNOWN_FACTORS and n not in PHYSICS
+    # in the factors' declared order (planner/cost/factors.py Factors): DEFAULTS iterates a
+    # frozenset, whose order changes with PYTHONHASHSEED, and the order of the fitted names sets
+    # Levenberg-Marquardt's path (the fit's last digits and its iteration count)
+    new = tuple(n for n in Factors.names() if n not in KNOWN_FACTORS and n not in PHYSICS
                 and not any(w in n for w in MEMORY_WORDS) and (gen in PER_GENERATION.get(n, (gen,))))
     return BASE_FACTORS + new
 

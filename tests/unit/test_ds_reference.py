@@ -99,3 +99,15 @@ def test_fit_recovers_known_factors_from_synthetic_rows():
         assert fit.factors[n] == pytest.approx(v, **tol), (n, fit.factors)
     assert fit.msle < 1e-6
     assert all(d > 0.5 for d in fit.determination.values())
+
+
+def test_fitted_names_do_not_depend_on_the_hash_seed():
+    """The order of the fitted names sets LM's path: it must not follow a frozenset's order
+    (PYTHONHASHSEED), or `planner calibrate --reference` is not reproducible."""
+    import os
+    import subprocess
+    import sys
+    code = "from planner.calibrate.reference import default_factor_names as d; print(d('A100'), d('V100'))"
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2, 3)}
+    assert len(outs) == 1
