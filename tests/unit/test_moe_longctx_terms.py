@@ -186,3 +186,21 @@ def test_zero_labels_follow_the_runtime():
     assert get_runtime("megatron-core").zero_label(1).startswith("distributed optimizer")
     assert get_runtime("fsdp").zero_label(3) == "FULL_SHARD"
     assert get_runtime("deepspeed").zero_label(2) == "ZeRO-2"
+
+
+def test_moe_model_flops_swap_the_dense_ffn_for_active_experts_without_padding():
+    """GLM-4.5-Air at 4k with a capacity factor of 1.25 (padding is not model FLOPs): a MoE
+    block is the dense block less its FFN (2 s h 10944 x 3, SwiGLU) plus the router (2 s h E),
+    the shared expert (2 s h 1408 x 3) and k = 8 routed experts per token (2 s k h 1408 x 3);
+    45 of the 46 blocks are MoE blocks. Forward + backward = 3 x (46 blocks + output layer)."""
+    s, h = 4096, 4096
+    padded = dataclasses.replace(AIR, moe=dataclasses.replace(AIR.moe, capacity_factor=1.25))
+    dense = compute.block_forward_flops(padded, s, 1)
+    swap = 2 * s * h * 128 + 2 * s * h * 1408 * 3 + 2 * s * 8 * h * 1408 * 3 - 2 * s * h * 10944 * 3
+    block = dense + 45 / 46 * swap
+    assert moe.block_forward_flops(padded, s) == pytest.approx(block, rel=EXACT)
+    logits = 2.0 * s * h * 151552
+    assert moe.model_flops_per_sequence(padded, s) == pytest.approx(3.0 * (46 * block + logits), rel=EXACT)
+    dense_model = preset("glm-4-9b")
+    assert moe.model_flops_per_sequence(dense_model, s) == compute.model_flops_per_sequence(dense_model, s)
+    assert moe.block_forward_flops(dense_model, s) == compute.block_forward_flops(dense_model, s, 1)
