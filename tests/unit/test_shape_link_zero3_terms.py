@@ -191,3 +191,57 @@ def test_a_runtime_without_a_precision_lists_the_ones_it_has():
     out = problems(rt, Plan(dp=8, zero=3, precision="fp16", micro_batch=1, grad_accum=1))
     assert [(p.field, p.code, p.message, p.fix) for p in out] == [
         ("--runtime", "runtime-precision", "runtime fsdp does not offer fp16", "use one of bf16, fp32")]
+
+
+def test_runtime_without_tp_interleaving_or_zero_variants_says_which():
+    mc = get_runtime("megatron-core")
+    flat = dataclasses.replace(mc, tensor_parallel=False, interleaved=False)
+    out = problems(flat, Plan(dp=2, tp=2, pp=2, schedule="interleaved", interleave=2, micro_batch=1, grad_accum=4))
+    assert [(p.field, p.code, p.message, p.fix) for p in out] == [
+        ("--tp", "runtime-tp", "runtime megatron-core has no tensor parallelism", "use tp=1 or another --runtime"),
+        ("--interleave", "runtime-interleaved", "runtime megatron-core has no interleaved schedule",
+         "use 1f1b or --runtime megatron-core")]
+    hpz = Plan(dp=4, zero=3, hpz=2, micro_batch=1, grad_accum=1)
+    (p,) = problems(get_runtime("fsdp"), hpz)
+    assert (p.field, p.code, p.message, p.fix, p.detail) == (
+        "--runtime", "runtime-variants", "runtime fsdp has none of DeepSpeed's ZeRO variants",
+        "drop them or use --runtime deepspeed", ", ".join(hpz.variants))
+
+
+# --- the output layer and its loss at TP 2, micro-batch 2 ----------------------------------------
+
+def test_output_layer_times_its_three_shapes_per_tp_rank():
+    m = preset("glm-4-9b")
+    s, b, t = 2048, 2, 2
+    T, h, n = s * b, 4096, m.padded_vocab(t) / t
+    three = (compute.shape_time(H100, T, n, h, "bf16") + compute.shape_time(H100, T, h, n, "bf16")
+             + compute.shape_time(H100, h, n, T, "bf16"))
+    assert compute.logits_times(m, H100, s, b, t, "bf16", 1.5) == pytest.approx(three * 1.5, rel=EXACT)
+
+
+def test_fused_cross_entropy_keeps_logits_and_lse_instead_of_the_fp32_softmax():
+    from planner.cost import memory
+    m = preset("glm-4-9b")
+    s, b, t, e = 2048, 2, 2, 2.0
+    v = m.padded_vocab(t) / t
+    kw = dict(sequence_parallel=False, act_bytes=e)
+    fused = memory.head_bytes(m, s, b, t, fused_ce=True, **kw)
+    plain = memory.head_bytes(m, s, b, t, **kw)
+    assert fused - plain == pytest.approx(e * b * s * v + 4 * b * s - 4 * b * s * v, rel=EXACT)
+
+
+def test_linear_attention_feature_map_reads_and_writes_q_and_k():
+    m = dataclasses.replace(preset("glm-4-9b"), attention_kind="linear")
+    s, b, t, e = 2048, 2, 2, 2.0
+    lin = compute.block_elementwise_bytes(m, s, b, t, e, False, "linear")
+    flash = compute.block_elementwise_bytes(m, s, b, t, e, False, "flash")
+    assert lin - flash == pytest.approx(s * b * e * (4096 + 256) * 2 / t, rel=EXACT)
+
+
+def test_a_pcie_bound_group_across_nodes_is_not_slowed_by_the_network_efficiency():
+    """L40S: 20 GB/s PCIe inside the node, 40 GB/s of network per node: a DP group over two
+    nodes is bound by PCIe, so the runtime's network_efficiency does not apply."""
+    c = parse_cluster("2x8xL40S")
+    r = comm.route(c, 16, 1, 8, 2)
+    assert r.busbw == 20e9 and not r.network
+    assert comm.route_allreduce(1e9, 16, r, 1.0, 1.0, 0.5) == comm.route_allreduce(1e9, 16, r, 1.0, 1.0, 1.0)
