@@ -245,3 +245,81 @@ def test_a_pcie_bound_group_across_nodes_is_not_slowed_by_the_network_efficiency
     r = comm.route(c, 16, 1, 8, 2)
     assert r.busbw == 20e9 and not r.network
     assert comm.route_allreduce(1e9, 16, r, 1.0, 1.0, 0.5) == comm.route_allreduce(1e9, 16, r, 1.0, 1.0, 1.0)
+
+
+# --- compute.py: the block's compute on each path -----------------------------------------------
+
+PRUNED = dataclasses.replace(preset("glm-4-9b"), ffn_sparsity=0.5, sparse_gemm_efficiency=0.6)
+
+
+def test_pruned_ffn_gemms_divide_by_the_sparse_efficiency_on_both_paths():
+    s, b, t = 2048, 2, 2
+    shapes = compute.weight_shapes(PRUNED, t)
+    per = compute.weight_gemm_times(PRUNED, H100, s, b, t, "bf16")
+    for (k, n), (f_, b_), e in zip(shapes, per, (1.0, 1.0, 0.6, 0.6)):
+        lf, lb = compute.linear_times(H100, s * b, k, n, "bf16")
+        assert (f_, b_) == (pytest.approx(lf / e, rel=EXACT), pytest.approx(lb / e, rel=EXACT))
+    a100 = parse_cluster("8xA100-80GB").device                          # fp32: no tile model
+    assert not compute.shaped(a100, "fp32") and compute.shaped(a100, "bf16")
+    gemms, _ = compute.block_gemms(PRUNED, s, b, t)
+    per = compute.weight_gemm_times(PRUNED, a100, s, b, t, "fp32")
+    for g, (f_, b_), e in zip(gemms, per, (1.0, 1.0, 0.6, 0.6)):
+        one = compute.gemm_time(a100, g, "fp32", 1.0)
+        assert (f_, b_) == (pytest.approx(one / e, rel=EXACT), pytest.approx(2 * one / e, rel=EXACT))
+
+
+def test_attention_core_without_a_flash_curve_is_two_batched_gemms_and_flash_recomputes_qk():
+    """V100 has no flash-attention curve: the core is timed from its batched GEMMs; backward is
+    two GEMMs per forward GEMM, and flash recomputes Q K^T on top."""
+    v100 = parse_cluster("8xV100").device
+    m, s, b, t = preset("glm-4-9b"), 2048, 2, 2
+    qk, pv = compute.core_gemm_times(m, v100, s, b, t, "fp16")
+    kw = dict(compute_scale=1.0, attention_scale=1.5)
+    fl = compute.block_compute_times(m, v100, s, b, t, "fp16", kernel="flash", **kw)
+    eg = compute.block_compute_times(m, v100, s, b, t, "fp16", kernel="eager", **kw)
+    assert fl.core_fwd == pytest.approx((qk + pv) * 1.5, rel=EXACT) == eg.core_fwd
+    assert fl.core_bwd == pytest.approx((2 * (qk + pv) + qk) * 1.5, rel=EXACT)
+    assert eg.core_bwd == pytest.approx(2 * (qk + pv) * 1.5, rel=EXACT)
+
+
+def test_linear_attention_core_and_its_recompute_on_both_paths():
+    m = dataclasses.replace(preset("glm-4-9b"), attention_kind="linear")
+    s, b, t = 2048, 2, 2
+    _, core = compute.block_gemms(m, s, b, t)
+    rec_flops = compute.flash_recompute_flops(m, s, b, t)
+    for dev, prec in ((H100, "bf16"), (parse_cluster("8xA100-80GB").device, "fp32")):
+        cf = compute.core_time(m, dev, core, s, prec, 1.5)
+        rec = compute.core_time(m, dev, rec_flops, s, prec, 1.5)
+        assert rec > 0
+        got = compute.block_compute_times(m, dev, s, b, t, prec, compute_scale=1.0, attention_scale=1.5,
+                                          kernel="linear")
+        assert got.core_fwd == pytest.approx(cf, rel=EXACT) and got.core_bwd == pytest.approx(2 * cf + rec, rel=EXACT)
+    a100 = parse_cluster("8xA100-80GB").device
+    eager = compute.block_compute_times(m, a100, s, b, t, "fp32", compute_scale=1.0, attention_scale=1.5, kernel="eager")
+    cf = compute.core_time(m, a100, core, s, "fp32", 1.5)
+    assert eager.core_bwd == pytest.approx(2 * cf, rel=EXACT)
+
+
+# --- runtime.py: data files and the factors a runtime keeps from the device --------------------
+
+def test_a_runtime_keeps_the_devices_memory_allowances():
+    from planner.cost.runtime import runtime_factors
+    rt = dataclasses.replace(get_runtime("megatron-core"), factors={"compute_scale": 1.1}, by_device={})
+    out = runtime_factors(rt, "H100-SXM", {"memory_overhead_gb": 3.0, "memory_fragmentation": 0.2,
+                                           "compute_scale": 9.0, "dp_overlap": 0.1},
+                          {"memory_overhead_gb": 1.0, "memory_fragmentation": 0.1, "compute_scale": 1.0,
+                           "dp_overlap": 0.7})
+    assert out == {"memory_overhead_gb": 3.0, "memory_fragmentation": 0.2, "compute_scale": 1.1, "dp_overlap": 0.7}
+
+
+def test_a_runtime_file_missing_fields_names_them(tmp_path):
+    from planner.cost.runtime import _load
+    from planner.errors import SpecError
+    path = tmp_path / "mine.json"
+    path.write_text('{"name": "mine", "executable": false, "zero_stages": [0], "pipeline": true, '
+                    '"tensor_parallel": true, "interleaved": false, "attention": "plan", "tp_comm_overlap": false, '
+                    '"p2p_overlap": false}')
+    with pytest.raises(SpecError) as err:
+        _load(path)
+    assert str(err.value) == ("runtime mine.json: missing field(s) ['flat_parameters', 'device_factors'] "
+                              "(fix: fix the runtime data file)")
