@@ -323,3 +323,36 @@ def test_a_runtime_file_missing_fields_names_them(tmp_path):
         _load(path)
     assert str(err.value) == ("runtime mine.json: missing field(s) ['flat_parameters', 'device_factors'] "
                               "(fix: fix the runtime data file)")
+
+
+REQUIRED = ('"executable": false, "zero_stages": [0, 1], "pipeline": true, "tensor_parallel": true, '
+            '"interleaved": false, "attention": "plan", "tp_comm_overlap": false, "p2p_overlap": false, '
+            '"flat_parameters": false, "device_factors": false')
+
+
+def test_a_minimal_runtime_file_takes_the_stated_defaults(tmp_path):
+    from planner.cost.runtime import _load
+    path = tmp_path / "mine.json"
+    path.write_text('{"name": "mine", ' + REQUIRED + '}')
+    rt = _load(path)
+    assert (rt.zero_names, rt.precisions, rt.attention_kernels, rt.causal_attention, rt.fused_cross_entropy,
+            rt.factors, rt.by_device, rt.sources, rt.path) == (
+        {}, ("bf16", "fp16", "fp32"), ("fa2",), True, False, {}, {}, {}, str(path))
+    assert rt.zero_label(1) == "ZeRO-1"
+
+
+def test_a_runtime_file_is_read_field_by_field(tmp_path):
+    from planner.cost.runtime import _load
+    path = tmp_path / "full.json"
+    path.write_text('{"name": "full", ' + REQUIRED + ', "zero_names": {"1": "sharded optimizer"}, '
+                    '"precisions": ["bf16", "fp8"], "attention_kernels": ["fa3", "cudnn"], '
+                    '"causal_attention": false, "fused_cross_entropy": true, "factors": {"compute_scale": 2}, '
+                    '"by_device": {"H100-SXM": {"compute_scale": 3}}, "sources": {"compute_scale": "measured"}}')
+    rt = _load(path)
+    assert (rt.name, rt.zero_stages, rt.zero_names, rt.precisions, rt.attention_kernels) == (
+        "full", (0, 1), {"1": "sharded optimizer"}, ("bf16", "fp8"), ("fa3", "cudnn"))
+    assert (rt.causal_attention, rt.fused_cross_entropy, rt.factors, rt.by_device, rt.sources) == (
+        False, True, {"compute_scale": 2.0}, {"H100-SXM": {"compute_scale": 3.0}}, {"compute_scale": "measured"})
+    assert isinstance(rt.factors["compute_scale"], float) and isinstance(rt.by_device["H100-SXM"]["compute_scale"], float)
+    assert (rt.executable, rt.pipeline, rt.interleaved, rt.attention) == (False, True, False, "plan")
+    assert rt.zero_label(1) == "sharded optimizer"
