@@ -63,7 +63,7 @@ def framework_overheads(cluster: ClusterSpec, plan: Plan, f: Factors) -> tuple[f
     the oversubscription like compute; on 2 or more processes the 2-process probe's (Parallel):
     under a pipeline its pipe schedule's cost per micro-batch replaces the framework's, else
     its concurrency cost per micro-batch adds to it; with data parallelism (ZeRO 0-2) its
-    per-step cost adds to the step's."""
+    per-step cost adds to the step's, under ZeRO-3 its ZeRO-3 costs per micro-batch and step."""
     fw = cluster.device.step.framework.get(plan.precision)
     if fw is None:
         return f.microbatch_overhead_s, f.step_overhead_s
@@ -77,6 +77,8 @@ def framework_overheads(cluster: ClusterSpec, plan: Plan, f: Factors) -> tuple[f
             mb += par.microbatch_s
         if plan.dp > 1 and plan.zero < 3:
             step += par.dp_step_s
+        if plan.dp > 1 and plan.zero == 3:
+            mb, step = mb + par.zero3_microbatch_s, step + par.zero3_step_s
     return f.microbatch_overhead_s + mb * k, f.step_overhead_s + step * k
 
 

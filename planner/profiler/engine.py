@@ -27,10 +27,12 @@ ACCUMULATIONS = (1, 4)
 """Micro-batches per step of the two timed engines (planner.runtime.train.probe)."""
 
 
-LAYOUTS = ({"name": "dp", "dp": 2, "pp": 1}, {"name": "pp", "dp": 1, "pp": 2})
+LAYOUTS = ({"name": "dp", "dp": 2, "pp": 1}, {"name": "pp", "dp": 1, "pp": 2},
+           {"name": "z3", "dp": 2, "pp": 1, "zero": 3})
 """The layouts of the 2-process engine probe (measure_parallel): DP2 ZeRO-0 (the gradient
-all-reduce as DeepSpeed runs it, both ranks computing at once) and PP2 (DeepSpeed's
-PipelineEngine: its 1F1B schedule, sends and receives)."""
+all-reduce as DeepSpeed runs it, both ranks computing at once), PP2 (DeepSpeed's
+PipelineEngine: its 1F1B schedule, sends and receives) and DP2 ZeRO-3 (its gathers, releases
+and reductions as its module hooks run them)."""
 
 
 def measure(model: dict[str, Any], b: int, s: int, precisions: list[str], threads: int,
@@ -42,10 +44,12 @@ def measure(model: dict[str, Any], b: int, s: int, precisions: list[str], thread
 
 def measure_parallel(model: dict[str, Any], b: int, s: int, precisions: list[str], threads: int,
                      timeout_s: float = 600.0) -> list[dict[str, Any]]:
-    """The engine probe on 2 processes, each LAYOUTS entry in every precision with 1 and 4
-    micro-batches per step; rows tagged with their layout ("dp", "pp")."""
+    """The engine probe on 2 processes, each LAYOUTS entry in every precision (ZeRO-3: the
+    first, the profiled one) with 1 and 4 micro-batches per step; rows tagged with their layout
+    ("dp", "pp", "z3")."""
     return _launch({"model": model, "b": b, "s": s, "precisions": precisions, "threads": threads,
-                    "layouts": list(LAYOUTS)}, 2, timeout_s)
+                    "layouts": [dict(lay, precisions=precisions[:1]) if lay.get("zero") == 3 else lay
+                                for lay in LAYOUTS]}, 2, timeout_s)
 
 
 def _launch(args: dict[str, Any], world: int, timeout_s: float) -> list[dict[str, Any]]:

@@ -196,7 +196,9 @@ def parallel_section(rows: list[dict[str, Any]], opts: ProfileOptions, data: dic
     - pipe_microbatch_s = PP2's per micro-batch - the slowest stage's compute per micro-batch;
     - pipe_bubble = (PP2's per step - framework per step - Adam update) / ((p - 1) x PP2's per
       micro-batch): the 1F1B step of m micro-batches lasts (m + p - 1) stage micro-batches
-      when the fill and drain are fully exposed (pipe_bubble 1)."""
+      when the fill and drain are fully exposed (pipe_bubble 1);
+    - zero3_microbatch_s, zero3_step_s = DP2 ZeRO-3's per micro-batch and per step minus the
+      cost model's for the same plan (steps of 1 and 4 micro-batches) with the terms above."""
     from planner.cost import estimate
     from planner.profiler.engine import split
     from planner.specs.plan import Plan
@@ -227,6 +229,22 @@ def parallel_section(rows: list[dict[str, Any]], opts: ProfileOptions, data: dic
             "pipe_bubble": max((pp["step_s"] - fw["step_s"] - t_pp.optimizer) / pp["microbatch_s"], 0.0),
             "measured_dp": dp, "measured_pp": pp, "predicted_dp_microbatch_s": t.forward + t.backward + t.recompute,
             "predicted_dp_sync_s": t.dp_sync, "predicted_stage_microbatch_s": stage}
+    z3_rows = split(rows, "z3")
+    for prec, z3 in z3_rows.items():
+        if prec not in out:
+            continue
+        par = {k: out[prec][k] for k in ("microbatch_s", "dp_step_s", "pipe_microbatch_s", "pipe_bubble")}
+        with_par = profile_from_dict({**{k: v for k, v in data.items() if k != "step"}, "step": {
+            "block": block, "framework": {p: {"microbatch_s": f["microbatch_s"], "step_s": f["step_s"]}
+                                          for p, f in framework.items()}, "parallel": {prec: par}}}, data["name"])
+        b, s = next((r["micro_batch"], r["seq"]) for r in rows if r["precision"] == prec and r.get("layout") == "z3")
+        t1, t4 = (estimate(opts.model, _cluster(with_par, 2), TrainSpec(global_batch=2 * b * m, seq_len=s,
+                                                                         precision=prec),
+                           Plan(dp=2, zero=3, micro_batch=b, grad_accum=m, precision=prec)).step_time_s for m in (1, 4))
+        per_mb = (t4 - t1) / 3.0
+        out[prec].update(zero3_microbatch_s=max(z3["microbatch_s"] - per_mb, 0.0),
+                         zero3_step_s=max(z3["step_s"] - (t1 - per_mb), 0.0), measured_z3=z3,
+                         predicted_z3={"microbatch_s": per_mb, "step_s": t1 - per_mb})
     return out
 
 

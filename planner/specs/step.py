@@ -31,7 +31,8 @@ inside autograd, between the block's GEMMs:
   computing at once add per micro-batch and DeepSpeed's data-parallel step adds per step
   beyond the 1-process engine and the cost model's all-reduce (DP2); what the pipe schedule
   costs per micro-batch beyond the stage's compute, and the share of the fill / drain the
-  step shows (PP2). planner/cost/model.py framework_overheads and planner/cost/estimate.py
+  step shows (PP2); what DP2 ZeRO-3 costs per micro-batch and per step beyond the cost
+  model's ZeRO-3 terms. planner/cost/model.py framework_overheads and planner/cost/estimate.py
   compose them.
 
 Absent (every built-in profile, and a measured one from before): the cost model uses its
@@ -93,6 +94,13 @@ class Parallel:
     pipe_bubble: float
     """PP2: the share of the fill / drain time (pipeline.pipeline_time's bubble) that the step
     measures: (step with 1 micro-batch - the fixed step costs) / ((p - 1) x per micro-batch)."""
+    zero3_microbatch_s: float = 0.0
+    """DP2 ZeRO-3 (the profiled precision): seconds per micro-batch beyond the cost model's
+    ZeRO-3 plan with the terms above (its module hooks' gathers and releases as they run):
+    plans with ZeRO-3 over dp > 1. 0 where not measured."""
+    zero3_step_s: float = 0.0
+    """DP2 ZeRO-3: seconds per step beyond the same (its optimizer over partitions, its
+    reductions). 0 where not measured."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -124,7 +132,8 @@ class StepProbes:
                                  for n, l in self.tp_allreduce.items()},
                 "framework": {p: {"microbatch_s": f.microbatch_s, "step_s": f.step_s} for p, f in self.framework.items()},
                 "parallel": {p: {"microbatch_s": x.microbatch_s, "dp_step_s": x.dp_step_s,
-                                 "pipe_microbatch_s": x.pipe_microbatch_s, "pipe_bubble": x.pipe_bubble}
+                                 "pipe_microbatch_s": x.pipe_microbatch_s, "pipe_bubble": x.pipe_bubble,
+                                 "zero3_microbatch_s": x.zero3_microbatch_s, "zero3_step_s": x.zero3_step_s}
                              for p, x in self.parallel.items()}}
 
 
@@ -175,7 +184,9 @@ def step_from_dict(raw: Any, precisions: tuple[str, ...]) -> StepProbes:
             raise ProfileError(where, "must map a precision to microbatch_s, dp_step_s, pipe_microbatch_s and "
                                "pipe_bubble", REGENERATE)
         parallel[prec] = Parallel(**{k: _number(x.get(k), f"{where}.{k}", positive=False)
-                                     for k in ("microbatch_s", "dp_step_s", "pipe_microbatch_s", "pipe_bubble")})
+                                     for k in ("microbatch_s", "dp_step_s", "pipe_microbatch_s", "pipe_bubble")},
+                                  **{k: _number(x.get(k, 0.0), f"{where}.{k}", positive=False)
+                                     for k in ("zero3_microbatch_s", "zero3_step_s")})
     return StepProbes(block=block, tp_allreduce=links, framework=framework, parallel=parallel)
 
 

@@ -220,6 +220,11 @@ def test_data_parallel_probe_adds_per_micro_batch_and_per_step():
     assert got.step_time_s - before.step_time_s == pytest.approx(0.07, rel=1e-9)
     z3 = Plan(dp=2, zero=3, micro_batch=4, grad_accum=1)
     assert estimate(MODEL, two, TRAIN, z3).time.overhead == pytest.approx(0.03 + 0.03, rel=1e-12)
+    # ZeRO-3 measured: 0.004 s more per micro-batch, 0.006 per step: 0.03 + 0.006 + 1 x (0.03 + 0.004)
+    z3dev = with_step(StepProbes(framework=fw, parallel={"bf16": _par(microbatch_s=0.01, dp_step_s=0.05,
+                                                                      zero3_microbatch_s=0.004, zero3_step_s=0.006)}))
+    assert estimate(MODEL, parse_cluster("2xcpu", z3dev), TRAIN, z3).time.overhead == \
+        pytest.approx(0.03 + 0.006 + 0.03 + 0.004, rel=1e-12)
     one = parse_cluster("1xcpu", dev)
     assert estimate(MODEL, one, TRAIN, Plan(micro_batch=4, grad_accum=2)).time.overhead == \
         pytest.approx(0.03 + 2 * 0.02, rel=1e-12)
@@ -269,7 +274,7 @@ def test_profile_writes_the_parallel_section_from_the_two_process_probe():
     from planner.specs import profile_from_dict
     rows = [{"layout": lay, "precision": "bf16", "micro_batch": 4, "seq": 128, "grad_accum": m, "step_s": s}
             for lay, m, s in (("1", 1, 0.20), ("1", 4, 0.80), ("dp", 1, 0.35), ("dp", 4, 1.10), ("pp", 1, 0.18),
-                              ("pp", 4, 0.54))]
+                              ("pp", 4, 0.54), ("z3", 1, 0.50), ("z3", 4, 1.40))]
     import json
     from pathlib import Path
     data = json.loads((Path(__file__).resolve().parents[2] / "profiles" / "cpu.json").read_text())
@@ -290,6 +295,16 @@ def test_profile_writes_the_parallel_section_from_the_two_process_probe():
     assert par["pipe_microbatch_s"] == pytest.approx(0.12 - (tp.forward + tp.backward))
     assert par["pipe_bubble"] == pytest.approx((0.06 - fw["step_s"] - tp.optimizer) / 0.12)
     assert min(par["microbatch_s"], par["dp_step_s"], par["pipe_microbatch_s"], par["pipe_bubble"]) > 0
+    # DP2 ZeRO-3 0.50 / 1.40 s -> 0.30 per micro-batch, 0.20 per step, minus the model's with the terms above
+    keys = ("microbatch_s", "dp_step_s", "pipe_microbatch_s", "pipe_bubble")
+    with_par = profile_from_dict({**data, "step": {"block": block, "framework": {
+        "bf16": {k: framework["bf16"][k] for k in ("microbatch_s", "step_s")}},
+        "parallel": {"bf16": {k: par[k] for k in keys}}}})
+    t1, t4 = (estimate(MODEL, parse_cluster("2xcpu", with_par), TrainSpec(global_batch=8 * m, seq_len=128),
+                       Plan(dp=2, zero=3, micro_batch=4, grad_accum=m)).step_time_s for m in (1, 4))
+    assert par["zero3_microbatch_s"] == pytest.approx(0.30 - (t4 - t1) / 3)
+    assert par["zero3_step_s"] == pytest.approx(0.20 - (t1 - (t4 - t1) / 3))
+    assert par["zero3_microbatch_s"] > 0 and par["zero3_step_s"] > 0
     # the profile's step section carries it (build() adds step.parallel when the probe ran)
     assert step_from_dict({"parallel": {"bf16": {k: par[k] for k in ("microbatch_s", "dp_step_s",
                                                                      "pipe_microbatch_s", "pipe_bubble")}}},

@@ -6,7 +6,7 @@ micro-batch; under a pipeline engine.train_batch over the step's micro-batches, 
 planner/runtime/train/loop.py runs it).
 
 ARGS_JSON: port, model, b, s, precisions, threads, and optionally world (processes, default 1),
-rank, and layouts: [{"name", "dp", "pp"}] run on those `world` processes (default one layout
+rank, and layouts: [{"name", "dp", "pp", "zero"}] run on those `world` processes (default one layout
 "1" of one process). Each step's time is the slowest rank's; rank 0 writes the rows."""
 from __future__ import annotations
 
@@ -46,9 +46,10 @@ def run(port: int, model: dict[str, Any], b: int, s: int, precisions: list[str],
     with tempfile.TemporaryDirectory() as tmp:
         os.chdir(tmp)  # the config's monitors write under the working directory, as in a run directory
         for lay in layouts or [{"name": "1", "dp": 1, "pp": 1}]:
-            for prec in precisions:
+            for prec in lay.get("precisions", precisions):
                 for m in ACCUMULATIONS:
-                    plan = Plan(dp=lay.get("dp", 1), pp=lay.get("pp", 1), micro_batch=b, grad_accum=m, precision=prec)
+                    plan = Plan(dp=lay.get("dp", 1), pp=lay.get("pp", 1), zero=lay.get("zero", 0), micro_batch=b,
+                                grad_accum=m, precision=prec)
                     train = TrainSpec(global_batch=b * m * plan.dp, seq_len=s, precision=prec)
                     engine, _ = build_engine(plan, spec, ds_config(plan, spec, train, cluster))
                     g = torch.Generator().manual_seed(0)
@@ -75,7 +76,8 @@ def run(port: int, model: dict[str, Any], b: int, s: int, precisions: list[str],
                             dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
                         if step >= WARMUP:
                             times.append(float(dt.item()))
-                    rows.append({"layout": lay["name"], "dp": plan.dp, "pp": plan.pp, "processes": world,
+                    rows.append({"layout": lay["name"], "dp": plan.dp, "pp": plan.pp, "zero": plan.zero,
+                                 "processes": world,
                                  "precision": prec, "micro_batch": b, "seq": s, "grad_accum": m,
                                  "step_s": statistics.median(times), "steps": times})
                     del engine
