@@ -138,6 +138,39 @@ def test_sensitivity_keeps_the_benchmarks_own_reading():
         assert out[r.id]["default"] == pytest.approx(sp.predict(r)["predicted"], rel=1e-9)
         assert out[r.id]["min"] <= out[r.id]["default"] <= out[r.id]["max"]
     assert set(out["M4f"]["readings"]) == {f"{s}/{p}" for s in sens.SCHEDULERS for p in sens.SPREADS}
+    # per scheduler: inside the range of that scheduler's own readings
+    for r in rows:
+        x = out[r.id]
+        for sched in sens.SCHEDULERS:
+            own = [v for k, v in x["readings"].items() if k.startswith(sched + "/")]
+            assert x["inside_by"][sched] == (min(own) <= r.value <= max(own))
+        assert x["inside"] == (x["min"] <= r.value <= x["max"])
+
+
+def test_awaiting_first_token_is_littles_law_on_the_published_table():
+    sens = _sensitivity()
+    rows = [r for r in sp.load_rows() if r.id in ("M4q", "M4f", "M48q", "M48f", "M48m", "T1")]
+    out = {x["concurrency"]: x for x in sens.awaiting_first_token(rows)}
+    assert set(out) == {4, 48}  # static rows and a concurrency without both req_s and ttft_s: none
+    # 11.87 req/s x 0.667 s = 7.917 users waiting of 48; 2.09 x 0.063 = 0.1317 of 4
+    assert out[48]["waiting"] == pytest.approx(7.91729) and out[48]["share"] == pytest.approx(7.91729 / 48)
+    assert out[4]["waiting"] == pytest.approx(0.13167)
+    # V1's default budget on a 24 GB RTX 4090 is 2048 tokens: 8 whole 256-token prompts per step
+    assert out[48]["prompts_per_step"] == 8 and out[4]["prompts_per_step"] == 8
+
+
+def test_simulated_awaiting_takes_each_schedulers_largest_reading():
+    sens = _sensitivity()
+    rows = {r.id: r for r in sp.load_rows() if r.id in ("M48q", "M48f")}
+    # hand-made readings: V1 geo 10 req/s x 0.5 s = 5, V1 fixed 12 x 0.6 = 7.2; V0 geo 9 x 1.0 = 9
+    res = [{"id": "M48q", "metric": "req_s", "readings": {"vllm/geometric": 10.0, "vllm/fixed": 12.0,
+                                                          "vllm-v0/geometric": 9.0}},
+           {"id": "M48f", "metric": "ttft_s", "readings": {"vllm/geometric": 0.5, "vllm/fixed": 0.6,
+                                                           "vllm-v0/geometric": 1.0}}]
+    got = sens.simulated_awaiting(res, list(rows.values()))
+    assert got == {48: {"vllm": pytest.approx(7.2), "vllm-v0": pytest.approx(9.0)}}
+    text = sens.awaiting_table(sens.awaiting_first_token(list(rows.values())), got)
+    assert "7.9 waiting" in text and "at most 7.2 (V1), 9.0 (V0)" in text
 
 
 def test_ttft_contributions_rank_rows_by_their_share_of_the_mape():
