@@ -75,6 +75,24 @@ def test_model_shapes_reproduce_the_published_parameter_counts():
     assert rows["V1"].model.params == 32 * (2 * h * h + 2 * h * 1024 + 3 * h * 14336 + 2 * h) + 2 * 128256 * h + h \
         == 8_030_261_248
     assert rows["V1"].model.kv_heads == 8
+    # Llama-2-70B: 80 layers, h = 8192, GQA with 8 KV heads of 128 (k and v h x 1024), FFN 28672
+    g = 8192
+    assert rows["T9"].model.params == 80 * (2 * g * g + 2 * g * 1024 + 3 * g * 28672 + 2 * g) + 2 * 32000 * g + g \
+        == 68_976_648_192
+    assert rows["T9"].tp == 4 and rows["T9"].cluster.world_size == 4 and rows["T12"].weight_precision == "bf16"
+
+
+def test_every_llama_row_of_the_low_latency_tables_is_a_row():
+    # TensorRT-LLM performance.md (138f96d) Low Latency: LLaMA 7B on H100 FP8, L40S FP8, A100 FP16 and
+    # LLaMA 70B TP 4 on H100 FP8 and A100 FP16, inputs 128 and 2048: 10 first-token latencies
+    rows = [r for r in sp.load_rows() if r.source == "trtllm" and r.metric == "ttft_s"]
+    got = {(r.model_name, r.cluster.device.name, r.tp, r.weight_precision, r.prompt_len): r.value for r in rows}
+    assert got == {("llama-2-7b", "A100-80GB", 1, "bf16", 128): 0.016, ("llama-2-7b", "A100-80GB", 1, "bf16", 2048): 0.133,
+                   ("llama-2-7b", "H100-SXM", 1, "fp8", 128): 0.007, ("llama-2-7b", "H100-SXM", 1, "fp8", 2048): 0.036,
+                   ("llama-2-7b", "L40S", 1, "fp8", 128): 0.014, ("llama-2-7b", "L40S", 1, "fp8", 2048): 0.073,
+                   ("llama-2-70b", "H100-SXM", 4, "fp8", 128): 0.026, ("llama-2-70b", "H100-SXM", 4, "fp8", 2048): 0.109,
+                   ("llama-2-70b", "A100-80GB", 4, "bf16", 128): 0.047, ("llama-2-70b", "A100-80GB", 4, "bf16", 2048): 0.377}
+    assert all(r.in_mape and r.output_len == 1 and r.batch == 1 for r in rows)
 
 
 @pytest.mark.parametrize("field,value", [("metric", "qps"), ("gpu", "A200"), ("value", 0), ("batch", 0),
