@@ -72,3 +72,21 @@ def test_nvme_states_count_with_host_memory():
     got = rank_states(TINY, parse_cluster("2xcpu"), TRAIN, plan, 1)
     assert sum(got["host"].values()) == on_host + on_nvme
     assert sum(got["device"].values()) == engines.state_bytes(plan, psi, small, location="device", largest=lc.largest)
+
+
+def test_expert_partition_index_counts_context_ranks_within_an_expert_group():
+    """EP 4 x DP 16 x CP 2: the experts' ZeRO group has 8 ranks whose ZeRO-1 partitions differ
+    (12,288 / 18,432 elements); the rank at (dp i, cp j) owns expert partition (i // 4) x 2 + j."""
+    plan = Plan(dp=16, ep=4, cp=2, zero=1, micro_batch=1, grad_accum=1, precision="fp32")
+    train = TrainSpec(global_batch=32, seq_len=32, precision="fp32")
+    dense = (params.first_stage_tensors(MOE, 1).numels + params.block_tensors(MOE, 1).numels
+             + params.moe_block_tensors(MOE, 1).numels * 3 + params.last_stage_tensors(MOE, 1, 1).numels)
+    experts = (2 * 48 * 128, 128 * 48) * 3              # 1 local expert x 3 MoE blocks
+    d_owned, e_owned = params.zero1_owned(dense, 32), params.zero1_owned(experts, 8)
+    assert e_owned == (12288, 18432, 18432, 12288, 18432, 18432, 12288, 18432)
+    for rank in range(32):
+        c = plan.coords(rank)
+        if c.cp != 1 or c.dp % 4:
+            continue
+        got = rank_states(MOE, parse_cluster("4x8xH100"), train, plan, rank)["device"]
+        assert got["grads"] == 4 * (d_owned[c.dp * 2 + c.cp] + e_owned[(c.dp // 4) * 2 + c.cp])
