@@ -1,6 +1,6 @@
 """The fitter of DeepSpeed's runtime factors on its published runs, as a benchmark.
 
-The fitter lives in the package (planner/calibrate/reference.py): `planner calibrate
+The fitter lives in the package (planner/calibrate/reference/): `planner calibrate
 --reference` fits and writes the factors shipped in profiles/; this script prints its table.
 
     .venv/bin/python benchmarks/ds_reference.py            # table; writes reports/bench-ds-reference/calibration.json

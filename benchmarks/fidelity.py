@@ -127,7 +127,7 @@ DS_LOSO_FACTORS: dict[str, dict[str, dict[str, float]]] = {}
 
 def deepspeed_loso(rows: Sequence[rr.RefRow]) -> dict[str, float]:
     """Step seconds of every DeepSpeed row predicted from its generation's factors refitted
-    (planner/calibrate/reference.py's fitter, one start) on the other sources' rows."""
+    (planner/calibrate/reference/'s fitter, one start) on the other sources' rows."""
     import ds_reference as dr  # noqa: PLC0415
 
     meta = json.loads(dr.DATA.read_text())

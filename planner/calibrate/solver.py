@@ -3,7 +3,7 @@ bounds, and the held-out loop that reports how well a fit predicts what it did n
 
 Every factor fit in planner calls this module: the training calibration on measured runs
 (planner/calibrate/fit.py), the per-generation fit on DeepSpeed's published runs
-(planner/calibrate/reference.py, `planner calibrate --reference`), and the serving factors
+(planner/calibrate/reference/, `planner calibrate --reference`), and the serving factors
 (planner/serve/calibrate.py). numpy only; scipy is not a dependency.
 
 - `fit_relative`: a model's factors, each mapped to an unconstrained z by its parametrisation

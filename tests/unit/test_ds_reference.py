@@ -1,4 +1,4 @@
-"""planner/calibrate/reference.py (`planner calibrate --reference`; benchmarks/ds_reference.py prints it): the rows of DeepSpeed's published runs are built as the source
+"""planner/calibrate/reference/ (`planner calibrate --reference`; benchmarks/ds_reference.py prints it): the rows of DeepSpeed's published runs are built as the source
 states them (one row's FLOPs and plan by hand), and the per-generation fitter recovers known
 factors from rows generated with them (a fitter that returns its start, or fits the wrong
 direction, fails)."""
@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from planner.calibrate import reference as ds
+from planner.calibrate.reference import rows as rows_module
 from planner.calibrate.fit import with_factors
 from planner.specs import find_device
 
@@ -72,13 +73,13 @@ def test_variant_rows_build_the_new_plan_fields():
 
 
 def test_a_variant_the_cost_model_ignores_is_reported(monkeypatch):
-    real = ds.estimate
+    real = rows_module.estimate
 
     def blind(model, cluster, train, plan):  # a cost model that cannot see ZeRO++
         return real(model, cluster, train, dataclasses.replace(plan, hpz=1, quantized_weights=False,
                                                                quantized_gradients=False))
 
-    monkeypatch.setattr(ds, "estimate", blind)
+    monkeypatch.setattr(rows_module, "estimate", blind)
     dev, _ = find_device("V100")
     assert ds.unrepresented(ROWS["C02"], dev) == ["hpz=16", "quantized_weights=True", "quantized_gradients=True"]
     assert ds.unrepresented(ROWS["C01"], dev) == []
