@@ -65,7 +65,7 @@ from planner.rundir import atomic_write_json, load_run, plan_document
 from planner.search.driver import SearchResult, search
 from planner.search.evaluate import Trial
 from planner.specs import Plan, TrainSpec, parse_cluster
-from planner.specs.hardware import ClusterSpec
+from planner.specs.cluster import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.validate import plan_problems
 

@@ -23,7 +23,7 @@ from planner.cost import layer_costs
 from planner.cost.compute import model_flops_per_sequence
 from planner.search.checkpoint import StageModel
 from planner.specs import ModelSpec, Plan, TrainSpec, find_device, parse_cluster
-from planner.specs.hardware import ClusterSpec
+from planner.specs.cluster import ClusterSpec
 
 HERE = Path(__file__).resolve().parent
 

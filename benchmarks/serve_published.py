@@ -47,7 +47,7 @@ from planner.calibrate.accuracy import mape, rel_error  # noqa: E402
 from planner.errors import SpecError  # noqa: E402
 from planner.rundir import atomic_write_json  # noqa: E402
 from planner.specs import ModelSpec, find_device, parse_cluster  # noqa: E402
-from planner.specs.hardware import ClusterSpec  # noqa: E402
+from planner.specs.cluster import ClusterSpec  # noqa: E402
 from planner.specs.hf import spec_from_hf  # noqa: E402
 from planner.specs.presets import preset
 

@@ -22,7 +22,7 @@ import shlex
 from typing import Any
 
 from planner.cost.params import persistence_threshold
-from planner.specs.hardware import ClusterSpec
+from planner.specs.cluster import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
 from planner.specs.train import TrainSpec

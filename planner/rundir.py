@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from planner.errors import SpecError
-from planner.specs.hardware import ClusterSpec, Host, Link, find_device, load_profile
+from planner.specs.hardware import Host, Link, find_device, load_profile
+from planner.specs.cluster import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
 from planner.specs.train import TrainSpec

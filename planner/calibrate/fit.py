@@ -23,7 +23,8 @@ from planner.calibrate.runs import MeasuredRun
 from planner.calibrate.solver import Log, Logit, Param, Softplus, fit_relative, leave_out
 from planner.cost import estimate, layer_costs
 from planner.cost.factors import DEFAULTS
-from planner.specs.hardware import ClusterSpec, DeviceProfile
+from planner.specs.hardware import DeviceProfile
+from planner.specs.cluster import ClusterSpec
 from planner.specs.plan import Plan
 from planner.specs.train import TrainSpec
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from planner.errors import SpecError
 from planner.rundir import load_run, read_json
-from planner.specs.hardware import ClusterSpec, DeviceProfile
+from planner.specs.hardware import DeviceProfile
+from planner.specs.cluster import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
 from planner.specs.train import TrainSpec

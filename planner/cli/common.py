@@ -11,7 +11,8 @@ from rich.console import Console
 
 from planner.errors import SpecError
 from planner.specs.compare import comparison_rows
-from planner.specs.hardware import ClusterSpec, load_profile, parse_cluster
+from planner.specs.hardware import load_profile
+from planner.specs.cluster import ClusterSpec, parse_cluster
 from planner.specs.model import ModelSpec
 from planner.specs.presets import preset, scale
 from planner.specs.train import ATTENTION, TrainSpec

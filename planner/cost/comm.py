@@ -25,7 +25,8 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from planner.specs.hardware import PROFILES_DIR, ClusterSpec, Link
+from planner.specs.hardware import PROFILES_DIR, Link
+from planner.specs.cluster import ClusterSpec
 from planner.specs.mesh import Mesh
 from planner.specs.plan import Plan
 

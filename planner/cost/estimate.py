@@ -13,7 +13,7 @@ from planner.cost.model import (_block_times, _kernel, _layer_costs, framework_o
                                  resident_memory, runtime_train, stage_memory, stage_times)
 from planner.cost.runtime import get_runtime
 from planner.specs.estimate import GB, MEMORY_LABELS, Estimate, TimeBreakdown
-from planner.specs.hardware import ClusterSpec
+from planner.specs.cluster import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
 from planner.specs.problems import MEMORY, Problem

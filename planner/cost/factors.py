@@ -16,7 +16,8 @@ from types import MappingProxyType
 from typing import Mapping
 
 from planner.cost.runtime import DEFAULT as DEFAULT_RUNTIME, get_runtime, runtime_factors
-from planner.specs.hardware import ClusterSpec, DeviceProfile
+from planner.specs.hardware import DeviceProfile
+from planner.specs.cluster import ClusterSpec
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 from planner.cost import comm
-from planner.specs.hardware import ClusterSpec
+from planner.specs.cluster import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
 from planner.specs.train import TrainSpec

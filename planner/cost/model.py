@@ -15,7 +15,7 @@ from planner.cost.factors import Factors, cluster_factors
 from planner.cost.layers import LayerCosts
 from planner.cost.runtime import get_runtime
 from planner.specs.estimate import GB, MemoryBreakdown
-from planner.specs.hardware import ClusterSpec
+from planner.specs.cluster import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
 from planner.specs.train import TrainSpec

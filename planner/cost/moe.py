@@ -30,7 +30,8 @@ from planner.cost import compute
 from planner.cost.comm import allreduce_time as comm_allreduce
 from planner.cost.factors import Factors
 from planner.cost.longctx import alltoall_time, axis_link
-from planner.specs.hardware import ClusterSpec, DeviceProfile
+from planner.specs.hardware import DeviceProfile
+from planner.specs.cluster import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from planner.cost import engines, longctx, moe, params
 from planner.cost.model import layer_costs
-from planner.specs.hardware import ClusterSpec
+from planner.specs.cluster import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
 from planner.specs.train import TrainSpec

@@ -47,7 +47,7 @@ from functools import lru_cache
 
 from planner.cost import comm, params
 from planner.cost.factors import Factors
-from planner.specs.hardware import ClusterSpec
+from planner.specs.cluster import ClusterSpec
 from planner.specs.mesh import Mesh
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan

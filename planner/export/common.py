@@ -10,7 +10,7 @@ from typing import Any
 from planner import dsconfig
 from planner.errors import SpecError
 from planner.rundir import load_run, read_json
-from planner.specs.hardware import ClusterSpec
+from planner.specs.cluster import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
 from planner.specs.train import TrainSpec

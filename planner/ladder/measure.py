@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from planner.errors import PlannerError
 from planner.specs.model import ModelSpec
-from planner.specs.hardware import ClusterSpec
+from planner.specs.cluster import ClusterSpec
 from planner.specs.plan import Plan
 from planner.specs.train import TrainSpec
 

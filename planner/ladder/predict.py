@@ -15,7 +15,7 @@ from planner.cost import estimate
 from planner.ladder import claims
 from planner.ladder.techniques import LABELS, TECHNIQUES, Rung, compose, inert
 from planner.search.baseline import TARGETS_SOURCE, baseline_train, conventional_baseline
-from planner.specs.hardware import ClusterSpec
+from planner.specs.cluster import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
 from planner.specs.train import TrainSpec

@@ -119,7 +119,7 @@ def build(raw: dict[str, Any], env: dict[str, Any], opts: ProfileOptions, *, nam
 
 
 def _cluster(prof: Any, tp: int) -> Any:
-    from planner.specs.hardware import ClusterSpec
+    from planner.specs.cluster import ClusterSpec
     per_node = max(tp, prof.gpus_per_node)
     per_node += (-per_node) % tp
     return ClusterSpec(nodes=1, gpus_per_node=per_node, device=prof, intra_node=prof.intra_node,
@@ -286,7 +286,7 @@ def cost_model_point(opts: ProfileOptions, prof: Any, b: int, s: int, tp: int,
     and dropout the TrainSpec and model below imply."""
     try:
         from planner.cost import layer_costs
-        from planner.specs.hardware import ClusterSpec
+        from planner.specs.cluster import ClusterSpec
         from planner.specs.plan import Plan
         from planner.specs.train import TrainSpec
         per_node = max(tp, prof.gpus_per_node)

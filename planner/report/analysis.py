@@ -20,7 +20,7 @@ from planner.specs.estimate import MEMORY_LABELS, TIME_LABELS as TIME_BREAKDOWN_
 from planner.specs.problems import MEMORY
 from planner.search.trials import plan_from_row as trials_plan_from_row
 from planner import dsconfig
-from planner.specs.hardware import ClusterSpec
+from planner.specs.cluster import ClusterSpec
 from planner.specs.knobs import KNOBS
 from planner.specs.model import ModelSpec
 from planner.specs.train import TrainSpec

@@ -19,7 +19,7 @@ import dataclasses
 from planner.cost import estimate
 from planner.search.space import divisors
 from planner.specs.estimate import Estimate
-from planner.specs.hardware import ClusterSpec
+from planner.specs.cluster import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
 from planner.specs.train import TrainSpec

@@ -42,7 +42,7 @@ from planner.cost.layers import LayerCosts
 from planner.cost.longctx import local
 from planner.cost.model import resident_memory, stage_bytes, stage_times
 from planner.search.space import Outer, Space
-from planner.specs.hardware import ClusterSpec
+from planner.specs.cluster import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.train import TrainSpec
 

@@ -20,7 +20,7 @@ from planner.cost import engines, memory
 from planner.cost.factors import cluster_factors
 from planner.cost.layers import LayerCosts
 from planner.cost.model import framework_overheads, resident_memory
-from planner.specs.hardware import ClusterSpec
+from planner.specs.cluster import ClusterSpec
 from planner.specs.plan import Plan
 
 

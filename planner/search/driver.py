@@ -15,7 +15,7 @@ from planner.search.exhaustive import exhaustive as run_exhaustive, pruned_sweep
 from planner.search.heuristic import heuristic
 from planner.search.space import Space
 from planner.specs.estimate import GB, Estimate
-from planner.specs.hardware import ClusterSpec
+from planner.specs.cluster import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
 from planner.specs.train import TrainSpec

@@ -17,7 +17,7 @@ from planner.search.checkpoint import StageModel
 from planner.search.partition import NoFit, solve
 from planner.search.space import Outer
 from planner.specs.estimate import GB, Estimate
-from planner.specs.hardware import ClusterSpec
+from planner.specs.cluster import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
 from planner.specs.problems import Problem

@@ -23,7 +23,7 @@ from typing import Iterator
 from planner.cost.attention import selective_saves_memory
 from planner.cost.runtime import get_runtime
 from planner.errors import SpecError
-from planner.specs.hardware import ClusterSpec
+from planner.specs.cluster import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.plan import RECOMPUTE, Plan
 from planner.specs.train import TrainSpec

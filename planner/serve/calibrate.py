@@ -40,7 +40,8 @@ from planner.errors import SpecError
 from planner.rundir import atomic_write_json
 from planner.serve.cost import SERVE_DEFAULTS, combine, decode_terms, prefill_terms
 from planner.serve.spec import KV_BYTES, WEIGHT_BYTES, Deployment
-from planner.specs.hardware import DeviceProfile, find_device, parse_cluster, profile_from_dict
+from planner.specs.hardware import DeviceProfile, find_device, profile_from_dict
+from planner.specs.cluster import parse_cluster
 from planner.specs.model import ModelSpec
 
 ORDER = ("prefill_compute_scale", "decode_compute_scale", "decode_bw_efficiency", "serve_comm_scale",

@@ -39,7 +39,7 @@ from planner.serve.memory import (GB, GPU_MEMORY_UTILIZATION, cache_read_bytes, 
 from planner.serve import measured
 from planner.serve.kernels import kernel_efficiency
 from planner.serve.spec import WEIGHT_BYTES, Deployment
-from planner.specs.hardware import ClusterSpec
+from planner.specs.cluster import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.dtypes import activation_bytes
 

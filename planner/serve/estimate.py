@@ -7,7 +7,7 @@ from __future__ import annotations
 from planner.errors import SpecError
 from planner.serve.cost import decode_step_time_s, prompt_time_s, request_overhead_s, serve_memory
 from planner.serve.spec import Deployment, ServeEstimate, Target, Workload
-from planner.specs.hardware import ClusterSpec
+from planner.specs.cluster import ClusterSpec
 from planner.specs.model import ModelSpec
 
 __all__ = ["check_workload", "deployment_problems", "estimate_serving"]

@@ -11,7 +11,7 @@ from typing import Any
 
 from planner.cost.factors import factor as train_factor
 from planner.serve.spec import KV_BYTES, WEIGHT_BYTES, Deployment, Workload
-from planner.specs.hardware import ClusterSpec
+from planner.specs.cluster import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.dtypes import activation_bytes
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from planner.rundir import atomic_write_json, atomic_write_text
 from planner.serve.spec import Deployment, ServeEstimate, Target, Workload
-from planner.specs.hardware import ClusterSpec
+from planner.specs.cluster import ClusterSpec
 from planner.specs.model import ModelSpec
 
 def latency_curve(model: ModelSpec, cluster: ClusterSpec, est: ServeEstimate, workload: Workload, *,

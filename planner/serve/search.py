@@ -14,7 +14,7 @@ from planner.errors import SpecError
 from planner.serve.cost import decode_step_time_s, prompt_time_s, serve_memory
 from planner.serve.estimate import check_workload, deployment_problems, estimate_serving
 from planner.serve.spec import SEARCH_WEIGHTS, Deployment, ServeEstimate, Target, Workload
-from planner.specs.hardware import ClusterSpec
+from planner.specs.cluster import ClusterSpec
 from planner.specs.model import ModelSpec
 
 BATCHES = (1, 4, 8, 16, 32, 64, 128, 256)

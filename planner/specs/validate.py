@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from planner.specs.hardware import ClusterSpec
+from planner.specs.cluster import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
 from planner.specs.problems import Problem

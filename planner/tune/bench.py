@@ -22,7 +22,7 @@ from planner.calibrate.runs import MeasuredRun
 from planner.cost import estimate
 from planner.errors import PlannerError
 from planner.rundir import atomic_write_json, plan_document
-from planner.specs.hardware import ClusterSpec
+from planner.specs.cluster import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
 from planner.specs.train import TrainSpec

@@ -11,7 +11,8 @@ from planner.cost import compute
 from planner.cost.factors import Factors
 from planner.cost.model import _block_times
 from planner.specs import ModelSpec
-from planner.specs.hardware import ClusterSpec, DeviceProfile, Link
+from planner.specs.hardware import DeviceProfile, Link
+from planner.specs.cluster import ClusterSpec
 from planner.specs.kernels import KernelCurves, kernels_from_dict
 from planner.specs.hardware import TRAIN_PRECISIONS
 from planner.specs.plan import Plan

@@ -15,7 +15,8 @@ import pytest
 from planner.cost import estimate, layer_costs, params
 from planner.cost.memory import block_activation_bytes
 from planner.specs import ModelSpec, Plan, TrainSpec
-from planner.specs.hardware import ClusterSpec, DeviceProfile, Link
+from planner.specs.hardware import DeviceProfile, Link
+from planner.specs.cluster import ClusterSpec
 
 INTRA, INTER = 1e11, 1e10          # bytes/s: intra-node link, one node's inter-node network
 FLOPS, HBM = 1e13, 1e12            # bf16 peak 20 TFLOP/s at a flat 50% GEMM efficiency; HBM 1000 GB/s

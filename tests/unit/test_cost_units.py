@@ -11,7 +11,8 @@ import pytest
 from planner.cost import comm, compute, factors, memory, params, pipeline
 from planner.cost.layers import LayerCosts
 from planner.specs import ModelSpec, Plan, parse_cluster
-from planner.specs.hardware import ClusterSpec, DeviceProfile, Link
+from planner.specs.hardware import DeviceProfile, Link
+from planner.specs.cluster import ClusterSpec
 
 # hidden 8, 2 heads of 4, 1 KV group (q 8, kv 4), SwiGLU FFN 16 (gate and up), vocabulary 11
 TINY = ModelSpec(name="t", hidden=8, layers=2, heads=2, kv_groups=1, ffn_hidden=16, activation="swiglu", vocab=11,
@@ -197,7 +198,8 @@ def test_engine_descriptions_refuse_unknown_fields():
 # --- link classes and hierarchical collectives (planner/cost/comm.py Route) ------------------
 
 def _route_cluster(nodes: int, per_node: int) -> "ClusterSpec":
-    from planner.specs.hardware import ClusterSpec, Link
+    from planner.specs.hardware import Link
+    from planner.specs.cluster import ClusterSpec
     return ClusterSpec(nodes=nodes, gpus_per_node=per_node, device=parse_cluster("8xA100").device,
                        intra_node=Link(name="NVLink3 / NVSwitch", busbw_gbps=200, latency_us=2.0),
                        inter_node=Link(name="8x HDR InfiniBand", busbw_gbps=100, latency_us=10.0))

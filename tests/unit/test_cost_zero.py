@@ -17,7 +17,8 @@ from planner.cost import engines, zero
 from planner.cost.factors import device_factors
 from planner.errors import SpecError
 from planner.specs import Plan
-from planner.specs.hardware import ClusterSpec, Host, Link
+from planner.specs.hardware import Host, Link
+from planner.specs.cluster import ClusterSpec
 from planner.specs.validate import plan_problems
 from test_cost_terms import DEVICE, INTER, INTRA, MODEL, PSI_T1, run, train
 

@@ -7,7 +7,7 @@ import pytest
 from planner.cost import compute, engines, estimate, layer_costs, longctx, moe
 from planner.cost.factors import Factors
 from planner.cost.model import moe_state_bytes
-from planner.specs.hardware import parse_cluster
+from planner.specs.cluster import parse_cluster
 from planner.specs.presets import preset, scale
 from planner.specs.moe import MoESpec
 from planner.specs.plan import Plan

@@ -3,7 +3,7 @@ import pytest
 
 from planner.cli import main
 from planner.search.space import Space
-from planner.specs.hardware import parse_cluster
+from planner.specs.cluster import parse_cluster
 from planner.specs.presets import preset, scale
 from planner.specs.train import TrainSpec
 from planner.specs.validate import plan_problems

@@ -17,7 +17,7 @@ from planner.search import conventional_baseline
 from planner.search.baseline import baseline_global_batch, baseline_train
 from planner.search.evaluate import Trial
 from planner.specs import Plan
-from planner.specs.hardware import parse_cluster
+from planner.specs.cluster import parse_cluster
 from planner.specs.presets import preset, scale
 from planner.specs.train import TrainSpec
 from planner.specs.validate import plan_problems

@@ -11,7 +11,8 @@ from planner.errors import SpecError
 from planner.serve import calibrate
 from planner.serve.cost import combine, decode_terms, prefill_terms
 from planner.serve.spec import Deployment
-from planner.specs.hardware import PROFILES_DIR, find_device, load_profile, parse_cluster
+from planner.specs.hardware import PROFILES_DIR, find_device, load_profile
+from planner.specs.cluster import parse_cluster
 from planner.specs.presets import preset, scale
 
 TRUE = {"prefill_compute_scale": 1.7, "decode_bw_efficiency": 0.35, "serve_comm_scale": 3.0,

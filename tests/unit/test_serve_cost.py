@@ -17,7 +17,8 @@ from planner.errors import SpecError
 from planner.serve import cost
 from planner.serve.estimate import estimate_serving
 from planner.serve.spec import Deployment, Workload
-from planner.specs.hardware import ClusterSpec, DeviceProfile, Link
+from planner.specs.hardware import DeviceProfile, Link
+from planner.specs.cluster import ClusterSpec
 from planner.specs.model import ModelSpec
 
 NEUTRAL = {"prefill_compute_scale": 1.0, "decode_bw_efficiency": 1.0, "serve_comm_scale": 1.0,
@@ -173,7 +174,7 @@ def test_estimate_alone_latencies():
 
 @pytest.mark.parametrize("gpus,size", [("1xA100", None), ("2xcpu", "tiny"), ("2xH100", None)])
 def test_memoised_step_functions_match_the_direct_ones(gpus, size):
-    from planner.specs.hardware import parse_cluster
+    from planner.specs.cluster import parse_cluster
     from planner.specs.presets import preset, scale
     model, c = scale(preset("chatglm3-6b"), size), parse_cluster(gpus)
     for dep in (Deployment(max_batch=256), Deployment(tp=2, weight_precision="int4")):
@@ -252,7 +253,7 @@ def test_decode_terms_refuse_an_empty_batch_and_slow_sparse_ffn_gemms():
 
 
 def test_request_and_step_overheads_by_engine_and_device():
-    from planner.specs.hardware import parse_cluster
+    from planner.specs.cluster import parse_cluster
     a100, cpu = parse_cluster("1xA100"), parse_cluster("2xcpu")
     # through the engine's HTTP server: 4 ms measured (tt-inference-server #190); the CPU lab's load
     # generator hands requests over in-process

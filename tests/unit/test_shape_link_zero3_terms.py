@@ -10,7 +10,7 @@ import pytest
 from planner.cost import comm, compute, zero
 from planner.cost.factors import Factors
 from planner.cost.runtime import get_runtime, problems
-from planner.specs.hardware import parse_cluster
+from planner.specs.cluster import parse_cluster
 from planner.specs.plan import Plan
 from planner.specs.presets import preset
 

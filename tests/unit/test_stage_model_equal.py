@@ -15,7 +15,7 @@ from planner.cost.factors import DEFAULTS, cluster_factors
 from planner.cost.model import layer_costs, resident_memory, stage_bytes, stage_times
 from planner.search.checkpoint import StageModel
 from planner.specs import preset, scale
-from planner.specs.hardware import parse_cluster
+from planner.specs.cluster import parse_cluster
 from planner.specs.plan import Plan
 from planner.specs.train import TrainSpec
 

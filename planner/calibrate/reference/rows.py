@@ -15,7 +15,8 @@ from typing import Mapping
 from planner.cost import estimate
 from planner.specs import Estimate, ModelSpec, Plan, TrainSpec, parse_cluster
 from planner.specs.estimate import GB
-from planner.specs.hardware import PROFILES_DIR, ClusterSpec, DeviceProfile, Host
+from planner.specs.hardware import PROFILES_DIR, DeviceProfile, Host
+from planner.specs.cluster import ClusterSpec
 
 DATA = PROFILES_DIR / "reference" / "deepspeed-rows.json"
 """DeepSpeed's published runs as rows (shared reference/deepspeed-at-scale.md A-E, with every

@@ -32,7 +32,8 @@ from typing import Any
 
 from planner.errors import ExecutionError, SpecError
 from planner.specs.estimate import GB
-from planner.specs.hardware import ClusterSpec, DeviceProfile, find_device
+from planner.specs.hardware import DeviceProfile, find_device
+from planner.specs.cluster import ClusterSpec
 from planner.specs.model import ModelSpec
 from planner.specs.plan import Plan
 from planner.specs.train import TrainSpec
