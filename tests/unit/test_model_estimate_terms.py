@@ -1,0 +1,116 @@
+"""planner/cost/model.py and estimate.py terms pinned where the mutation run over them (issue 19)
+found no test: the TP overlap's backward window, the experts' states on a CPU device that
+counts offloaded buffers, the runtime's own factors in the estimate and the block probe's
+reference, the data-parallel sync's latency and network efficiencies, an offloaded gradient
+copy sharing the step collectives' window, and the pipeline sends' efficiencies."""
+import dataclasses
+
+import pytest
+
+from planner.cost import comm, engines, estimate
+from planner.cost.estimate import dp_comm, p2p_times
+from planner.cost.factors import Factors, cluster_factors
+from planner.cost.model import _block_times, block_compute_time, moe_state_bytes, overlapped_tp
+from planner.cost.runtime import trial_factors
+from planner.specs import Plan, TrainSpec, parse_cluster, preset, scale
+from planner.specs.hardware import find_device
+from planner.specs.step import BlockProbe, StepProbes
+
+EXACT = 1e-12
+TINY = scale(preset("chatglm3-6b"), "tiny")
+MOE = scale(preset("glm-4.5-air"), "tiny")
+
+
+def test_tp_overlap_hides_behind_the_backward_gemms_given_or_twice_the_forward():
+    assert overlapped_tp(5.0, 9.0, 2.0) == (3.0, 5.0)             # backward window 2 x 2.0
+    assert overlapped_tp(5.0, 9.0, 2.0, 3.0) == (3.0, 6.0)        # backward GEMMs given: 3.0
+    assert overlapped_tp(1.0, 1.0, 2.0) == (0.0, 0.0)
+
+
+def test_expert_states_on_a_cpu_device_count_the_offloaded_buffers():
+    """ZeRO-2 with CPU offload, EP 2 x DP 4 (expert-data-parallel 2): psi = 2 experts x 18,432
+    per block. On a GPU the device keeps the bf16 weights only; on a CPU device (resident) the
+    host buffers are its own memory: + fp32 gradient partition (4 B x psi / 2) beside the 16-bit
+    reduced gradients (2 B x psi / 2), + fp32 master and Adam moments (12 B x psi / 2) and the
+    16-bit copy-back partition (2 B x psi / 2)."""
+    psi = 2 * 18_432
+    p = Plan(dp=4, ep=2, zero=2, offload_optimizer="cpu", micro_batch=1, grad_accum=2)
+    assert moe_state_bytes(p, MOE, False) == (2 * psi, 0.0, 0.0)
+    assert moe_state_bytes(p, MOE, True) == (2 * psi, (2 + 4) * psi / 2, (12 + 2) * psi / 2)
+
+
+def test_the_estimate_and_the_block_reference_use_the_plans_runtime_factors():
+    """A100 has no megatron-core per-device trims: trial factors for megatron-core reach a
+    megatron-core plan's estimate and block compute time, and nothing of deepspeed's."""
+    c, tr = parse_cluster("8xA100-80GB"), TrainSpec(global_batch=32, seq_len=2048)
+    p = Plan(dp=8, zero=1, micro_batch=1, grad_accum=4, runtime="megatron-core")
+    base_est, base_block = estimate(TINY, c, tr, p).step_time_s, block_compute_time(TINY, c, tr, p)
+    scales = {"compute_scale": 2.0, "attention_scale": 2.0, "elementwise_scale": 2.0}
+    with trial_factors("megatron-core", {**scales, "step_overhead_s": 0.5}):
+        assert block_compute_time(TINY, c, tr, p) == pytest.approx(2.0 * base_block, rel=1e-9)
+        assert estimate(TINY, c, tr, p).step_time_s > base_est + 0.5
+    with trial_factors("deepspeed", {**scales, "step_overhead_s": 0.5}):
+        assert estimate(TINY, c, tr, p).step_time_s == base_est
+        assert block_compute_time(TINY, c, tr, p) == base_block
+
+
+def test_the_block_reference_leaves_the_probe_out():
+    """block_compute_time is what the profiler's block probe is fitted against: on a profile
+    with a probe it is still the compute terms alone, not the probe's line through them."""
+    plan, train = Plan(dp=2, micro_batch=2, grad_accum=2), TrainSpec(global_batch=8, seq_len=128)
+    plain = parse_cluster("2xcpu", find_device("cpu")[0])
+    probed = parse_cluster("2xcpu", dataclasses.replace(
+        find_device("cpu")[0], step=StepProbes(block={"bf16": BlockProbe(scale=2.0, overhead_s=3e-3)})))
+    x = block_compute_time(TINY, plain, train, plan)
+    assert block_compute_time(TINY, probed, train, plan) == pytest.approx(x, rel=EXACT)
+    bt = _block_times(TINY, probed, train, plan, cluster_factors(probed))
+    assert bt.forward + bt.backward == pytest.approx(2.0 * x + 3e-3, rel=EXACT)
+
+
+# --- estimate.py: data-parallel sync and pipeline sends ------------------------------------------
+
+C2 = parse_cluster("2x8xH100")
+
+
+def test_dp_sync_over_two_nodes_takes_latency_scale_and_network_efficiency():
+    plan = Plan(dp=16, zero=0, micro_batch=1, grad_accum=1)
+    f = Factors(comm_efficiency=0.8, latency_scale=2.0, network_efficiency=0.5, dp_overlap=0.0)
+    eng = engines.engine_for(plan)
+    psi = 10_000_000
+    (route,) = comm.group_routes(C2, plan, "dp")
+    assert route.network                                           # IB is the bottleneck
+    want = sum(comm.ROUTE_COLLECTIVES[c.kind](psi * c.bytes, 16, route, 0.8, 2.0, 0.5) for c in eng.collectives)
+    assert want != sum(comm.ROUTE_COLLECTIVES[c.kind](psi * c.bytes, 16, route, 0.8, 1.0, 1.0) for c in eng.collectives)
+    assert dp_comm(C2, plan, eng, (psi,), f, (0.0,), (0.0,)) == pytest.approx(want, rel=EXACT)
+
+
+def test_an_offloaded_gradient_copy_shares_the_step_reduce_scatters_window():
+    """ZeRO-1 with CPU offload: the reduce-scatter at the accumulation boundary and the copy of
+    the reduced partition to the host run in the same backward window, so together they hide
+    at most dp_overlap x that window once."""
+    plan = Plan(dp=2, zero=1, offload_optimizer="cpu", micro_batch=1, grad_accum=4)
+    c = parse_cluster("2xH100")
+    f = Factors(dp_overlap=1.0)
+    eng = engines.engine_for(plan)
+    psi = 100_000_000
+    (route,) = comm.group_routes(c, plan, "dp")
+    nb = -(-psi // plan.bucket_elements)                            # bucket by bucket
+    assert nb > 1
+    rs, ag = (nb * comm.ROUTE_COLLECTIVES[x.kind](psi * x.bytes / nb, 2, route, f.comm_efficiency, f.latency_scale,
+                                                  f.network_efficiency) for x in eng.collectives)
+    copy = psi * 2.0 / 2 / (c.host.pcie_gbps * 1e9)
+    window = min(rs, copy) / 2                                     # shorter than either alone
+    got = dp_comm(c, plan, eng, (psi,), f, (0.0,), (window,))
+    assert [x.kind for x in eng.collectives] == ["reduce_scatter", "all_gather"]
+    assert got == pytest.approx(rs + copy - window + ag, rel=1e-9)
+
+
+def test_pipeline_sends_across_nodes_take_comm_and_network_efficiency():
+    model, train = preset("glm-4-9b"), TrainSpec(global_batch=64, seq_len=2048)
+    plan = Plan(pp=2, dp=1, tp=8, micro_batch=1, grad_accum=8)
+    f = Factors(comm_efficiency=0.8, network_efficiency=0.5)
+    nbytes = 2048 * 1 * 4096 * 2.0
+    ib = C2.inter_node
+    bw = ib.busbw_gbps * 1e9 / 8 * 0.5                              # a rank's share of the node's NIC
+    one = nbytes / (bw * comm.class_efficiency(ib) * 0.8) + comm.class_base(ib) + ib.latency_us * 1e-6
+    assert p2p_times(model, C2, train, plan, f) == (pytest.approx(2.0 * one, rel=EXACT),)
