@@ -114,3 +114,52 @@ def test_pipeline_sends_across_nodes_take_comm_and_network_efficiency():
     bw = ib.busbw_gbps * 1e9 / 8 * 0.5                              # a rank's share of the node's NIC
     one = nbytes / (bw * comm.class_efficiency(ib) * 0.8) + comm.class_base(ib) + ib.latency_us * 1e-6
     assert p2p_times(model, C2, train, plan, f) == (pytest.approx(2.0 * one, rel=EXACT),)
+
+
+def test_megatron_core_hides_steady_pipeline_sends_behind_one_chunk():
+    """Megatron-Core overlaps each steady-state send with the next micro-batch's compute (one
+    chunk, the stage's time / v): m v max(send - time / v, 0) stays exposed; DeepSpeed's sends
+    are all exposed (m v max(send))."""
+    from planner.cost import layer_costs
+    from planner.cost.model import framework_overheads, stage_times
+    tr = TrainSpec(global_batch=32, seq_len=256)
+    p = Plan(pp=2, tp=2, dp=4, micro_batch=1, grad_accum=8, schedule="interleaved", interleave=2,
+             runtime="megatron-core")
+    est = estimate(TINY, C2, tr, p)
+    assert est.feasible, est.problems
+    f = cluster_factors(C2, "megatron-core")
+    times = stage_times(layer_costs(TINY, C2, tr, p), p.layers_per_stage(TINY.layers),
+                        p.checkpointed_per_stage(TINY.layers), framework_overheads(C2, p, f)[0])
+    send = max(p2p_times(TINY, C2, tr, p, f))
+    want = 8 * 2 * (send - min(times) / 2)
+    assert 0 < want < 8 * 2 * send
+    assert est.time.pp_comm == pytest.approx(want, rel=1e-9)
+
+
+def test_a_moe_estimate_adds_the_experts_gradient_sync_and_optimizer_step():
+    """With nothing hidden (dp_overlap 0) the estimate's sync is the dense gradients' plus the
+    experts' own over their expert-data-parallel ranks, and its optimizer step the dense
+    partition's plus the experts'."""
+    from planner.cost import layer_costs, moe
+    from planner.cost.estimate import optimizer_time
+    tr = TrainSpec(global_batch=32, seq_len=256)
+    p = Plan(dp=16, ep=4, zero=1, micro_batch=1, grad_accum=2, runtime="megatron-core")
+    with trial_factors("megatron-core", {"dp_overlap": 0.0}):
+        f = cluster_factors(C2, "megatron-core")
+        est = estimate(MOE, C2, tr, p)
+        layers = p.layers_per_stage(MOE.layers)
+        psi = (layer_costs(MOE, C2, tr, p).stage_psi(0, 1, layers[0])[0],)
+        eng = engines.engine_for(p)
+        sharded = engines.engine_for(moe.expert_plan(p)).optimizer_sharded
+        e_sync, e_opt = moe.expert_sync_and_step(MOE, C2, p, layers, f, (0.0,), 2.0, sharded)
+        assert e_sync > 0 and e_opt > 0
+        assert est.time.dp_sync == pytest.approx(dp_comm(C2, p, eng, psi, f, (0.0,), (0.0,)) + e_sync, rel=1e-9)
+        assert est.time.optimizer == pytest.approx(optimizer_time(C2, p, eng, psi, f) + e_opt, rel=1e-9)
+
+
+def test_a_plan_too_big_for_the_device_names_memory_and_the_largest_part():
+    c, tr = parse_cluster("8xA100-40GB"), TrainSpec(global_batch=8, seq_len=2048)
+    est = estimate(preset("glm-10b"), c, tr, Plan(dp=8, micro_batch=1, grad_accum=1))
+    (p,) = [x for x in est.problems if x.field == "memory"]
+    assert p.code.startswith("memory:") and p.code.split(":")[1] in ("params", "grads", "optimizer", "activations")
+    assert p.message.startswith("stage 0 needs ")
