@@ -163,3 +163,22 @@ def test_a_plan_too_big_for_the_device_names_memory_and_the_largest_part():
     (p,) = [x for x in est.problems if x.field == "memory"]
     assert p.code.startswith("memory:") and p.code.split(":")[1] in ("params", "grads", "optimizer", "activations")
     assert p.message.startswith("stage 0 needs ")
+
+
+def test_offloaded_states_beyond_host_memory_name_cpu_mem_gb_at_the_exact_bound():
+    """glm-10b ZeRO-3 with optimizer and parameters on the CPU: the node's 8 ranks' host bytes
+    against 90% of --cpu-mem-gb; a node with 0.5 ppb less than they need is refused."""
+    from planner.cost.estimate import HOST_USABLE
+    c, tr = parse_cluster("8xA100-80GB"), TrainSpec(global_batch=8, seq_len=2048)
+    p = Plan(dp=8, zero=3, offload_optimizer="cpu", offload_params="cpu", micro_batch=1, grad_accum=1)
+    need = estimate(preset("glm-10b"), c, tr, p).host_memory_bytes * 8
+    assert need > 0
+
+    def with_host_gb(gb):
+        return dataclasses.replace(c, host=dataclasses.replace(c.device.host, cpu_memory_gb=gb))
+    tight = need / (1e9 * HOST_USABLE) * (1 - 5e-10)
+    (prob,) = [x for x in estimate(preset("glm-10b"), with_host_gb(tight), tr, p).problems if x.code == "host-memory"]
+    assert (prob.field, prob.code, prob.fix, prob.detail) == (
+        "--cpu-mem-gb", "host-memory", "offload less, use NVMe, or more nodes", "--cpu-mem-gb")
+    roomy = need / (1e9 * HOST_USABLE) * (1 + 5e-10)
+    assert not [x for x in estimate(preset("glm-10b"), with_host_gb(roomy), tr, p).problems if x.code == "host-memory"]
