@@ -182,3 +182,21 @@ def test_offloaded_states_beyond_host_memory_name_cpu_mem_gb_at_the_exact_bound(
         "--cpu-mem-gb", "host-memory", "offload less, use NVMe, or more nodes", "--cpu-mem-gb")
     roomy = need / (1e9 * HOST_USABLE) * (1 + 5e-10)
     assert not [x for x in estimate(preset("glm-10b"), with_host_gb(roomy), tr, p).problems if x.code == "host-memory"]
+
+
+def test_offloaded_states_beyond_the_nodes_nvme_name_nvme_gb_at_the_exact_bound():
+    GB = 1e9                                                       # decimal, as the message prints
+    c, tr = parse_cluster("8xA100-80GB"), TrainSpec(global_batch=8, seq_len=2048)
+    p = Plan(dp=8, zero=3, offload_optimizer="nvme", offload_params="nvme", micro_batch=1, grad_accum=1)
+    need = estimate(preset("glm-10b"), c, tr, p).nvme_bytes * 8
+    assert need > 0
+
+    def with_nvme_gb(gb):
+        return dataclasses.replace(c, host=dataclasses.replace(c.device.host, nvme_gb=gb))
+    tight = need / 1e9 * (1 - 5e-10)
+    (prob,) = [x for x in estimate(preset("glm-10b"), with_nvme_gb(tight), tr, p).problems if x.code == "nvme-capacity"]
+    assert (prob.field, prob.code, prob.fix, prob.detail) == ("--nvme-gb", "nvme-capacity", "offload less, or more nodes",
+                                                              "--nvme-gb")
+    assert prob.message == f"offloaded states need {need / GB:,.0f} GB of NVMe per node > {tight:,.0f} GB"
+    assert not [x for x in estimate(preset("glm-10b"), with_nvme_gb(need / 1e9 * (1 + 5e-10)), tr, p).problems
+                if x.code == "nvme-capacity"]
