@@ -200,3 +200,34 @@ def test_offloaded_states_beyond_the_nodes_nvme_name_nvme_gb_at_the_exact_bound(
     assert prob.message == f"offloaded states need {need / GB:,.0f} GB of NVMe per node > {tight:,.0f} GB"
     assert not [x for x in estimate(preset("glm-10b"), with_nvme_gb(need / 1e9 * (1 + 5e-10)), tr, p).problems
                 if x.code == "nvme-capacity"]
+
+
+def test_layer_costs_take_the_runtime_and_the_context_parallel_core():
+    from planner.cost import layer_costs, longctx
+    c, tr = parse_cluster("8xA100-80GB"), TrainSpec(global_batch=32, seq_len=2048)
+    p = Plan(dp=8, zero=1, micro_batch=1, grad_accum=4, runtime="megatron-core")
+    base = layer_costs(TINY, c, tr, p).block_time
+    with trial_factors("megatron-core", {"compute_scale": 2.0, "attention_scale": 2.0, "elementwise_scale": 2.0}):
+        assert layer_costs(TINY, c, tr, p).block_time == pytest.approx(2.0 * base, rel=1e-9)
+    m, long = preset("glm-4-9b"), TrainSpec(global_batch=4, seq_len=65536)
+    cp = Plan(dp=4, cp=2, zero=3, micro_batch=1, grad_accum=1, recompute="full")
+    lp, ltr = longctx.local(cp, long)
+    # the cp plan's block: its cp-times attention core and the Ulysses all-to-alls over the local block
+    assert layer_costs(m, c, long, cp).block_time > layer_costs(m, c, ltr, lp).block_time
+
+
+def test_moe_estimate_splits_all_to_alls_from_tp_traffic():
+    c, tr = parse_cluster("8xH100"), TrainSpec(global_batch=16, seq_len=256)
+    p = Plan(dp=8, ep=4, zero=1, micro_batch=1, grad_accum=2)
+    est = estimate(MOE, c, tr, p)
+    bt = _block_times(MOE, c, tr, p, cluster_factors(c))
+    assert bt.a2a_fwd > 0 and bt.a2a_bwd > 0
+    n, m = MOE.layers, 2
+    assert est.time.a2a_comm == pytest.approx(m * n * (bt.a2a_fwd + bt.a2a_bwd), rel=EXACT)
+    assert est.time.tp_comm == pytest.approx(m * n * (bt.tp_fwd + bt.tp_bwd - bt.a2a_fwd - bt.a2a_bwd), abs=1e-15)
+
+
+def test_tflops_per_gpu_are_model_flops_over_step_and_world():
+    c, tr = parse_cluster("8xA100-80GB"), TrainSpec(global_batch=32, seq_len=2048)
+    est = estimate(TINY, c, tr, Plan(dp=8, zero=1, micro_batch=1, grad_accum=4))
+    assert est.tflops_per_gpu == pytest.approx(est.model_flops_per_step / (est.step_time_s * 8) / 1e12, rel=EXACT)
