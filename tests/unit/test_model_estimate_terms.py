@@ -231,3 +231,97 @@ def test_tflops_per_gpu_are_model_flops_over_step_and_world():
     c, tr = parse_cluster("8xA100-80GB"), TrainSpec(global_batch=32, seq_len=2048)
     est = estimate(TINY, c, tr, Plan(dp=8, zero=1, micro_batch=1, grad_accum=4))
     assert est.tflops_per_gpu == pytest.approx(est.model_flops_per_step / (est.step_time_s * 8) / 1e12, rel=EXACT)
+
+
+# --- model.py: the MoE, CP and TP-overlap terms of the block and its layer costs -----------------
+
+def _bc(model, cluster, train, plan, f):
+    from planner.cost import compute
+    from planner.cost.model import _kernel
+    from planner.cost.runtime import get_runtime
+    rt = get_runtime(plan.runtime)
+    return compute.block_compute_times(model, cluster.device, train.seq_len, plan.micro_batch, plan.tp, plan.precision,
+                                       compute_scale=f.compute_scale, attention_scale=f.attention_scale,
+                                       kernel=_kernel(model, cluster, train),
+                                       attention=compute.AttentionKernel(rt.attention_kernels, rt.causal_attention))
+
+
+def test_megatron_core_tp_overlap_exposes_only_what_the_gemms_cannot_cover():
+    from planner.cost import runtime as rtm
+    from planner.cost.model import _tp_link, tp_block_comm
+    c, tr = parse_cluster("8xH100"), TrainSpec(global_batch=8, seq_len=256)
+    p = Plan(tp=4, dp=2, micro_batch=1, grad_accum=4, sequence_parallel=True, runtime="megatron-core")
+    m = TINY                                                        # h 128: the TP traffic outlasts the GEMMs
+    f = cluster_factors(c, "megatron-core")
+    raw_f, raw_b = tp_block_comm(m, 256, 1, 4, 2.0, True, _tp_link(c, p), f.comm_efficiency)
+    bc = _bc(m, c, tr, p, f)
+    assert bc.gemm_bwd != 2.0 * bc.gemm_fwd and raw_b > max(bc.gemm_bwd, 2.0 * bc.gemm_fwd)
+    bt = _block_times(m, c, tr, p, f)
+    assert (bt.tp_fwd, bt.tp_bwd) == (pytest.approx(max(raw_f - bc.gemm_fwd, 0.0), rel=EXACT),
+                                      pytest.approx(raw_b - bc.gemm_bwd, rel=EXACT))
+
+
+def test_cp_block_backward_is_cp_times_the_local_core_and_its_recompute():
+    c = parse_cluster("8xA100-80GB")
+    m, f = preset("glm-4-9b"), cluster_factors(c)
+    lp, ltr = Plan(dp=8, micro_batch=1, grad_accum=1), TrainSpec(global_batch=8, seq_len=32768)
+    plain = _block_times(m, c, ltr, lp, f)
+    cp2 = _block_times(m, c, ltr, lp, f, (2, "ulysses"))
+    bc = _bc(m, c, ltr, lp, f)
+    rec = bc.core_bwd - 2.0 * bc.core_fwd
+    assert rec > 0
+    assert cp2.backward - plain.backward == pytest.approx(2.0 * bc.core_fwd + rec, rel=1e-9)
+
+
+def test_moe_block_swaps_the_dense_ffn_gemms_for_the_experts():
+    from planner.cost import compute, moe
+    c, tr = parse_cluster("8xH100"), TrainSpec(global_batch=16, seq_len=256)
+    p = Plan(dp=8, ep=4, zero=1, micro_batch=1, grad_accum=2)
+    f = cluster_factors(c)
+    w = 3 / 4
+    dense_model = dataclasses.replace(MOE, moe=None)
+    moe_bt, dense_bt = _block_times(MOE, c, tr, p, f), _block_times(dense_model, c, tr, Plan(dp=8, micro_batch=1,
+                                                                                             grad_accum=2), f)
+    ffn = compute.weight_gemm_times(MOE, c.device, 256, 1, 1, "bf16")[2:]
+    moe_t = moe.ffn_time(MOE, c.device, 256, 1, 1, 4, "bf16", f.compute_scale)
+    moe_e, dense_e = moe.ffn_elementwise_bytes(MOE, 256, 1, 1, 2.0)
+    want = w * (moe_t - sum(x[0] for x in ffn) * f.compute_scale) \
+        + w * (moe_e - dense_e) / c.device.hbm_bytes_per_s * f.elementwise_scale
+    assert moe_bt.forward - dense_bt.forward == pytest.approx(want, rel=1e-9)
+
+
+def test_moe_layer_costs_activations_parameters_and_resident_expert_states():
+    from planner.cost import layer_costs, memory, moe, params
+    from planner.cost.model import _kernel
+    c, tr = parse_cluster("8xH100"), TrainSpec(global_batch=16, seq_len=256)
+    p = Plan(dp=8, ep=4, zero=1, micro_batch=1, grad_accum=2, recompute="full", runtime="megatron-core")
+    w = 3 / 4
+    moe_a, dense_a = moe.ffn_activation_bytes(MOE, 256, 1, 1, 2.0)
+    none = memory.block_activation_bytes(MOE, 256, 1, 1, recompute="none", sequence_parallel=False, act_bytes=2.0,
+                                         kernel=_kernel(MOE, c, tr))
+    one = layer_costs(MOE, c, tr, p)
+    with trial_factors("megatron-core", {"activation_scale": 1.5}):
+        more = layer_costs(MOE, c, tr, p)
+    kept = none + w * (moe_a - dense_a)                            # a MoE block keeps its router and dispatch
+    assert more.block_act_bytes - one.block_act_bytes == pytest.approx(0.5 * kept, rel=1e-9)
+    assert more.block_work_bytes - one.block_work_bytes == pytest.approx(0.5 * kept, rel=1e-9)
+    thr = params.persistence_threshold(MOE)
+    blk, mblk = params.block_tensors(MOE, 1), params.moe_block_tensors(MOE, 1)
+    assert one.block_small == pytest.approx((1 - w) * blk.small(thr) + w * mblk.small(thr), rel=EXACT)
+    assert one.block_psi == pytest.approx((1 - w) * blk.total + w * mblk.total, rel=EXACT)
+    # a CPU device's offloaded expert states are its own memory
+    cpu = parse_cluster("2xcpu")
+    off = Plan(dp=2, ep=2, zero=2, offload_optimizer="cpu", micro_batch=1, grad_accum=8)
+    got = layer_costs(MOE, cpu, tr, off).block_expert_bytes
+    assert got == tuple(pytest.approx(w * x, rel=EXACT) for x in moe_state_bytes(off, MOE, True))
+    assert moe_state_bytes(off, MOE, True) != moe_state_bytes(off, MOE, False)
+
+
+def test_shared_layers_hold_one_parameter_set_per_group():
+    from planner.cost import layer_costs, params
+    shared = dataclasses.replace(TINY, share_layers=2)
+    c, tr = parse_cluster("8xA100-80GB"), TrainSpec(global_batch=8, seq_len=128)
+    lc = layer_costs(shared, c, tr, Plan(dp=8, micro_batch=1, grad_accum=1))
+    blk = params.block_tensors(shared, 1)
+    thr = params.persistence_threshold(shared)
+    assert (lc.block_psi, lc.block_small) == (blk.total / 2, blk.small(thr) / 2)
