@@ -274,20 +274,31 @@ def test_cp_block_backward_is_cp_times_the_local_core_and_its_recompute():
 
 
 def test_moe_block_swaps_the_dense_ffn_gemms_for_the_experts():
+    """Megatron-Core on H100 (compute_scale 1.338 fitted there; elementwise 1.7 on trial): the mean
+    block is the dense block plus w = 3/4 of (experts - dense FFN) in GEMMs forward and backward
+    (the experts' backward 2x their forward) and in memory-bound traffic, and w of the
+    dispatch/combine all-to-alls."""
     from planner.cost import compute, moe
     c, tr = parse_cluster("8xH100"), TrainSpec(global_batch=16, seq_len=256)
-    p = Plan(dp=8, ep=4, zero=1, micro_batch=1, grad_accum=2)
-    f = cluster_factors(c)
-    w = 3 / 4
+    p = Plan(dp=8, ep=4, zero=1, micro_batch=1, grad_accum=2, runtime="megatron-core")
+    w, hbm = 3 / 4, c.device.hbm_bytes_per_s
     dense_model = dataclasses.replace(MOE, moe=None)
-    moe_bt, dense_bt = _block_times(MOE, c, tr, p, f), _block_times(dense_model, c, tr, Plan(dp=8, micro_batch=1,
-                                                                                             grad_accum=2), f)
+    with trial_factors("megatron-core", {"elementwise_scale": 1.7}):
+        f = cluster_factors(c, "megatron-core")
+        assert f.compute_scale != 1.0 and f.elementwise_scale == 1.7
+        moe_bt = _block_times(MOE, c, tr, p, f)
+        dense_bt = _block_times(dense_model, c, tr, dataclasses.replace(p, ep=1), f)
     ffn = compute.weight_gemm_times(MOE, c.device, 256, 1, 1, "bf16")[2:]
     moe_t = moe.ffn_time(MOE, c.device, 256, 1, 1, 4, "bf16", f.compute_scale)
     moe_e, dense_e = moe.ffn_elementwise_bytes(MOE, 256, 1, 1, 2.0)
-    want = w * (moe_t - sum(x[0] for x in ffn) * f.compute_scale) \
-        + w * (moe_e - dense_e) / c.device.hbm_bytes_per_s * f.elementwise_scale
-    assert moe_bt.forward - dense_bt.forward == pytest.approx(want, rel=1e-9)
+    elem = w * (moe_e - dense_e) / hbm * 1.7
+    want_f = w * (moe_t - sum(x[0] for x in ffn) * f.compute_scale) + elem
+    want_b = w * (2.0 * moe_t - sum(x[1] for x in ffn) * f.compute_scale) + 2.0 * elem
+    assert moe_bt.forward - dense_bt.forward == pytest.approx(want_f, rel=1e-9)
+    assert moe_bt.backward - dense_bt.backward == pytest.approx(want_b, rel=1e-9)
+    af, ab = moe.alltoall_comm(MOE, c, p, 256, 2.0, f.comm_efficiency)
+    assert af > 0 and (moe_bt.a2a_fwd, moe_bt.a2a_bwd) == (pytest.approx(w * af, rel=EXACT),
+                                                           pytest.approx(w * ab, rel=EXACT))
 
 
 def test_moe_layer_costs_activations_parameters_and_resident_expert_states():
