@@ -336,3 +336,31 @@ def test_shared_layers_hold_one_parameter_set_per_group():
     blk = params.block_tensors(shared, 1)
     thr = params.persistence_threshold(shared)
     assert (lc.block_psi, lc.block_small) == (blk.total / 2, blk.small(thr) / 2)
+
+
+def test_zero3_engine_costs_apply_to_zero3_with_data_parallelism_only():
+    """The 2-process probe's ZeRO-3 costs (0.5 s per micro-batch, 0.7 s per step) come with
+    ZeRO-3 over dp > 1 only; ZeRO 0-2 with dp > 1 take its dp step (0.11 s) instead; every
+    multi-process plan without a pipeline its concurrency cost (0.013 s per micro-batch)."""
+    from planner.cost.model import framework_overheads
+    from planner.specs.step import Framework, Parallel
+    par = Parallel(microbatch_s=0.013, dp_step_s=0.11, pipe_microbatch_s=0.17, pipe_bubble=0.5,
+                   zero3_microbatch_s=0.5, zero3_step_s=0.7)
+    dev = dataclasses.replace(find_device("cpu")[0], step=StepProbes(
+        framework={"bf16": Framework(microbatch_s=0.02, step_s=0.03)}, parallel={"bf16": par}))
+    c, f = parse_cluster("2xcpu", dev), Factors()
+    assert framework_overheads(c, Plan(dp=2, zero=1, micro_batch=1, grad_accum=1), f) == (
+        pytest.approx(0.02 + 0.013, rel=EXACT), pytest.approx(0.03 + 0.11, rel=EXACT))
+    assert framework_overheads(c, Plan(dp=2, zero=3, micro_batch=1, grad_accum=1), f) == (
+        pytest.approx(0.02 + 0.013 + 0.5, rel=EXACT), pytest.approx(0.03 + 0.7, rel=EXACT))
+    assert framework_overheads(c, Plan(tp=2, dp=1, zero=3, micro_batch=1, grad_accum=1), f) == (
+        pytest.approx(0.02 + 0.013, rel=EXACT), pytest.approx(0.03, rel=EXACT))
+
+
+def test_the_in_step_tp_link_is_the_probes_in_its_units():
+    from planner.cost.model import _tp_link
+    from planner.specs.step import InStepLink
+    dev = dataclasses.replace(find_device("cpu")[0], step=StepProbes(tp_allreduce={2: InStepLink(busbw_gbps=0.5,
+                                                                                                  latency_us=500.0)}))
+    bw, lat = _tp_link(parse_cluster("2xcpu", dev), Plan(tp=2, micro_batch=1, grad_accum=8))
+    assert (bw, lat) == (pytest.approx(0.5e9, rel=EXACT), pytest.approx(500e-6, rel=EXACT))
