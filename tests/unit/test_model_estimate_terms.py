@@ -364,3 +364,29 @@ def test_the_in_step_tp_link_is_the_probes_in_its_units():
                                                                                                   latency_us=500.0)}))
     bw, lat = _tp_link(parse_cluster("2xcpu", dev), Plan(tp=2, micro_batch=1, grad_accum=8))
     assert (bw, lat) == (pytest.approx(0.5e9, rel=EXACT), pytest.approx(500e-6, rel=EXACT))
+
+
+def test_fp8_weight_copies_under_full_sharding_are_the_gathered_units_only():
+    """fp8 on H100 under megatron-core: ZeRO-3 (Megatron-FSDP) keeps FP8 copies of the gathered
+    block and the prefetched one (2 of 40), ZeRO-1 of every block; amax histories for all."""
+    from planner.cost import layer_costs, memory
+    from planner.cost.model import stage_memory
+    m, c, tr = preset("glm-4-9b"), parse_cluster("8xH100"), TrainSpec(global_batch=8, seq_len=4096)
+    z3 = Plan(dp=8, zero=3, precision="fp8", micro_batch=1, grad_accum=1, runtime="megatron-core")
+    bf = dataclasses.replace(z3, precision="bf16")
+    lc3, lcb = layer_costs(m, c, tr, z3), layer_costs(m, c, tr, bf)
+    layers, ckpt = (m.layers,), (0,)
+    got = stage_memory(z3, lc3, layers, ckpt, 0.0, False)[0].params
+    plain = stage_memory(bf, lcb, layers, ckpt, 0.0, False)[0].params
+    assert got - plain == pytest.approx(memory.fp8_bytes(m.layers, lc3.block_psi, True), rel=1e-9)
+    assert memory.fp8_bytes(m.layers, lc3.block_psi, True) < memory.fp8_bytes(m.layers, lc3.block_psi, False)
+
+
+def test_a_block_probe_scales_the_embedding_and_output_layer_too():
+    from planner.cost import layer_costs
+    plan, train = Plan(dp=2, micro_batch=2, grad_accum=2), TrainSpec(global_batch=8, seq_len=128)
+    plain = layer_costs(TINY, parse_cluster("2xcpu", find_device("cpu")[0]), train, plan)
+    probed = layer_costs(TINY, parse_cluster("2xcpu", dataclasses.replace(
+        find_device("cpu")[0], step=StepProbes(block={"bf16": BlockProbe(scale=2.0, overhead_s=3e-3)}))), train, plan)
+    assert probed.first_stage_time == pytest.approx(2.0 * plain.first_stage_time, rel=EXACT)
+    assert probed.last_stage_time == pytest.approx(2.0 * plain.last_stage_time, rel=EXACT)
