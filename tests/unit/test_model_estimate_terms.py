@@ -11,7 +11,7 @@ from planner.cost import comm, engines, estimate
 from planner.cost.estimate import dp_comm, p2p_times
 from planner.cost.factors import Factors, cluster_factors
 from planner.cost.model import _block_times, block_compute_time, moe_state_bytes, overlapped_tp
-from planner.cost.runtime import trial_factors
+from planner.cost.runtime import get_runtime, trial_factors
 from planner.specs import Plan, TrainSpec, parse_cluster, preset, scale
 from planner.specs.hardware import find_device
 from planner.specs.step import BlockProbe, StepProbes
@@ -390,3 +390,30 @@ def test_a_block_probe_scales_the_embedding_and_output_layer_too():
         find_device("cpu")[0], step=StepProbes(block={"bf16": BlockProbe(scale=2.0, overhead_s=3e-3)}))), train, plan)
     assert probed.first_stage_time == pytest.approx(2.0 * plain.first_stage_time, rel=EXACT)
     assert probed.last_stage_time == pytest.approx(2.0 * plain.last_stage_time, rel=EXACT)
+
+
+def test_megatron_core_stage_extras_keep_no_mask_and_fused_cross_entropy():
+    """Megatron-Core passes a causal flag (no s x s mask kept, none in the stage cache) and fuses
+    the cross-entropy (bf16 logits + lse, no fp32 softmax): the stages' extra bytes by hand
+    from memory.py's pieces, pipeline of 2."""
+    from planner.cost import memory
+    from planner.cost.model import _kernel, stage_extras
+    m, c, tr = preset("glm-4-9b"), parse_cluster("8xH100"), TrainSpec(global_batch=32, seq_len=2048)
+    p = Plan(pp=2, dp=4, micro_batch=1, grad_accum=8, runtime="megatron-core")
+    rt = get_runtime("megatron-core")
+    assert not rt.materialises_mask and rt.fused_cross_entropy
+    s, b, t, e, k = 2048, 1, 1, 2.0, _kernel(m, c, tr)
+    shared = dict(act_bytes=e, kernel=k, plain=True)
+    kept = memory.shared_bytes(m, s, b, t, recomputed=False, mask=False, **shared)
+    assert kept != memory.shared_bytes(m, s, b, t, recomputed=False, **shared)          # the mask would count
+    cache = memory.cache_bytes(m, s, b, t, e, False) - kept
+    assert cache != memory.cache_bytes(m, s, b, t, e) - kept
+    per0, fixed0 = memory.pipeline_bytes(m, s, b, t, sequence_parallel=False, act_bytes=e, stage=0, p=2, m=8)
+    per1, fixed1 = memory.pipeline_bytes(m, s, b, t, sequence_parallel=False, act_bytes=e, stage=1, p=2, m=8)
+    head = memory.head_bytes(m, s, b, t, sequence_parallel=False, act_bytes=e, fused_ce=True)
+    assert head != memory.head_bytes(m, s, b, t, sequence_parallel=False, act_bytes=e)
+    first, last, work = stage_extras(m, s, b, t, p, e, k, 3.0)
+    assert first == pytest.approx(memory.embedding_bytes(m, s, b, t) + kept + per0 + (cache + fixed0) / 3.0, rel=EXACT)
+    assert last == pytest.approx(head + memory.logits_bytes(m, s, b, t, e) + kept + cache + per1 + fixed1, rel=EXACT)
+    assert work == pytest.approx(memory.shared_bytes(m, s, b, t, recomputed=True, mask=False, **shared), rel=EXACT)
+    assert work != memory.shared_bytes(m, s, b, t, recomputed=True, **shared)
