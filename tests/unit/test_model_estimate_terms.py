@@ -155,6 +155,11 @@ def test_a_moe_estimate_adds_the_experts_gradient_sync_and_optimizer_step():
         assert e_sync > 0 and e_opt > 0
         assert est.time.dp_sync == pytest.approx(dp_comm(C2, p, eng, psi, f, (0.0,), (0.0,)) + e_sync, rel=1e-9)
         assert est.time.optimizer == pytest.approx(optimizer_time(C2, p, eng, psi, f) + e_opt, rel=1e-9)
+        # fp32 gradients: 4 bytes per expert parameter on the wire
+        p32, tr32 = dataclasses.replace(p, precision="fp32"), dataclasses.replace(tr, precision="fp32")
+        e32 = moe.expert_sync_and_step(MOE, C2, p32, layers, f, (0.0,), 4.0, sharded)[0]
+        d32 = dp_comm(C2, p32, engines.engine_for(p32), psi, f, (0.0,), (0.0,))
+        assert estimate(MOE, C2, tr32, p32).time.dp_sync == pytest.approx(d32 + e32, rel=1e-9)
 
 
 def test_a_plan_too_big_for_the_device_names_memory_and_the_largest_part():
@@ -299,6 +304,8 @@ def test_moe_block_swaps_the_dense_ffn_gemms_for_the_experts():
     af, ab = moe.alltoall_comm(MOE, c, p, 256, 2.0, f.comm_efficiency)
     assert af > 0 and (moe_bt.a2a_fwd, moe_bt.a2a_bwd) == (pytest.approx(w * af, rel=EXACT),
                                                            pytest.approx(w * ab, rel=EXACT))
+    # TP 1: the block's communication outside its compute is the all-to-alls alone
+    assert (moe_bt.tp_fwd, moe_bt.tp_bwd) == (moe_bt.a2a_fwd, moe_bt.a2a_bwd)
 
 
 def test_moe_layer_costs_activations_parameters_and_resident_expert_states():
@@ -417,3 +424,44 @@ def test_megatron_core_stage_extras_keep_no_mask_and_fused_cross_entropy():
     assert last == pytest.approx(head + memory.logits_bytes(m, s, b, t, e) + kept + cache + per1 + fixed1, rel=EXACT)
     assert work == pytest.approx(memory.shared_bytes(m, s, b, t, recomputed=True, mask=False, **shared), rel=EXACT)
     assert work != memory.shared_bytes(m, s, b, t, recomputed=True, **shared)
+
+
+def test_a_block_probe_scales_the_selective_recompute_too():
+    plan, train = Plan(dp=2, micro_batch=2, grad_accum=2, recompute="selective"), TrainSpec(global_batch=8, seq_len=128)
+    plain_c = parse_cluster("2xcpu", find_device("cpu")[0])
+    probed_c = parse_cluster("2xcpu", dataclasses.replace(
+        find_device("cpu")[0], step=StepProbes(block={"bf16": BlockProbe(scale=2.0, overhead_s=3e-3)})))
+    plain = _block_times(TINY, plain_c, train, plan, cluster_factors(plain_c))
+    probed = _block_times(TINY, probed_c, train, plan, cluster_factors(probed_c))
+    assert plain.selective > 0 and probed.selective == pytest.approx(2.0 * plain.selective, rel=EXACT)
+
+
+def test_cpu_offload_memory_holds_the_largest_tensor_staging_buffer_on_the_device():
+    """ZeRO-2 with the optimizer on the CPU, on a GPU: the only optimizer-role bytes left on the
+    device are DeepSpeed's temp_grad_buffer_for_gpu_offload, 2 B x the largest parameter."""
+    from planner.cost import layer_costs
+    from planner.cost.model import stage_memory
+    c, tr = parse_cluster("8xA100-80GB"), TrainSpec(global_batch=8, seq_len=2048)
+    p = Plan(dp=8, zero=2, offload_optimizer="cpu", micro_batch=1, grad_accum=1)
+    lc = layer_costs(preset("glm-10b"), c, tr, p)
+    assert lc.largest > 0
+    mem = stage_memory(p, lc, (preset("glm-10b").layers,), (0,), 0.0, False)[0]
+    assert mem.optimizer == pytest.approx(2.0 * lc.largest, rel=EXACT)
+
+
+def test_ring_backward_hides_behind_cp_times_the_local_backward_core():
+    """glm-10b (full MHA: 4096-wide KV) over a 16-rank ring across two A6000 nodes (10 GB/s
+    Ethernet): the KV and dKV sends hide partly behind each step's backward core, cp x the
+    local block's (2 x forward + flash's recompute)."""
+    from planner.cost import longctx
+    m, c = preset("glm-10b"), parse_cluster("2x8xA6000")
+    f = cluster_factors(c)
+    lp, ltr = Plan(dp=16, micro_batch=1, grad_accum=1), TrainSpec(global_batch=16, seq_len=2048)
+    bc = _bc(m, c, ltr, lp, f)
+    core_f, rec = bc.core_fwd, bc.core_bwd - 2.0 * bc.core_fwd      # attention_scale applied in _bc
+    want = longctx.block_comm(m, c, 1, 1, 16, "ring", 2048, 2.0, f.comm_efficiency, 16 * core_f,
+                              16 * (2.0 * core_f + rec))
+    bare = longctx.block_comm(m, c, 1, 1, 16, "ring", 2048, 2.0, f.comm_efficiency, 0.0, 0.0)
+    bt = _block_times(m, c, ltr, lp, f, (16, "ring"))
+    assert 0 < want[1] < bare[1] and rec > 0
+    assert (bt.a2a_fwd, bt.a2a_bwd) == (pytest.approx(want[0], rel=1e-9), pytest.approx(want[1], rel=1e-9))
