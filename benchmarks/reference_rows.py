@@ -192,7 +192,8 @@ def modern_rows() -> list[RefRow]:
             model = _mpt(r["model"], r["seq"])
             gpus = r["gpus"]
             cluster = parse_cluster(f"{gpus // 8}x8x{r['gpu']}" if gpus > 8 else f"{gpus}x{r['gpu']}")
-            train = TrainSpec(global_batch=r["gbs"], seq_len=r["seq"], precision="bf16", attention="flash")
+            train = TrainSpec(global_batch=r["gbs"], seq_len=r["seq"], precision="bf16", attention="flash",
+                              attention_backend=ATTENTION_BACKEND.get((src, r["gpu"]), ("", ""))[0])
             plan = Plan(dp=gpus, zero=3 if r["sharding"] == "FULL_SHARD" else 2, micro_batch=r["mbs"],
                         grad_accum=r["ga"], recompute="full" if r["checkpointing"] else "none", precision="bf16",
                         runtime="fsdp")
@@ -229,6 +230,14 @@ ATTENTION_BACKEND = {
                                 "more'), so Transformer Engine runs FlashAttention-2, not cuDNN's fused attention; "
                                 "the variable is set from 2024-02-13 (346eaa7b) to 2024-08-20 (48af207b) and gone "
                                 "from 2024-08-29 (04b8d098)"),
+    **{("S8", gpu): ("triton", "llm-foundry scripts/train/benchmarking/submit_benchmarks.py, the script that produced "
+                               "the tables, defaults to --attn_impl triton at every commit up to the tables' last change "
+                               "(5f43bf160 2023-05-03 .. 5e85bd62 2024-01-06; flash only from 495218376, 2024-04-22), and "
+                               "scripts/train/yamls/pretrain/mpt-*.yaml set attn_config.attn_impl: triton: "
+                               "llmfoundry/models/layers/flash_attn_triton.py, the FlashAttention algorithm in Triton "
+                               "(copied from HazyResearch flash-attention flash_attn_triton.py at eff9fe6b); timed from "
+                               "the A100 profile's 'triton' curve (FlashAttention-2 paper Figure 4, 'FlashAttention "
+                               "Triton')") for gpu in ("A100-40GB", "A100-80GB")},
 }
 """(source, GPU) -> (flash kernel family, where it is stated): a source whose runtime was configured
 to run another kernel than the runtime's preference (TrainSpec.attention_backend). S5 (NeMo 24.07,

@@ -9,7 +9,7 @@ from planner.errors import SpecError
 from planner.specs.hardware import TRAIN_PRECISIONS
 
 ATTENTION = ("flash", "eager")
-ATTENTION_BACKENDS = ("", "fa1", "fa2", "fa3", "cudnn")
+ATTENTION_BACKENDS = ("", "fa1", "fa2", "fa3", "cudnn", "triton")
 """Flash-kernel families a runtime can be told to run (profiles' kernels.attention); "" = the
 runtime's own preference (profiles/runtimes/<name>.json "attention_kernels")."""
 
