@@ -24,7 +24,7 @@ them, one core, outside the CPU lock (it is long, not a timing):
     .venv/bin/python benchmarks/mutation.py --workdir /tmp/mut-cost --paths planner/cost/compute.py ...
 
 `--tests` replaces the test files; without it they are TESTS plus every tests/unit file that
-imports one of the chosen modules (less TOO_SLOW_TESTS). The printout counts only the mutants
+imports one of the chosen modules. The printout counts only the mutants
 of the chosen files.
 """
 from __future__ import annotations
@@ -66,11 +66,6 @@ per mutant)."""
 SLOW_FOR_PATHS = ["search_run_directory_holds_base_beside_variant"]
 """Deselected in --paths runs: a whole search writing its run directory (12 s per mutant that reaches
 it); the terms it reads are pinned by the cost tests."""
-TOO_SLOW_TESTS = ["tests/unit/test_lab_measure.py", "tests/unit/test_moe_executor.py"]
-"""Test files that import a cost module but run the executor (torch, processes) per test: not
-picked up for --paths (their cost-side checks are pinned in the cost tests)."""
-
-
 def module_of(path: str) -> str:
     """planner/cost/comm.py -> planner.cost.comm"""
     return ".".join(Path(path).with_suffix("").parts)
@@ -78,7 +73,7 @@ def module_of(path: str) -> str:
 
 def tests_importing(paths: list[str]) -> list[str]:
     """TESTS plus every tests/unit file importing one of the modules at `paths` (as
-    `planner.cost.comm` or `from planner.cost import comm`), less TOO_SLOW_TESTS."""
+    `planner.cost.comm` or `from planner.cost import comm`)."""
     found = list(TESTS)
     for path in paths:
         mod = module_of(path)
@@ -86,7 +81,7 @@ def tests_importing(paths: list[str]) -> list[str]:
         pat = re.compile(rf"\b{re.escape(mod)}\b|from {re.escape(pkg)} import [^\n]*\b{re.escape(leaf)}\b")
         for test in sorted((ROOT / "tests" / "unit").glob("test_*.py")):
             rel = str(test.relative_to(ROOT))
-            if rel not in found and rel not in TOO_SLOW_TESTS and pat.search(test.read_text()):
+            if rel not in found and pat.search(test.read_text()):
                 found.append(rel)
     return found
 
