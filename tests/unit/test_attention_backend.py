@@ -97,3 +97,11 @@ def test_a100_core_under_the_triton_kernel_by_hand():
     fa2 = compute.flash_core_times(model, dev, 16384, 1, 1, "bf16", attention_kernel_of(get_runtime("fsdp"),
                                                                                         TrainSpec(global_batch=1, seq_len=16384)))
     assert fwd / fa2[0] == pytest.approx(189 / 80, rel=1e-12)
+
+
+def test_cli_passes_the_backend_through_and_leaves_it_unset_by_default():
+    from planner.cli.common import load_train
+    from planner.specs.hardware import parse_cluster
+    cluster = parse_cluster("8xH100")
+    assert load_train(MODEL, cluster, 8, 256, None, "flash").attention_backend == ""
+    assert load_train(MODEL, cluster, 8, 256, None, "flash", "fa2").attention_backend == "fa2"
