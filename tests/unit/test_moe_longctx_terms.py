@@ -201,6 +201,9 @@ def test_moe_model_flops_swap_the_dense_ffn_for_active_experts_without_padding()
     assert moe.block_forward_flops(padded, s) == pytest.approx(block, rel=EXACT)
     logits = 2.0 * s * h * 151552
     assert moe.model_flops_per_sequence(padded, s) == pytest.approx(3.0 * (46 * block + logits), rel=EXACT)
+    # dropless with a stated imbalance: the busiest rank's extra tokens are not model FLOPs either
+    skewed = dataclasses.replace(AIR, moe=dataclasses.replace(AIR.moe, imbalance=1.5))
+    assert moe.block_forward_flops(skewed, s) == pytest.approx(block, rel=EXACT)
     dense_model = preset("glm-4-9b")
     assert moe.model_flops_per_sequence(dense_model, s) == compute.model_flops_per_sequence(dense_model, s)
     assert moe.block_forward_flops(dense_model, s) == compute.block_forward_flops(dense_model, s, 1)

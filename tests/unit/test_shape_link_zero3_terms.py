@@ -201,7 +201,8 @@ def test_runtime_without_tp_interleaving_or_zero_variants_says_which():
         ("--tp", "runtime-tp", "runtime megatron-core has no tensor parallelism", "use tp=1 or another --runtime"),
         ("--interleave", "runtime-interleaved", "runtime megatron-core has no interleaved schedule",
          "use 1f1b or --runtime megatron-core")]
-    hpz = Plan(dp=4, zero=3, hpz=2, micro_batch=1, grad_accum=1)
+    hpz = Plan(dp=4, zero=3, hpz=2, quantized_weights=True, micro_batch=1, grad_accum=1)
+    assert len(hpz.variants) == 2
     (p,) = problems(get_runtime("fsdp"), hpz)
     assert (p.field, p.code, p.message, p.fix, p.detail) == (
         "--runtime", "runtime-variants", "runtime fsdp has none of DeepSpeed's ZeRO variants",
