@@ -374,6 +374,9 @@ def test_mics_replica_groups_across_nodes_by_hand():
     from planner.cost.zero import _strided
     assert _strided(8, 2, 8, 2, 4) == (8, 1, 2)
     assert _strided(8, 1, 16, 2, 4) == (0, 2, 1)                    # 16 DP ranks: pairs inside a node
+    # DP 8 x TP 4 (2 DP ranks per node), groups of 2 DP ranks 2 apart in 2 blocks of 4: DP
+    # (0, 2), (1, 3), (4, 6), (5, 7), each on nodes (0, 1) or (2, 3): 2 groups x 4 TP per node
+    assert _strided(8, 4, 8, 2, 2) == (8, 1, 2)
 
 
 def test_a_biased_moe_block_holds_the_shared_experts_biases():
