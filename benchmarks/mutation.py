@@ -15,6 +15,17 @@ copy of planner/, profiles/, the selected tests and a setup.cfg with the [mutmut
     flock /tmp/planner-cpu.lock .venv/bin/python benchmarks/mutation.py --run
     # print the survivors of the last run (seconds)
     .venv/bin/python benchmarks/mutation.py
+
+A chosen file list (issue 19: the cost files one round touched) runs with the tests that import
+them, one core, outside the CPU lock (it is long, not a timing):
+
+    nice -n 10 .venv/bin/python benchmarks/mutation.py --run --children 1 --workdir /tmp/mut-cost \
+        --paths planner/cost/compute.py planner/cost/comm.py
+    .venv/bin/python benchmarks/mutation.py --workdir /tmp/mut-cost --paths planner/cost/compute.py ...
+
+`--tests` replaces the test files; without it they are TESTS plus every tests/unit file that
+imports one of the chosen modules (less TOO_SLOW_TESTS). The printout counts only the mutants
+of the chosen files.
 """
 from __future__ import annotations
 
@@ -52,6 +63,45 @@ NOT_MUTATED = ["planner/search/trials.py", "planner/search/driver.py", "planner/
 """CSV and run-directory writing and the search driver's plumbing are exercised by the CLI tests (not run
 per mutant)."""
 
+SLOW_FOR_PATHS = ["search_run_directory_holds_base_beside_variant"]
+"""Deselected in --paths runs: a whole search writing its run directory (12 s per mutant that reaches
+it); the terms it reads are pinned by the cost tests."""
+TOO_SLOW_TESTS = ["tests/unit/test_lab_measure.py", "tests/unit/test_moe_executor.py"]
+"""Test files that import a cost module but run the executor (torch, processes) per test: not
+picked up for --paths (their cost-side checks are pinned in the cost tests)."""
+
+
+def module_of(path: str) -> str:
+    """planner/cost/comm.py -> planner.cost.comm"""
+    return ".".join(Path(path).with_suffix("").parts)
+
+
+def tests_importing(paths: list[str]) -> list[str]:
+    """TESTS plus every tests/unit file importing one of the modules at `paths` (as
+    `planner.cost.comm` or `from planner.cost import comm`), less TOO_SLOW_TESTS."""
+    found = list(TESTS)
+    for path in paths:
+        mod = module_of(path)
+        pkg, _, leaf = mod.rpartition(".")
+        pat = re.compile(rf"\b{re.escape(mod)}\b|from {re.escape(pkg)} import [^\n]*\b{re.escape(leaf)}\b")
+        for test in sorted((ROOT / "tests" / "unit").glob("test_*.py")):
+            rel = str(test.relative_to(ROOT))
+            if rel not in found and rel not in TOO_SLOW_TESTS and pat.search(test.read_text()):
+                found.append(rel)
+    return found
+
+
+def check_paths(paths: list[str]) -> str | None:
+    """One line naming the bad --paths entry and the fix, or None."""
+    for path in paths:
+        if not path.endswith(".py") or not (ROOT / path).is_file():
+            return f"--paths {path}: not a Python file under the repository; give paths like planner/cost/comm.py"
+        if not path.startswith(("planner/cost/", "planner/search/", "planner/serve/")):
+            return (f"--paths {path}: the mutation run covers planner/cost, planner/search and planner/serve; "
+                    "give a file there")
+    return None
+
+
 CONFTEST = '''
 
 import sys as _sys
@@ -76,14 +126,14 @@ STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests"
           -11: "segfault", -9: "segfault", None: "not checked", 2: "interrupted"}
 
 
-def prepare(work: Path) -> None:
+def prepare(work: Path, mutate: list[str], tests: list[str], deselect: str) -> None:
     """A fresh copy of the sources and tests with the [mutmut] configuration."""
     if work.exists():
         shutil.rmtree(work)
     (work / "tests" / "unit").mkdir(parents=True)
     shutil.copytree(ROOT / "planner", work / "planner", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(ROOT / "profiles", work / "profiles")
-    for t in TESTS:
+    for t in tests:
         shutil.copy(ROOT / t, work / t)
     for extra in ("tests/__init__.py", "tests/unit/__init__.py", "tests/conftest.py", "tests/unit/conftest.py"):
         if (ROOT / extra).exists():
@@ -91,20 +141,20 @@ def prepare(work: Path) -> None:
     with open(work / "tests" / "conftest.py", "a") as fh:
         fh.write(CONFTEST)
     lines = ["[mutmut]", "source_paths=planner", "also_copy=profiles",
-             "only_mutate=" + "\n    ".join(MUTATE),
+             "only_mutate=" + "\n    ".join(mutate),
              "do_not_mutate=" + "\n    ".join(NOT_MUTATED),
              "do_not_mutate_patterns=" + "\n    ".join(NO_MUTATE_LINES),
-             "pytest_add_cli_args_test_selection=" + "\n    ".join(TESTS + ["-k", DESELECT]),
+             "pytest_add_cli_args_test_selection=" + "\n    ".join(tests + ["-k", deselect]),
              "pytest_add_cli_args=-p\n    no:cacheprovider",
              "timeout_multiplier=5.0", "timeout_constant=5.0"]
     (work / "setup.cfg").write_text("\n".join(lines) + "\n")
 
 
-def run(work: Path, children: int, timeout: float) -> int:
+def run(work: Path, children: int, timeout: float, only: list[str] | None = None) -> int:
     env = dict(os.environ, PYTHONPATH=str(work), DS_ACCELERATOR="cpu")
     mutmut = [str(Path(sys.executable).with_name("mutmut"))]
     t0 = time.time()
-    proc = subprocess.run(mutmut + ["run", "--max-children", str(children)], cwd=work, env=env, timeout=timeout,
+    proc = subprocess.run(mutmut + ["run", "--max-children", str(children)] + list(only or []), cwd=work, env=env, timeout=timeout,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     print(f"mutmut run: exit {proc.returncode} in {time.time() - t0:.0f} s")
     if proc.returncode:
@@ -159,18 +209,57 @@ def main() -> int:
                     help="run mutmut again in the existing work directory: only the mutants not yet checked")
     ap.add_argument("--timeout", type=float, default=5400.0, help="seconds for the whole mutmut run")
     ap.add_argument("--workdir", type=Path, default=WORKDIR)
+    ap.add_argument("--paths", nargs="+", default=None,
+                    help="mutate only these files (e.g. planner/cost/comm.py); default: " + " ".join(MUTATE))
+    ap.add_argument("--tests", nargs="+", default=None,
+                    help="the test files to run per mutant; default with --paths: TESTS plus the tests/unit files "
+                         "that import a chosen module")
+    ap.add_argument("--only", nargs="+", default=None,
+                    help="with --run: check only these mutants (names, or a JSON file whose keys are names, such as "
+                         "--write-todo's): the re-check after new tests")
+    ap.add_argument("--base", type=Path, default=None,
+                    help="a work directory of an earlier full run: its results, overridden by the mutants this "
+                         "work directory checked (the counts after a --only re-check)")
     ap.add_argument("--write-todo", type=Path, default=None,
                     help="write the unexplained survivors as a JSON skeleton to fill in")
     args = ap.parse_args()
     work = args.workdir
+    mutate, tests, deselect = MUTATE, TESTS, DESELECT
+    if args.paths:
+        err = check_paths(args.paths)
+        if err:
+            print(err, file=sys.stderr)
+            return 2
+        mutate = list(args.paths)
+        tests = list(args.tests) if args.tests else tests_importing(args.paths)
+        deselect = DESELECT + " and not " + " and not ".join(SLOW_FOR_PATHS)
+    elif args.tests:
+        tests = list(args.tests)
+    missing = [t for t in tests if not (ROOT / t).is_file()]
+    if missing:
+        print(f"--tests {missing[0]}: no such test file; give paths like tests/unit/test_cost_units.py",
+              file=sys.stderr)
+        return 2
     if args.run:
-        prepare(work)
+        prepare(work, mutate, tests, deselect)
+    only = None
+    if args.only:
+        only = []
+        for item in args.only:
+            only += list(json.loads(Path(item).read_text())) if item.endswith(".json") else [item]
     if args.run or args.resume:
-        run(work, args.children, args.timeout)
+        run(work, args.children, args.timeout, only)
     if not (work / "mutants").exists():
         print(f"no mutmut results in {work}: run with --run first")
         return 0
     status = results(work)
+    if args.base:
+        checked = {n: st for n, st in status.items() if st != "not checked"}
+        status = {**results(args.base), **checked}
+        print(f"{len(checked)} mutants re-checked in {work} over the results of {args.base}")
+    if args.paths:
+        chosen = {module_of(p) for p in args.paths}
+        status = {n: s for n, s in status.items() if n.rsplit(".", 1)[0] in chosen}
     explained = json.loads(EXPLAINED.read_text()) if EXPLAINED.exists() else {}
     counts: dict[str, int] = {}
     for s in status.values():
@@ -186,7 +275,7 @@ def main() -> int:
             ok.append((name, status[name], after, entry["why"]))
         else:
             (stale if entry else todo).append((name, status[name], before, after))
-    print(f"mutants: {len(status)} in {', '.join(MUTATE)} (tests: {len(TESTS)} files, -k '{DESELECT}')")
+    print(f"mutants: {len(status)} in {', '.join(mutate)} (tests: {len(tests)} files, -k '{deselect}')")
     print("  " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])))
     print(f"surviving: {len(survivors)}; explained: {len(ok)}; unexplained: {len(todo) + len(stale)}")
     for name, st, after, why in ok:

@@ -9,8 +9,8 @@ from planner.cost.attention import recomputes_scores
 from planner.cost.engines import Engine
 from planner.cost.factors import Factors, cluster_factors
 from planner.cost.layers import LayerCosts
-from planner.cost.model import (_block_times, _kernel, _layer_costs, framework_overheads, resident_memory,
-                                 runtime_train, stage_memory, stage_times)
+from planner.cost.model import (_block_times, _kernel, _layer_costs, framework_overheads, parallel_probe,
+                                 resident_memory, runtime_train, stage_memory, stage_times)
 from planner.cost.runtime import get_runtime
 from planner.specs.estimate import GB, MEMORY_LABELS, Estimate, TimeBreakdown
 from planner.specs.hardware import ClusterSpec
@@ -106,11 +106,16 @@ def p2p_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pl
     activations forward and their gradient back, b s h each (b s h / t under sequence
     parallelism), sent by every rank of the stage (DeepSpeed sends each TP rank's full tensor).
     A boundary crosses nodes exactly when the rank layout puts the two stages on different
-    nodes (planner.cost.comm.cross_node_boundaries)."""
+    nodes (planner.cost.comm.cross_node_boundaries). On a profiled CPU with the 2-process probe,
+    a boundary inside a node costs nothing here: its sends are in the pipe schedule's
+    per-micro-batch cost (planner.cost.model.framework_overheads)."""
     e = activation_bytes(plan.precision)
     nbytes = train.seq_len * plan.micro_batch * model.hidden * e / (plan.tp if plan.sequence_parallel else 1)
     cross = comm.cross_node_boundaries(cluster.gpus_per_node, plan.dp, plan.tp, plan.pp)
-    return tuple(2.0 * comm.p2p_time(nbytes, cluster, x, f.comm_efficiency, f.network_efficiency) for x in cross)
+    # a profiled CPU's pipe probe counts the sends inside a node in its per-micro-batch cost
+    inside = 0.0 if parallel_probe(cluster, plan) is not None else None
+    return tuple(inside if inside is not None and not x else
+                 2.0 * comm.p2p_time(nbytes, cluster, x, f.comm_efficiency, f.network_efficiency) for x in cross)
 
 
 def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan) -> Estimate:
@@ -135,6 +140,9 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
     times = stage_times(lc, layers, ckpt, mb_overhead)
     slow = max(range(p), key=lambda i: times[i])
     steady, bubble = pipeline.pipeline_time(tuple(times), m, v)
+    par = parallel_probe(cluster, plan)
+    if par is not None and p > 1:  # the share of fill and drain this CPU's pipe step shows (measured)
+        bubble *= par.pipe_bubble
     # point-to-point: the slowest boundary sets the steady-state pace (v x as many sends when
     # interleaved); filling and draining the pipe crosses every boundary once each way
     p2p = p2p_times(model, cluster, train, plan, f)

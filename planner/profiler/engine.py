@@ -27,39 +27,75 @@ ACCUMULATIONS = (1, 4)
 """Micro-batches per step of the two timed engines (planner.runtime.train.probe)."""
 
 
+LAYOUTS = ({"name": "dp", "dp": 2, "pp": 1}, {"name": "pp", "dp": 1, "pp": 2},
+           {"name": "z3", "dp": 2, "pp": 1, "zero": 3})
+"""The layouts of the 2-process engine probe (measure_parallel): DP2 ZeRO-0 (the gradient
+all-reduce as DeepSpeed runs it, both ranks computing at once), PP2 (DeepSpeed's
+PipelineEngine: its 1F1B schedule, sends and receives) and DP2 ZeRO-3 (its gathers, releases
+and reductions as its module hooks run them)."""
+
+
 def measure(model: dict[str, Any], b: int, s: int, precisions: list[str], threads: int,
             timeout_s: float = 300.0) -> list[dict[str, Any]]:
     """Run the engine probe (planner.runtime.train.probe, by module name: the profiler does not
     import the runtime) in a subprocess; its rows (one per precision and accumulation)."""
+    return _launch({"model": model, "b": b, "s": s, "precisions": precisions, "threads": threads}, 1, timeout_s)
+
+
+def measure_parallel(model: dict[str, Any], b: int, s: int, precisions: list[str], threads: int,
+                     timeout_s: float = 600.0) -> list[dict[str, Any]]:
+    """The engine probe on 2 processes, each LAYOUTS entry in every precision (ZeRO-3: the
+    first, the profiled one) with 1 and 4 micro-batches per step; rows tagged with their layout
+    ("dp", "pp", "z3")."""
+    return _launch({"model": model, "b": b, "s": s, "precisions": precisions, "threads": threads,
+                    "layouts": [dict(lay, precisions=precisions[:1]) if lay.get("zero") == 3 else lay
+                                for lay in LAYOUTS]}, 2, timeout_s)
+
+
+def _launch(args: dict[str, Any], world: int, timeout_s: float) -> list[dict[str, Any]]:
     import subprocess
     import sys
+    import time
     fd, out_path = tempfile.mkstemp(prefix="planner-engine-", suffix=".json")
     os.close(fd)
-    args = json.dumps({"port": free_port(), "model": model, "b": b, "s": s, "precisions": precisions,
-                       "threads": threads})
-    env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"), OMP_NUM_THREADS=str(threads),
-               MALLOC_MMAP_THRESHOLD_="65536")
+    port = free_port()
+    env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"),
+               OMP_NUM_THREADS=str(args["threads"]), MALLOC_MMAP_THRESHOLD_="65536")
+    procs = [subprocess.Popen([sys.executable, "-m", "planner.runtime.train.probe",
+                               json.dumps(dict(args, port=port, world=world, rank=r)), out_path], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
     try:
-        try:
-            p = subprocess.run([sys.executable, "-m", "planner.runtime.train.probe", args, out_path], env=env,
-                               capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise PlannerError("engine probe", f"did not finish in {timeout_s:.0f} s",
-                               "profile without it (--quick on a loaded machine)") from None
-        if p.returncode:
-            last = (p.stderr.strip().splitlines() or [f"exit status {p.returncode}"])[-1]
-            raise PlannerError("engine probe", f"the process failed: {last}", "check that DeepSpeed runs on this "
-                               "machine (planner run of a 1xcpu plan)")
+        deadline = time.monotonic() + timeout_s
+        errs = []
+        for p in procs:
+            try:
+                _, err = p.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                raise PlannerError("engine probe", f"did not finish in {timeout_s:.0f} s",
+                                   "profile without it (--quick on a loaded machine)") from None
+            errs.append((p.returncode, err))
+        for rc, err in errs:
+            if rc:
+                last = (err.strip().splitlines() or [f"exit status {rc}"])[-1]
+                raise PlannerError("engine probe", f"the process failed: {last}", "check that DeepSpeed runs on this "
+                                   "machine (planner run of a 1xcpu plan)")
         with open(out_path) as fh:
             return json.load(fh)
     finally:
+        for p in procs:  # only our own children
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
         os.unlink(out_path)
 
 
-def split(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+def split(rows: list[dict[str, Any]], layout: str = "1") -> dict[str, dict[str, float]]:
     """Per precision: measured seconds per micro-batch and per step (fixed part), from the
-    steps with 1 and 4 micro-batches (ACCUMULATIONS)."""
+    steps with 1 and 4 micro-batches (ACCUMULATIONS), of one layout ("1": one process, rows
+    without a layout are its; "dp", "pp": measure_parallel's)."""
     out = {}
+    rows = [r for r in rows if r.get("layout", "1") == layout]
     for prec in dict.fromkeys(r["precision"] for r in rows):
         by_m = {r["grad_accum"]: r["step_s"] for r in rows if r["precision"] == prec}
         lo, hi = min(by_m), max(by_m)

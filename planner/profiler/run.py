@@ -162,6 +162,13 @@ def measure_all(opts: ProfileOptions, target: Target, plan: WorkList,
                                            cpu_threads(opts.procs))
         except PlannerError as exc:
             out["notes"].append(f"engine probe skipped: {exc.line()}")
+        if opts.procs >= 2 and opts.model.layers >= 2:
+            # DP2 and PP2 on two processes: the data-parallel step and the pipe schedule as they run
+            try:
+                out["engine"] += engine.measure_parallel(opts.model.to_dict(), b, s_, list(plan.block_precisions),
+                                                         cpu_threads(opts.procs))
+            except PlannerError as exc:
+                out["notes"].append(f"parallel engine probe skipped: {exc.line()}")
     tick("engine steps")
     backend = "nccl" if target.kind == "gpu" else "gloo"
     out["comm"] = {}

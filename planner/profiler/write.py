@@ -108,6 +108,11 @@ def build(raw: dict[str, Any], env: dict[str, Any], opts: ProfileOptions, *, nam
         sources["step.tp_allreduce"] = ("measured: the executor's block with its TP group minus without, / 4 "
                                         "all-reduces, per (micro-batch, sequence, precision); alpha-beta fit "
                                         "(planner.profiler.comm.in_step)")
+        if step.get("parallel"):
+            sources["step.parallel"] = ("measured: the executor's DeepSpeed engine on 2 processes, DP2 ZeRO-0 and PP2, "
+                                        "steps of 1 and 4 micro-batches (planner.profiler.engine.measure_parallel), "
+                                        "minus the cost model's terms with the block and framework probes "
+                                        "(planner.profiler.write.parallel_section)")
     data["measured"] = measured_section(raw, env, opts, best, data)
     profile_from_dict(data, name)  # the schema check the loader applies
     return data
@@ -143,12 +148,13 @@ def step_section(raw: dict[str, Any], opts: ProfileOptions, data: dict[str, Any]
         block[prec] = {"scale": scale, "overhead_s": overhead, "points": len(rows),
                        "max_rel_error": max(abs(scale * x + overhead - y) / y for x, y in zip(pred, meas))}
     framework = framework_section(raw.get("engine") or [], opts, data, block) if block else {}
+    parallel = parallel_section(raw.get("engine") or [], opts, data, block, framework) if framework else {}
     links = {}
     for n, summary in raw["comm"].items():
         fit = (summary.get("in_step") or {}).get("fit")
         if fit and fit["busbw_gbps"] > 0:
             links[str(n)] = fit
-    return {"block": block, "tp_allreduce": links, "framework": framework}
+    return {"block": block, "tp_allreduce": links, "framework": framework, "parallel": parallel}
 
 
 def framework_section(rows: list[dict[str, Any]], opts: ProfileOptions, data: dict[str, Any],
@@ -177,6 +183,74 @@ def framework_section(rows: list[dict[str, Any]], opts: ProfileOptions, data: di
                      "measured_microbatch_s": meas["microbatch_s"], "measured_step_s": meas["step_s"],
                      "predicted_microbatch_s": per_mb, "predicted_optimizer_s": t.optimizer}
     return out
+
+
+def parallel_section(rows: list[dict[str, Any]], opts: ProfileOptions, data: dict[str, Any],
+                     block: dict[str, Any], framework: dict[str, Any]) -> dict[str, Any]:
+    """Per precision with the 2-process engine probe (planner.profiler.engine.measure_parallel),
+    what its DP2 and PP2 steps leave beyond the cost model's terms for the same plans under this
+    profile with its block and framework probes (planner/specs/step.py Parallel), each kept >= 0:
+
+    - microbatch_s = DP2's per micro-batch - (the micro-batch's compute + framework per micro-batch);
+    - dp_step_s = DP2's per step - (framework per step + Adam update + the gradient all-reduce);
+    - pipe_microbatch_s = PP2's per micro-batch - the slowest stage's compute per micro-batch;
+    - pipe_bubble = (PP2's per step - framework per step - Adam update) / ((p - 1) x PP2's per
+      micro-batch): the 1F1B step of m micro-batches lasts (m + p - 1) stage micro-batches
+      when the fill and drain are fully exposed (pipe_bubble 1);
+    - zero3_microbatch_s, zero3_step_s = DP2 ZeRO-3's per micro-batch and per step minus the
+      cost model's for the same plan (steps of 1 and 4 micro-batches) with the terms above."""
+    from planner.cost import estimate
+    from planner.profiler.engine import split
+    from planner.specs.plan import Plan
+    from planner.specs.train import TrainSpec
+    dp_rows, pp_rows = split(rows, "dp"), split(rows, "pp")
+    if not dp_rows or not pp_rows:
+        return {}
+    prof = profile_from_dict({**{k: v for k, v in data.items() if k != "step"},
+                              "step": {"block": block, "framework": {p: {"microbatch_s": f["microbatch_s"],
+                                                                         "step_s": f["step_s"]}
+                                                                     for p, f in framework.items()}}}, data["name"])
+    out = {}
+    for prec in dp_rows:
+        if prec not in pp_rows or prec not in framework:
+            continue
+        b, s = next((r["micro_batch"], r["seq"]) for r in rows if r["precision"] == prec and r.get("layout") == "dp")
+        fw = framework[prec]
+        train = TrainSpec(global_batch=2 * b, seq_len=s, precision=prec)
+        t = estimate(opts.model, _cluster(prof, 2), train, Plan(dp=2, micro_batch=b, precision=prec)).time
+        dp, pp = dp_rows[prec], pp_rows[prec]
+        t_pp = estimate(opts.model, _cluster(prof, 2), dataclass_replace(train, global_batch=b),
+                        Plan(pp=2, micro_batch=b, precision=prec)).time
+        stage = t_pp.forward + t_pp.backward + t_pp.recompute + t_pp.tp_comm
+        out[prec] = {
+            "microbatch_s": max(dp["microbatch_s"] - (t.forward + t.backward + t.recompute) - fw["microbatch_s"], 0.0),
+            "dp_step_s": max(dp["step_s"] - fw["step_s"] - t.optimizer - t.dp_sync, 0.0),
+            "pipe_microbatch_s": max(pp["microbatch_s"] - stage, 0.0),
+            "pipe_bubble": max((pp["step_s"] - fw["step_s"] - t_pp.optimizer) / pp["microbatch_s"], 0.0),
+            "measured_dp": dp, "measured_pp": pp, "predicted_dp_microbatch_s": t.forward + t.backward + t.recompute,
+            "predicted_dp_sync_s": t.dp_sync, "predicted_stage_microbatch_s": stage}
+    z3_rows = split(rows, "z3")
+    for prec, z3 in z3_rows.items():
+        if prec not in out:
+            continue
+        par = {k: out[prec][k] for k in ("microbatch_s", "dp_step_s", "pipe_microbatch_s", "pipe_bubble")}
+        with_par = profile_from_dict({**{k: v for k, v in data.items() if k != "step"}, "step": {
+            "block": block, "framework": {p: {"microbatch_s": f["microbatch_s"], "step_s": f["step_s"]}
+                                          for p, f in framework.items()}, "parallel": {prec: par}}}, data["name"])
+        b, s = next((r["micro_batch"], r["seq"]) for r in rows if r["precision"] == prec and r.get("layout") == "z3")
+        t1, t4 = (estimate(opts.model, _cluster(with_par, 2), TrainSpec(global_batch=2 * b * m, seq_len=s,
+                                                                         precision=prec),
+                           Plan(dp=2, zero=3, micro_batch=b, grad_accum=m, precision=prec)).step_time_s for m in (1, 4))
+        per_mb = (t4 - t1) / 3.0
+        out[prec].update(zero3_microbatch_s=max(z3["microbatch_s"] - per_mb, 0.0),
+                         zero3_step_s=max(z3["step_s"] - (t1 - per_mb), 0.0), measured_z3=z3,
+                         predicted_z3={"microbatch_s": per_mb, "step_s": t1 - per_mb})
+    return out
+
+
+def dataclass_replace(obj: Any, **kw: Any) -> Any:
+    import dataclasses
+    return dataclasses.replace(obj, **kw)
 
 
 def measured_section(raw: dict[str, Any], env: dict[str, Any], opts: ProfileOptions, best: dict[str, Any],

@@ -26,6 +26,14 @@ inside autograd, between the block's GEMMs:
 - tp_allreduce[n]: one all-reduce of the block's activations over n processes as it runs in
   autograd (the executor's block with its TP group, minus the same block without it, per
   all-reduce), busbw and latency per latency step as planner/cost/comm.py counts them.
+- parallel[precision]: the executor's engine on 2 processes (planner/profiler/engine.py
+  measure_parallel), steps of 1 and 4 micro-batches, DP2 ZeRO-0 and PP2: what two ranks
+  computing at once add per micro-batch and DeepSpeed's data-parallel step adds per step
+  beyond the 1-process engine and the cost model's all-reduce (DP2); what the pipe schedule
+  costs per micro-batch beyond the stage's compute, and the share of the fill / drain the
+  step shows (PP2); what DP2 ZeRO-3 costs per micro-batch and per step beyond the cost
+  model's ZeRO-3 terms. planner/cost/model.py framework_overheads and planner/cost/estimate.py
+  compose them.
 
 Absent (every built-in profile, and a measured one from before): the cost model uses its
 GEMM curves and links alone. Pure stdlib: loaded with the profile.
@@ -68,10 +76,39 @@ class Framework:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Parallel:
+    """The executor's engine on 2 processes (planner/profiler/engine.py measure_parallel) beyond
+    what the 1-process engine (Framework) and the cost model's terms account for."""
+    microbatch_s: float
+    """DP2: seconds per micro-batch the two ranks computing at once add (shared memory
+    bandwidth and caches): plans of 2 or more processes without a pipeline."""
+    dp_step_s: float
+    """DP2: seconds per optimizer step beyond the 1-process engine's step and the cost model's
+    gradient all-reduce (DeepSpeed's bucketing, flattening and the in-step all-reduce): plans
+    with dp > 1 (ZeRO 0-2)."""
+    pipe_microbatch_s: float
+    """PP2: seconds per micro-batch per stage of DeepSpeed's pipe schedule beyond the stage's
+    compute (sends, receives, the instruction loop, the engine's own per-micro-batch work):
+    under a pipeline it replaces the framework's per-micro-batch cost and the point-to-point
+    link of boundaries inside a node."""
+    pipe_bubble: float
+    """PP2: the share of the fill / drain time (pipeline.pipeline_time's bubble) that the step
+    measures: (step with 1 micro-batch - the fixed step costs) / ((p - 1) x per micro-batch)."""
+    zero3_microbatch_s: float = 0.0
+    """DP2 ZeRO-3 (the profiled precision): seconds per micro-batch beyond the cost model's
+    ZeRO-3 plan with the terms above (its module hooks' gathers and releases as they run):
+    plans with ZeRO-3 over dp > 1. 0 where not measured."""
+    zero3_step_s: float = 0.0
+    """DP2 ZeRO-3: seconds per step beyond the same (its optimizer over partitions, its
+    reductions). 0 where not measured."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StepProbes:
     block: Mapping[str, BlockProbe] = field(default_factory=dict)
     tp_allreduce: Mapping[int, InStepLink] = field(default_factory=dict)
     framework: Mapping[str, Framework] = field(default_factory=dict)
+    parallel: Mapping[str, Parallel] = field(default_factory=dict)
 
     def block_for(self, precision: str) -> BlockProbe | None:
         return self.block.get(precision)
@@ -86,14 +123,18 @@ class StepProbes:
 
     @property
     def empty(self) -> bool:
-        return not self.block and not self.tp_allreduce and not self.framework
+        return not self.block and not self.tp_allreduce and not self.framework and not self.parallel
 
     def to_dict(self) -> dict[str, Any]:
         return {"block": {p: {"scale": b.scale, "overhead_s": b.overhead_s, "points": b.points}
                           for p, b in self.block.items()},
                 "tp_allreduce": {str(n): {"busbw_gbps": l.busbw_gbps, "latency_us": l.latency_us, "points": l.points}
                                  for n, l in self.tp_allreduce.items()},
-                "framework": {p: {"microbatch_s": f.microbatch_s, "step_s": f.step_s} for p, f in self.framework.items()}}
+                "framework": {p: {"microbatch_s": f.microbatch_s, "step_s": f.step_s} for p, f in self.framework.items()},
+                "parallel": {p: {"microbatch_s": x.microbatch_s, "dp_step_s": x.dp_step_s,
+                                 "pipe_microbatch_s": x.pipe_microbatch_s, "pipe_bubble": x.pipe_bubble,
+                                 "zero3_microbatch_s": x.zero3_microbatch_s, "zero3_step_s": x.zero3_step_s}
+                             for p, x in self.parallel.items()}}
 
 
 def _number(v: Any, where: str, positive: bool = True) -> float:
@@ -136,7 +177,17 @@ def step_from_dict(raw: Any, precisions: tuple[str, ...]) -> StepProbes:
             raise ProfileError(where, "must map a precision to microbatch_s and step_s", REGENERATE)
         framework[prec] = Framework(microbatch_s=_number(f.get("microbatch_s"), f"{where}.microbatch_s", positive=False),
                                     step_s=_number(f.get("step_s"), f"{where}.step_s", positive=False))
-    return StepProbes(block=block, tp_allreduce=links, framework=framework)
+    parallel = {}
+    for prec, x in (raw.get("parallel") or {}).items():
+        where = f"step.parallel.{prec}"
+        if prec not in precisions or not isinstance(x, dict):
+            raise ProfileError(where, "must map a precision to microbatch_s, dp_step_s, pipe_microbatch_s and "
+                               "pipe_bubble", REGENERATE)
+        parallel[prec] = Parallel(**{k: _number(x.get(k), f"{where}.{k}", positive=False)
+                                     for k in ("microbatch_s", "dp_step_s", "pipe_microbatch_s", "pipe_bubble")},
+                                  **{k: _number(x.get(k, 0.0), f"{where}.{k}", positive=False)
+                                     for k in ("zero3_microbatch_s", "zero3_step_s")})
+    return StepProbes(block=block, tp_allreduce=links, framework=framework, parallel=parallel)
 
 
 def fit_line(predicted: list[float], measured: list[float]) -> tuple[float, float]:

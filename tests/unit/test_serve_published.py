@@ -75,6 +75,24 @@ def test_model_shapes_reproduce_the_published_parameter_counts():
     assert rows["V1"].model.params == 32 * (2 * h * h + 2 * h * 1024 + 3 * h * 14336 + 2 * h) + 2 * 128256 * h + h \
         == 8_030_261_248
     assert rows["V1"].model.kv_heads == 8
+    # Llama-2-70B: 80 layers, h = 8192, GQA with 8 KV heads of 128 (k and v h x 1024), FFN 28672
+    g = 8192
+    assert rows["T9"].model.params == 80 * (2 * g * g + 2 * g * 1024 + 3 * g * 28672 + 2 * g) + 2 * 32000 * g + g \
+        == 68_976_648_192
+    assert rows["T9"].tp == 4 and rows["T9"].cluster.world_size == 4 and rows["T12"].weight_precision == "bf16"
+
+
+def test_every_llama_row_of_the_low_latency_tables_is_a_row():
+    # TensorRT-LLM performance.md (138f96d) Low Latency: LLaMA 7B on H100 FP8, L40S FP8, A100 FP16 and
+    # LLaMA 70B TP 4 on H100 FP8 and A100 FP16, inputs 128 and 2048: 10 first-token latencies
+    rows = [r for r in sp.load_rows() if r.source == "trtllm" and r.metric == "ttft_s"]
+    got = {(r.model_name, r.cluster.device.name, r.tp, r.weight_precision, r.prompt_len): r.value for r in rows}
+    assert got == {("llama-2-7b", "A100-80GB", 1, "bf16", 128): 0.016, ("llama-2-7b", "A100-80GB", 1, "bf16", 2048): 0.133,
+                   ("llama-2-7b", "H100-SXM", 1, "fp8", 128): 0.007, ("llama-2-7b", "H100-SXM", 1, "fp8", 2048): 0.036,
+                   ("llama-2-7b", "L40S", 1, "fp8", 128): 0.014, ("llama-2-7b", "L40S", 1, "fp8", 2048): 0.073,
+                   ("llama-2-70b", "H100-SXM", 4, "fp8", 128): 0.026, ("llama-2-70b", "H100-SXM", 4, "fp8", 2048): 0.109,
+                   ("llama-2-70b", "A100-80GB", 4, "bf16", 128): 0.047, ("llama-2-70b", "A100-80GB", 4, "bf16", 2048): 0.377}
+    assert all(r.in_mape and r.output_len == 1 and r.batch == 1 for r in rows)
 
 
 @pytest.mark.parametrize("field,value", [("metric", "qps"), ("gpu", "A200"), ("value", 0), ("batch", 0),
@@ -138,6 +156,39 @@ def test_sensitivity_keeps_the_benchmarks_own_reading():
         assert out[r.id]["default"] == pytest.approx(sp.predict(r)["predicted"], rel=1e-9)
         assert out[r.id]["min"] <= out[r.id]["default"] <= out[r.id]["max"]
     assert set(out["M4f"]["readings"]) == {f"{s}/{p}" for s in sens.SCHEDULERS for p in sens.SPREADS}
+    # per scheduler: inside the range of that scheduler's own readings
+    for r in rows:
+        x = out[r.id]
+        for sched in sens.SCHEDULERS:
+            own = [v for k, v in x["readings"].items() if k.startswith(sched + "/")]
+            assert x["inside_by"][sched] == (min(own) <= r.value <= max(own))
+        assert x["inside"] == (x["min"] <= r.value <= x["max"])
+
+
+def test_awaiting_first_token_is_littles_law_on_the_published_table():
+    sens = _sensitivity()
+    rows = [r for r in sp.load_rows() if r.id in ("M4q", "M4f", "M48q", "M48f", "M48m", "T1")]
+    out = {x["concurrency"]: x for x in sens.awaiting_first_token(rows)}
+    assert set(out) == {4, 48}  # static rows and a concurrency without both req_s and ttft_s: none
+    # 11.87 req/s x 0.667 s = 7.917 users waiting of 48; 2.09 x 0.063 = 0.1317 of 4
+    assert out[48]["waiting"] == pytest.approx(7.91729) and out[48]["share"] == pytest.approx(7.91729 / 48)
+    assert out[4]["waiting"] == pytest.approx(0.13167)
+    # V1's default budget on a 24 GB RTX 4090 is 2048 tokens: 8 whole 256-token prompts per step
+    assert out[48]["prompts_per_step"] == 8 and out[4]["prompts_per_step"] == 8
+
+
+def test_simulated_awaiting_takes_each_schedulers_largest_reading():
+    sens = _sensitivity()
+    rows = {r.id: r for r in sp.load_rows() if r.id in ("M48q", "M48f")}
+    # hand-made readings: V1 geo 10 req/s x 0.5 s = 5, V1 fixed 12 x 0.6 = 7.2; V0 geo 9 x 1.0 = 9
+    res = [{"id": "M48q", "metric": "req_s", "readings": {"vllm/geometric": 10.0, "vllm/fixed": 12.0,
+                                                          "vllm-v0/geometric": 9.0}},
+           {"id": "M48f", "metric": "ttft_s", "readings": {"vllm/geometric": 0.5, "vllm/fixed": 0.6,
+                                                           "vllm-v0/geometric": 1.0}}]
+    got = sens.simulated_awaiting(res, list(rows.values()))
+    assert got == {48: {"vllm": pytest.approx(7.2), "vllm-v0": pytest.approx(9.0)}}
+    text = sens.awaiting_table(sens.awaiting_first_token(list(rows.values())), got)
+    assert "7.9 waiting" in text and "at most 7.2 (V1), 9.0 (V0)" in text
 
 
 def test_ttft_contributions_rank_rows_by_their_share_of_the_mape():

@@ -179,3 +179,133 @@ def test_profile_writes_the_step_section_from_its_probes():
     t = estimate(MODEL, parse_cluster("1xcpu", with_block), TrainSpec(global_batch=4, seq_len=128), Plan(micro_batch=4)).time
     assert fw["microbatch_s"] == pytest.approx(max(0.02 - (t.forward + t.backward), 0.0), rel=1e-9)
     assert fw["step_s"] == pytest.approx(0.03 - t.optimizer, rel=1e-9)
+
+
+# --- the 2-process engine probe (step.parallel): DP2's concurrency and step, PP2's schedule --------
+def _par(**kw):
+    from planner.specs.step import Parallel
+    base = dict(microbatch_s=0.0, dp_step_s=0.0, pipe_microbatch_s=0.0, pipe_bubble=1.0)
+    return Parallel(**{**base, **kw})
+
+
+def test_parallel_section_parses_and_bad_input_names_the_field():
+    s = step_from_dict({"parallel": {"fp32": {"microbatch_s": 0.01, "dp_step_s": 0.02, "pipe_microbatch_s": 0.0,
+                                              "pipe_bubble": 0.4}}}, PRECISIONS)
+    assert s.parallel["fp32"].dp_step_s == 0.02 and s.parallel["fp32"].pipe_bubble == 0.4 and not s.empty
+    assert step_from_dict(s.to_dict(), PRECISIONS) == s  # round trip
+    with pytest.raises(ProfileError) as exc:
+        step_from_dict({"parallel": {"bf16": {"microbatch_s": 0.01, "dp_step_s": -1, "pipe_microbatch_s": 0,
+                                              "pipe_bubble": 1}}}, PRECISIONS)
+    assert "step.parallel.bf16.dp_step_s" in exc.value.line() and "planner profile" in exc.value.line()
+    with pytest.raises(ProfileError) as exc:
+        step_from_dict({"parallel": {"bf16": {"microbatch_s": 0.01}}}, PRECISIONS)
+    assert "step.parallel.bf16.dp_step_s" in exc.value.line()
+
+
+def test_data_parallel_probe_adds_per_micro_batch_and_per_step():
+    """DP2 ZeRO-0, accumulation 2, framework 0.02 s / micro-batch and 0.03 s / step; the 2-process
+    probe adds 0.01 s per micro-batch (two ranks at once) and 0.05 s per step (DeepSpeed's
+    data-parallel step): overhead 0.03 + 0.05 + 2 x (0.02 + 0.01) = 0.14 s; the step time grows
+    by exactly the 0.07 s added. ZeRO-3 takes the micro-batch part only, one process neither,
+    the other precision's probe does not apply; 4 processes of a 2-process profile stretch 2x."""
+    from planner.cost import estimate
+    from planner.specs.step import Framework
+    fw = {"bf16": Framework(microbatch_s=0.02, step_s=0.03)}
+    only_fw = parse_cluster("2xcpu", with_step(StepProbes(framework=fw)))
+    dev = with_step(StepProbes(framework=fw, parallel={"bf16": _par(microbatch_s=0.01, dp_step_s=0.05)}))
+    two = parse_cluster("2xcpu", dev)
+    plan = Plan(dp=2, micro_batch=2, grad_accum=2)
+    got, before = estimate(MODEL, two, TRAIN, plan), estimate(MODEL, only_fw, TRAIN, plan)
+    assert got.time.overhead == pytest.approx(0.14, rel=1e-12)
+    assert got.step_time_s - before.step_time_s == pytest.approx(0.07, rel=1e-9)
+    z3 = Plan(dp=2, zero=3, micro_batch=4, grad_accum=1)
+    assert estimate(MODEL, two, TRAIN, z3).time.overhead == pytest.approx(0.03 + 0.03, rel=1e-12)
+    # ZeRO-3 measured: 0.004 s more per micro-batch, 0.006 per step: 0.03 + 0.006 + 1 x (0.03 + 0.004)
+    z3dev = with_step(StepProbes(framework=fw, parallel={"bf16": _par(microbatch_s=0.01, dp_step_s=0.05,
+                                                                      zero3_microbatch_s=0.004, zero3_step_s=0.006)}))
+    assert estimate(MODEL, parse_cluster("2xcpu", z3dev), TRAIN, z3).time.overhead == \
+        pytest.approx(0.03 + 0.006 + 0.03 + 0.004, rel=1e-12)
+    one = parse_cluster("1xcpu", dev)
+    assert estimate(MODEL, one, TRAIN, Plan(micro_batch=4, grad_accum=2)).time.overhead == \
+        pytest.approx(0.03 + 2 * 0.02, rel=1e-12)
+    tp2 = Plan(tp=2, micro_batch=4, grad_accum=2)  # two ranks at once, no data-parallel step
+    assert estimate(MODEL, two, TRAIN, tp2).time.overhead == pytest.approx(0.03 + 2 * 0.03, rel=1e-12)
+    p32, t32 = Plan(dp=2, micro_batch=2, grad_accum=2, precision="fp32"), dataclasses.replace(TRAIN, precision="fp32")
+    assert estimate(MODEL, two, t32, p32).time.overhead == estimate(MODEL, only_fw, t32, p32).time.overhead
+    four = parse_cluster("4xcpu", dev)
+    assert estimate(MODEL, four, TRAIN, Plan(dp=4, micro_batch=1, grad_accum=2)).time.overhead == \
+        pytest.approx(2 * 0.14, rel=1e-12)
+
+
+def test_pipe_probe_replaces_the_micro_batch_cost_and_sends_and_scales_the_bubble():
+    """PP2, accumulation 4, framework 0.02 s / micro-batch and 0.03 s / step. Without the probe:
+    each stage's micro-batch = its compute c_i + 0.02, the bubble the other stage's micro-batch
+    plus one send each way, sends 4 x per micro-batch. With the pipe probe (0.005 s per
+    micro-batch, bubble share 0.5): the micro-batch cost is 0.005 (not 0.02 + ...), no sends,
+    the bubble half the other stage's c_o + 0.005; overhead 0.03 + 4 x 0.005 = 0.05 s."""
+    from planner.cost import estimate
+    from planner.cost.estimate import p2p_times
+    from planner.specs.step import Framework
+    fw = {"bf16": Framework(microbatch_s=0.02, step_s=0.03)}
+    only_fw = parse_cluster("2xcpu", with_step(StepProbes(framework=fw)))
+    dev = with_step(StepProbes(framework=fw, parallel={"bf16": _par(microbatch_s=0.5, dp_step_s=0.5,
+                                                                    pipe_microbatch_s=0.005, pipe_bubble=0.5)}))
+    two = parse_cluster("2xcpu", dev)
+    plan = Plan(pp=2, micro_batch=2, grad_accum=4)
+    before, got = estimate(MODEL, only_fw, TRAIN, plan), estimate(MODEL, two, TRAIN, plan)
+    sends = p2p_times(MODEL, only_fw, TRAIN, plan, cluster_factors(only_fw))
+    assert len(sends) == 1 and sends[0] > 0
+    assert p2p_times(MODEL, two, TRAIN, plan, cluster_factors(two)) == (0.0,)
+    c_other = before.time.bubble - sends[0] - 0.02
+    assert got.time.bubble == pytest.approx(0.5 * (c_other + 0.005), rel=1e-9)
+    assert got.time.pp_comm == 0.0 and before.time.pp_comm == pytest.approx(4 * sends[0], rel=1e-12)
+    assert got.time.overhead == pytest.approx(0.03 + 4 * 0.005, rel=1e-12)  # no concurrency, no DP step
+    assert got.time.forward == pytest.approx(before.time.forward, rel=1e-12)  # compute unchanged
+
+
+def test_profile_writes_the_parallel_section_from_the_two_process_probe():
+    """One process 0.20 / 0.80 s -> 0.20 s per micro-batch, 0 per step; DP2 steps of 1 and 4
+    micro-batches 0.35 / 1.10 s -> 0.25 s per micro-batch, 0.10 s per step; PP2 0.18 / 0.54 s ->
+    0.12 per micro-batch, 0.06 per step: each minus the cost model's terms for the same plan
+    with the block and framework probes (planner.profiler.write.parallel_section)."""
+    from planner.cost import estimate
+    from planner.profiler import write
+    from planner.profiler.run import ProfileOptions
+    from planner.specs import profile_from_dict
+    rows = [{"layout": lay, "precision": "bf16", "micro_batch": 4, "seq": 128, "grad_accum": m, "step_s": s}
+            for lay, m, s in (("1", 1, 0.20), ("1", 4, 0.80), ("dp", 1, 0.35), ("dp", 4, 1.10), ("pp", 1, 0.18),
+                              ("pp", 4, 0.54), ("z3", 1, 0.50), ("z3", 4, 1.40))]
+    import json
+    from pathlib import Path
+    data = json.loads((Path(__file__).resolve().parents[2] / "profiles" / "cpu.json").read_text())
+    data = dict({k: v for k, v in data.items() if k != "step"}, name="t", builtin=False, gpus_per_node=2)
+    block = {"bf16": {"scale": 2.0, "overhead_s": 1e-3}}
+    opts = ProfileOptions(model=MODEL, precision="bf16", procs=2)
+    framework = write.framework_section(rows, opts, data, block)
+    assert framework["bf16"]["measured_microbatch_s"] == pytest.approx(0.20)  # (0.80 - 0.20) / 3
+    par = write.parallel_section(rows, opts, data, block, framework)["bf16"]
+    prof = profile_from_dict({**data, "step": {"block": block, "framework": {
+        "bf16": {k: framework["bf16"][k] for k in ("microbatch_s", "step_s")}}}})
+    two = parse_cluster("2xcpu", prof)
+    t = estimate(MODEL, two, TrainSpec(global_batch=8, seq_len=128), Plan(dp=2, micro_batch=4)).time
+    fw = framework["bf16"]
+    assert par["microbatch_s"] == pytest.approx(0.25 - (t.forward + t.backward) - fw["microbatch_s"])
+    assert par["dp_step_s"] == pytest.approx(0.10 - fw["step_s"] - t.optimizer - t.dp_sync)
+    tp = estimate(MODEL, two, TrainSpec(global_batch=4, seq_len=128), Plan(pp=2, micro_batch=4)).time
+    assert par["pipe_microbatch_s"] == pytest.approx(0.12 - (tp.forward + tp.backward))
+    assert par["pipe_bubble"] == pytest.approx((0.06 - fw["step_s"] - tp.optimizer) / 0.12)
+    assert min(par["microbatch_s"], par["dp_step_s"], par["pipe_microbatch_s"], par["pipe_bubble"]) > 0
+    # DP2 ZeRO-3 0.50 / 1.40 s -> 0.30 per micro-batch, 0.20 per step, minus the model's with the terms above
+    keys = ("microbatch_s", "dp_step_s", "pipe_microbatch_s", "pipe_bubble")
+    with_par = profile_from_dict({**data, "step": {"block": block, "framework": {
+        "bf16": {k: framework["bf16"][k] for k in ("microbatch_s", "step_s")}},
+        "parallel": {"bf16": {k: par[k] for k in keys}}}})
+    t1, t4 = (estimate(MODEL, parse_cluster("2xcpu", with_par), TrainSpec(global_batch=8 * m, seq_len=128),
+                       Plan(dp=2, zero=3, micro_batch=4, grad_accum=m)).step_time_s for m in (1, 4))
+    assert par["zero3_microbatch_s"] == pytest.approx(0.30 - (t4 - t1) / 3)
+    assert par["zero3_step_s"] == pytest.approx(0.20 - (t1 - (t4 - t1) / 3))
+    assert par["zero3_microbatch_s"] > 0 and par["zero3_step_s"] > 0
+    # the profile's step section carries it (build() adds step.parallel when the probe ran)
+    assert step_from_dict({"parallel": {"bf16": {k: par[k] for k in ("microbatch_s", "dp_step_s",
+                                                                     "pipe_microbatch_s", "pipe_bubble")}}},
+                          PRECISIONS).parallel["bf16"].pipe_bubble == pytest.approx(par["pipe_bubble"])
