@@ -23,8 +23,15 @@ them, one core, outside the CPU lock (it is long, not a timing):
         --paths planner/cost/compute.py planner/cost/comm.py
     .venv/bin/python benchmarks/mutation.py --workdir /tmp/mut-cost --paths planner/cost/compute.py ...
 
+After new tests, re-check only the unexplained survivors (a fresh work directory, the new test
+files named) and count them over the full run (--base, earlier re-checks after it in order):
+
+    .venv/bin/python benchmarks/mutation.py --workdir /tmp/mut-cost --paths ... --write-todo /tmp/todo.json
+    nice -n 10 .venv/bin/python benchmarks/mutation.py --run --children 1 --workdir /tmp/mut-re \
+        --only /tmp/todo.json --base /tmp/mut-cost --paths ... --tests ...
+
 `--tests` replaces the test files; without it they are TESTS plus every tests/unit file that
-imports one of the chosen modules (less TOO_SLOW_TESTS). The printout counts only the mutants
+imports one of the chosen modules. The printout counts only the mutants
 of the chosen files.
 """
 from __future__ import annotations
@@ -66,11 +73,6 @@ per mutant)."""
 SLOW_FOR_PATHS = ["search_run_directory_holds_base_beside_variant"]
 """Deselected in --paths runs: a whole search writing its run directory (12 s per mutant that reaches
 it); the terms it reads are pinned by the cost tests."""
-TOO_SLOW_TESTS = ["tests/unit/test_lab_measure.py", "tests/unit/test_moe_executor.py"]
-"""Test files that import a cost module but run the executor (torch, processes) per test: not
-picked up for --paths (their cost-side checks are pinned in the cost tests)."""
-
-
 def module_of(path: str) -> str:
     """planner/cost/comm.py -> planner.cost.comm"""
     return ".".join(Path(path).with_suffix("").parts)
@@ -78,7 +80,7 @@ def module_of(path: str) -> str:
 
 def tests_importing(paths: list[str]) -> list[str]:
     """TESTS plus every tests/unit file importing one of the modules at `paths` (as
-    `planner.cost.comm` or `from planner.cost import comm`), less TOO_SLOW_TESTS."""
+    `planner.cost.comm` or `from planner.cost import comm`)."""
     found = list(TESTS)
     for path in paths:
         mod = module_of(path)
@@ -86,7 +88,7 @@ def tests_importing(paths: list[str]) -> list[str]:
         pat = re.compile(rf"\b{re.escape(mod)}\b|from {re.escape(pkg)} import [^\n]*\b{re.escape(leaf)}\b")
         for test in sorted((ROOT / "tests" / "unit").glob("test_*.py")):
             rel = str(test.relative_to(ROOT))
-            if rel not in found and rel not in TOO_SLOW_TESTS and pat.search(test.read_text()):
+            if rel not in found and pat.search(test.read_text()):
                 found.append(rel)
     return found
 
@@ -217,9 +219,10 @@ def main() -> int:
     ap.add_argument("--only", nargs="+", default=None,
                     help="with --run: check only these mutants (names, or a JSON file whose keys are names, such as "
                          "--write-todo's): the re-check after new tests")
-    ap.add_argument("--base", type=Path, default=None,
-                    help="a work directory of an earlier full run: its results, overridden by the mutants this "
-                         "work directory checked (the counts after a --only re-check)")
+    ap.add_argument("--base", type=Path, nargs="+", default=None,
+                    help="the work directory of an earlier full run (then of earlier re-checks, in order): its "
+                         "results, overridden by the mutants each later directory and this one checked (the "
+                         "counts after --only re-checks)")
     ap.add_argument("--write-todo", type=Path, default=None,
                     help="write the unexplained survivors as a JSON skeleton to fill in")
     args = ap.parse_args()
@@ -254,9 +257,13 @@ def main() -> int:
         return 0
     status = results(work)
     if args.base:
-        checked = {n: st for n, st in status.items() if st != "not checked"}
-        status = {**results(args.base), **checked}
-        print(f"{len(checked)} mutants re-checked in {work} over the results of {args.base}")
+        merged = results(args.base[0])
+        for layer in [*args.base[1:], work]:
+            checked = {n: st for n, st in (status if layer == work else results(layer)).items() if st != "not checked"}
+            merged.update(checked)
+            print(f"{len(checked)} mutants re-checked in {layer}")
+        print(f"over the results of {args.base[0]}")
+        status = merged
     if args.paths:
         chosen = {module_of(p) for p in args.paths}
         status = {n: s for n, s in status.items() if n.rsplit(".", 1)[0] in chosen}

@@ -132,7 +132,8 @@ def _gemm_s(cluster: ClusterSpec, dep: Deployment, flops: float, one_gemm: float
     prec = _precision(cluster, dep)
     if prec == "fp8" and not dev.supports("fp8"):
         # FP8 tensor cores run at twice the BF16 rate on Hopper and Ada (H100 SXM datasheet: 1,979
-        # vs 989 dense TFLOP/s; L40S 733 vs 362), at the BF16 efficiency curve (assumed)
+        # vs 989 dense TFLOP/s; L40S 733 vs 362), at the BF16 efficiency curve; step_terms divides the
+        # linear layers by the measured FP8 kernel efficiency (planner/serve/kernels.py: vLLM's H100 benchmark)
         return flops / (2.0 * dev.peak_flops("bf16") * dev.gemm_eff(one_gemm, "bf16"))
     return flops / (dev.peak_flops(prec) * dev.gemm_eff(one_gemm, prec))
 

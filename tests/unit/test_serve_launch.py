@@ -84,8 +84,32 @@ def test_marlin_efficiency_curve():
     assert kernel_efficiency("int4", 128) == pytest.approx(1.55 / 1.64)
     assert kernel_efficiency("int4", 4096) == kernel_efficiency("int4", 128)      # held beyond
     assert 3.09 / 3.27 < kernel_efficiency("int8", 48) < 3.82 / 3.85                  # log-linear between
-    assert kernel_efficiency("bf16", 64) == 1.0 and kernel_efficiency("fp8", 64) == 1.0
+    assert kernel_efficiency("bf16", 64) == 1.0
     assert math.isclose(kernel_efficiency("int4", 32), 3.82 / 3.85)
+
+
+def test_fp8_efficiency_is_vllms_measured_speedup_over_the_ideal_2x():
+    # vLLM PR #49363, H100, torch-bf16 vs fp8-tensor-w-token-a TFLOP/s, two gemma-4-31B shapes:
+    # N=12288 K=5376 and N=43008 K=5376; the mean speedup of the two over the ideal 2x
+    sp1 = (4.733311 / 2.870333 + 5.796762 / 3.072025) / 2            # 1 row: 1.768
+    sp128 = (505.737658 / 352.560566 + 615.837656 / 364.745064) / 2  # 128 rows: 1.561
+    assert kernel_efficiency("fp8", 1) == pytest.approx(sp1 / 2, abs=1e-4)
+    assert kernel_efficiency("fp8", 128) == pytest.approx(sp128 / 2, abs=1e-4)
+    assert kernel_efficiency("fp8", 2048) == kernel_efficiency("fp8", 128)          # held beyond
+    assert kernel_efficiency("fp8", 128) < kernel_efficiency("fp8", 64) < kernel_efficiency("fp8", 1) < 1.0
+
+
+def test_fp8_kernel_efficiency_slows_an_fp8_prefill_by_its_inverse(monkeypatch):
+    # a compute-bound FP8 prefill on a GPU without measured block curves (L40S): its linear layers
+    # take 1 / 0.78 of their ideal FP8 time (the measured efficiency at 128+ rows)
+    import planner.serve.cost as cost
+    from planner.specs import parse_cluster
+    model, cluster = preset("glm-4-9b"), parse_cluster("1xL40S")
+    dep = Deployment(weight_precision="fp8")
+    slow = cost.step_terms(model, cluster, dep, [(2048, 0)])["compute_s"]
+    monkeypatch.setattr(cost, "kernel_efficiency", lambda precision, rows: 1.0)
+    ideal = cost.step_terms(model, cluster, dep, [(2048, 0)])["compute_s"]
+    assert ideal * 1.15 < slow < ideal / kernel_efficiency("fp8", 2048) * 1.0001
 
 
 def test_closed_loop_curve_is_over_the_users():
