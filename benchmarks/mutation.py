@@ -164,6 +164,15 @@ def run(work: Path, children: int, timeout: float, only: list[str] | None = None
     return proc.returncode
 
 
+def ran_tests(work: Path) -> list[str] | None:
+    """The test files the work directory's setup.cfg selected (None without one)."""
+    cfg = work / "setup.cfg"
+    if not cfg.exists():
+        return None
+    m = re.search(r"pytest_add_cli_args_test_selection=(.*?)\n\s+-k\n", cfg.read_text(), re.S)
+    return [t.strip() for t in m.group(1).split("\n") if t.strip()] if m else None
+
+
 def results(work: Path) -> dict[str, str]:
     """Mutant name -> status, from mutmut's .meta files."""
     out: dict[str, str] = {}
@@ -282,6 +291,9 @@ def main() -> int:
             ok.append((name, status[name], after, entry["why"]))
         else:
             (stale if entry else todo).append((name, status[name], before, after))
+    ran = ran_tests(work)
+    if ran is not None:  # the files this work directory's run used, not today's defaults
+        tests = ran
     print(f"mutants: {len(status)} in {', '.join(mutate)} (tests: {len(tests)} files, -k '{deselect}')")
     print("  " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])))
     print(f"surviving: {len(survivors)}; explained: {len(ok)}; unexplained: {len(todo) + len(stale)}")
