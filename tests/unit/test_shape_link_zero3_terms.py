@@ -388,3 +388,10 @@ def test_a_biased_moe_block_holds_the_shared_experts_biases():
     dense = params.block_tensors(air, 2).numels
     assert params.moe_block_tensors(air, 2).numels == dense[:-4] + (128 * 4, 128 * 2 * 48 // 2, 48 * 128 // 2,
                                                                      2 * 48 // 2, 128)
+
+
+def test_at_a_bandwidth_tie_the_intra_node_link_is_the_bottleneck():
+    """L40S: 40 GB/s of network per node shared by 2 crossing groups = the 20 GB/s PCIe link;
+    the route counts PCIe as the bottleneck, so the runtime's network efficiency does not apply."""
+    r = comm.route(parse_cluster("2x8xL40S"), 16, 2, 8, 2)
+    assert r.busbw == 20e9 and not r.network
