@@ -465,3 +465,27 @@ def test_ring_backward_hides_behind_cp_times_the_local_backward_core():
     bt = _block_times(m, c, ltr, lp, f, (16, "ring"))
     assert 0 < want[1] < bare[1] and rec > 0
     assert (bt.a2a_fwd, bt.a2a_bwd) == (pytest.approx(want[0], rel=1e-9), pytest.approx(want[1], rel=1e-9))
+
+
+# --- factors.py ----------------------------------------------------------------------------------
+
+def test_oversubscription_stretches_every_cpu_bound_scale():
+    """4 processes on a CPU profile measured with 2: compute, attention, memory-bound work and
+    the optimizer step all take k = 2x as long; nothing else moves."""
+    cpu = find_device("cpu")[0]
+    two, four = cluster_factors(parse_cluster("2xcpu", cpu)), cluster_factors(parse_cluster("4xcpu", cpu))
+    k = cpu.oversubscription(4) / cpu.oversubscription(2)
+    assert k == 2.0
+    for name in ("compute_scale", "attention_scale", "elementwise_scale", "optimizer_scale"):
+        assert getattr(four, name) == pytest.approx(k * getattr(two, name), rel=EXACT), name
+    assert four.dp_overlap == two.dp_overlap
+
+
+def test_factors_are_named_fields_with_their_defaults():
+    from planner.cost.factors import DEFAULTS, factor
+    names = Factors.names()
+    assert names[0] == "compute_scale" and "network_efficiency" in names and len(names) == len(set(names))
+    assert Factors().to_dict() == {n: getattr(Factors(), n) for n in names} == dict(DEFAULTS)
+    assert Factors(dp_overlap=0.25).to_dict()["dp_overlap"] == 0.25
+    dev = dataclasses.replace(parse_cluster("8xA100-80GB").device, factors={"dp_overlap": 0.3})
+    assert factor(dev, "dp_overlap") == 0.3 and factor(dev, "compute_scale") == DEFAULTS["compute_scale"]
