@@ -101,7 +101,7 @@ def test_a100_core_under_the_triton_kernel_by_hand():
 
 def test_cli_passes_the_backend_through_and_leaves_it_unset_by_default():
     from planner.cli.common import load_train
-    from planner.specs.hardware import parse_cluster
+    from planner.specs.cluster import parse_cluster
     cluster = parse_cluster("8xH100")
     assert load_train(MODEL, cluster, 8, 256, None, "flash").attention_backend == ""
     assert load_train(MODEL, cluster, 8, 256, None, "flash", "fa2").attention_backend == "fa2"
