@@ -128,12 +128,32 @@ STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests"
           -11: "segfault", -9: "segfault", None: "not checked", 2: "interrupted"}
 
 
-def prepare(work: Path, mutate: list[str], tests: list[str], deselect: str) -> None:
+CACHE_DECORATOR = re.compile(r"^@(functools\.)?(lru_cache|cache)(\(.*\))?[ \t]*\n", re.M)
+
+
+def undecorate(work: Path, mutate: list[str]) -> int:
+    """Drop the module-level @lru_cache / @cache lines of the files to mutate, in the work copy:
+    mutmut 3.8.1 leaves decorated functions unmutated, and these caches only save time (the
+    conftest empties them between tests anyway). Returns how many were dropped."""
+    n = 0
+    for pattern in mutate:
+        for path in work.glob(pattern):
+            if path.suffix == ".py":
+                text, k = CACHE_DECORATOR.subn("", path.read_text())
+                if k:
+                    path.write_text(text)
+                    n += k
+    return n
+
+
+def prepare(work: Path, mutate: list[str], tests: list[str], deselect: str, uncache: bool = False) -> None:
     """A fresh copy of the sources and tests with the [mutmut] configuration."""
     if work.exists():
         shutil.rmtree(work)
     (work / "tests" / "unit").mkdir(parents=True)
     shutil.copytree(ROOT / "planner", work / "planner", ignore=shutil.ignore_patterns("__pycache__"))
+    if uncache:
+        print(f"cached functions made mutable: {undecorate(work, mutate)}")
     shutil.copytree(ROOT / "profiles", work / "profiles")
     for t in tests:
         shutil.copy(ROOT / t, work / t)
@@ -162,6 +182,15 @@ def run(work: Path, children: int, timeout: float, only: list[str] | None = None
     if proc.returncode:
         print(proc.stderr[-3000:])
     return proc.returncode
+
+
+def ran_tests(work: Path) -> list[str] | None:
+    """The test files the work directory's setup.cfg selected (None without one)."""
+    cfg = work / "setup.cfg"
+    if not cfg.exists():
+        return None
+    m = re.search(r"pytest_add_cli_args_test_selection=(.*?)\n\s+-k\n", cfg.read_text(), re.S)
+    return [t.strip() for t in m.group(1).split("\n") if t.strip()] if m else None
 
 
 def results(work: Path) -> dict[str, str]:
@@ -223,6 +252,8 @@ def main() -> int:
                     help="the work directory of an earlier full run (then of earlier re-checks, in order): its "
                          "results, overridden by the mutants each later directory and this one checked (the "
                          "counts after --only re-checks)")
+    ap.add_argument("--uncache", action="store_true",
+                    help="with --run: drop @lru_cache/@cache from the files to mutate (mutmut skips decorated functions)")
     ap.add_argument("--write-todo", type=Path, default=None,
                     help="write the unexplained survivors as a JSON skeleton to fill in")
     args = ap.parse_args()
@@ -244,7 +275,7 @@ def main() -> int:
               file=sys.stderr)
         return 2
     if args.run:
-        prepare(work, mutate, tests, deselect)
+        prepare(work, mutate, tests, deselect, uncache=args.uncache)
     only = None
     if args.only:
         only = []
@@ -282,6 +313,9 @@ def main() -> int:
             ok.append((name, status[name], after, entry["why"]))
         else:
             (stale if entry else todo).append((name, status[name], before, after))
+    ran = ran_tests(work)
+    if ran is not None:  # the files this work directory's run used, not today's defaults
+        tests = ran
     print(f"mutants: {len(status)} in {', '.join(mutate)} (tests: {len(tests)} files, -k '{deselect}')")
     print("  " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])))
     print(f"surviving: {len(survivors)}; explained: {len(ok)}; unexplained: {len(todo) + len(stale)}")

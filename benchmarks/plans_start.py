@@ -25,9 +25,10 @@ Two more cases come from the search, not from the default spaces:
     .venv/bin/python benchmarks/plans_start.py --lock /tmp/planner-cpu.lock --budget-s 7200
     .venv/bin/python benchmarks/plans_start.py --limit 40 --seed 1 --models glm-10b --worlds 8
     .venv/bin/python benchmarks/plans_start.py --list                                  # count only
-    # mixture of experts (DeepSpeed-MoE, EP) and Ulysses context parallelism:
-    .venv/bin/python benchmarks/plans_start.py --models glm-4.5-air,chatglm3-6b --worlds 2,4 --attention flash \
-        --context-parallel on --no-extra --limit 30 --lock /tmp/planner-cpu.lock
+    # mixture of experts (DeepSpeed-MoE, EP) and Ulysses context parallelism (issue 22): every
+    # feasible plan of tiny GLM-4.5-Air, and of tiny ChatGLM3 with cp > 1 (its cp-free plans are
+    # the sweep above), with the search offering cp at the tiny models' 128-token sequences:
+    .venv/bin/python benchmarks/plans_start.py --moe-cp --lock /tmp/planner-cpu.lock
 
 The feasible plans are started in a seeded random order (`--seed`), so `--limit N` or a time
 budget (`--budget-s S`: no new start after S seconds; the rest are counted as not tried) give
@@ -76,6 +77,17 @@ MODELS = ("chatglm3-6b", "glm-10b", "glm-130b")
 positions + tied embeddings + dropout (GLM-10B), DeepNorm + GeGLU + dropout (GLM-130B)."""
 WORLDS = (2, 4, 8)
 ATTENTIONS = ("flash", "eager")
+MOE_CP_MODELS = ("glm-4.5-air", "chatglm3-6b")
+"""--moe-cp: a tiny MoE (GLM-4.5-Air: 4 experts top-2, a shared expert, a dense first block,
+sigmoid router) and a GLM for Ulysses (ChatGLM3: 32 heads, 2 KV groups); searched with
+Space.context_parallel "on", flash attention (cp is modelled with the flash kernel only)."""
+
+
+def moe_or_cp(c: "Case") -> bool:
+    """A plan with the issue-22 layers: a MoE model's (every such plan runs DeepSpeed-MoE), or cp > 1."""
+    return c.searched.model.moe is not None or c.plan.cp > 1
+
+
 GLM130B_SEARCH = ("--model", "glm-130b", "--gpus", "96x8xA100-40GB", "--global-batch", "4224", "--seq-len", "2048")
 """The flagship search of the README and issue 8 (Zeng et al. 2022: global batch 4224, seq 2048)."""
 
@@ -382,6 +394,14 @@ def _summary(outcomes: list[Outcome]) -> None:
         group = by_np[n]
         print(f"  {n} processes: {sum(o.started for o in group)}/{len(group)} started, "
               f"mean {sum(o.wall_s for o in group) / len(group):.1f} s per plan")
+    for what, pred in (("EP > 1", lambda c: c.plan.ep > 1), ("Ulysses cp > 1", lambda c: c.plan.cp > 1),
+                       ("EP > 1 and cp > 1", lambda c: c.plan.ep > 1 and c.plan.cp > 1)):
+        group = [o for o in outcomes if pred(o.case)]
+        if group:
+            print(f"  {what}: {sum(o.started for o in group)}/{len(group)} started")
+    for m in sorted({o.case.searched.model.name for o in outcomes}):
+        group = [o for o in outcomes if o.case.searched.model.name == m]
+        print(f"  {m}: {sum(o.started for o in group)}/{len(group)} started")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -401,9 +421,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context-parallel", default="auto", choices=("auto", "on", "off"),
                     help="Space.context_parallel: 'on' searches Ulysses/ring cp at the tiny models' short "
                          "sequences (auto offers it from 16,384 tokens)")
+    ap.add_argument("--moe-cp", action="store_true",
+                    help=f"the issue-22 sweep: models {','.join(MOE_CP_MODELS)}, flash attention, --context-parallel "
+                         "on, --no-extra, and only the plans with MoE layers or cp > 1")
     ap.add_argument("--keep", default="", help="directory for the run directories (default: a temporary one, "
                                                "removed unless a run failed)")
     args = ap.parse_args(argv)
+    if args.moe_cp:
+        args.models, args.attention, args.context_parallel, args.no_extra = \
+            ",".join(MOE_CP_MODELS), "flash", "on", True
     models = [m for m in args.models.split(",") if m]
     worlds = [int(w) for w in args.worlds.split(",") if w]
     attentions = [a for a in args.attention.split(",") if a]
@@ -411,10 +437,14 @@ def main(argv: list[str] | None = None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     searched = spaces(models, worlds, attentions, args.context_parallel)
-    cases = [c for s in searched for c in feasible(s)]
+    keep = moe_or_cp if args.moe_cp else (lambda c: True)
+    cases = [c for s in searched for c in feasible(s) if keep(c)]
     for s in searched:
-        print(f"{s.command}: {len(s.result.ranked)} feasible distinct plans of {s.result.distinct} evaluated "
-              f"({sum(t.plan.sequence_parallel for t in s.result.ranked)} with sequence parallelism)")
+        ranked = s.result.ranked
+        print(f"{s.command}: {len(ranked)} feasible distinct plans of {s.result.distinct} evaluated "
+              f"({sum(t.plan.sequence_parallel for t in ranked)} with sequence parallelism, "
+              f"{sum(t.plan.ep > 1 for t in ranked)} with EP > 1, {sum(t.plan.cp > 1 for t in ranked)} with cp > 1, "
+              f"{sum(t.plan.pp > 1 for t in ranked)} with pp > 1)")
     rng = random.Random(args.seed)
     rng.shuffle(cases)  # a budget-limited sweep is then a uniform sample of all spaces
     n_feasible = len(cases)

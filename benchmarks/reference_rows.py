@@ -192,7 +192,8 @@ def modern_rows() -> list[RefRow]:
             model = _mpt(r["model"], r["seq"])
             gpus = r["gpus"]
             cluster = parse_cluster(f"{gpus // 8}x8x{r['gpu']}" if gpus > 8 else f"{gpus}x{r['gpu']}")
-            train = TrainSpec(global_batch=r["gbs"], seq_len=r["seq"], precision="bf16", attention="flash")
+            train = TrainSpec(global_batch=r["gbs"], seq_len=r["seq"], precision="bf16", attention="flash",
+                              attention_backend=ATTENTION_BACKEND.get((src, r["gpu"]), ("", ""))[0])
             plan = Plan(dp=gpus, zero=3 if r["sharding"] == "FULL_SHARD" else 2, micro_batch=r["mbs"],
                         grad_accum=r["ga"], recompute="full" if r["checkpointing"] else "none", precision="bf16",
                         runtime="fsdp")
@@ -222,6 +223,28 @@ def _arch(r: dict) -> tuple[int, int, int, int, int, str, int] | None:
             int(v.group(1)) if v else 50257)
 
 
+ATTENTION_BACKEND = {
+    ("S7", "H100-SXM"): ("fa2", "NeMo-Framework-Launcher launcher_scripts/conf/config.yaml at 01d0773863a5 "
+                                "(2024-05-23), the launcher of the table's container nvcr.io/nvidia/nemo:24.03.01."
+                                "framework: env_vars NVTE_FUSED_ATTN: 0 ('Disable cudnn FA until we've tested it "
+                                "more'), so Transformer Engine runs FlashAttention-2, not cuDNN's fused attention; "
+                                "the variable is set from 2024-02-13 (346eaa7b) to 2024-08-20 (48af207b) and gone "
+                                "from 2024-08-29 (04b8d098)"),
+    **{("S8", gpu): ("triton", "llm-foundry scripts/train/benchmarking/submit_benchmarks.py, the script that produced "
+                               "the tables, defaults to --attn_impl triton at every commit up to the tables' last change "
+                               "(5f43bf160 2023-05-03 .. 5e85bd62 2024-01-06; flash only from 495218376, 2024-04-22), and "
+                               "scripts/train/yamls/pretrain/mpt-*.yaml set attn_config.attn_impl: triton: "
+                               "llmfoundry/models/layers/flash_attn_triton.py, the FlashAttention algorithm in Triton "
+                               "(copied from HazyResearch flash-attention flash_attn_triton.py at eff9fe6b); timed from "
+                               "the A100 profile's 'triton' curve (FlashAttention-2 paper Figure 4, 'FlashAttention "
+                               "Triton')") for gpu in ("A100-40GB", "A100-80GB")},
+}
+"""(source, GPU) -> (flash kernel family, where it is stated): a source whose runtime was configured
+to run another kernel than the runtime's preference (TrainSpec.attention_backend). S5 (NeMo 24.07,
+published 2024-09-09) straddles the variable's removal and keeps the runtime's preference; S7's
+B200 rows (NeMo 25.04) ran without the launcher."""
+
+
 def _nvidia_row(r: dict) -> RefRow:
     """S5, S6, S7 (Megatron-Core / NeMo, fp8): Llama-style models (RMSNorm, rotary, no biases,
     untied) or GPT-3 / Nemotron (LayerNorm, learned positions... costed with rotary: no
@@ -241,7 +264,9 @@ def _nvidia_row(r: dict) -> RefRow:
                       qkv_bias=False, linear_bias=not llama, tied_embeddings=False)
     gpus, tp, pp = r["gpus"], r["tp"], r["pp"]
     cluster = parse_cluster(f"{gpus // 8}x8x{r['gpu']}" if gpus > 8 else f"{gpus}x{r['gpu']}")
-    train = TrainSpec(global_batch=r["gbs"], seq_len=r["seq"], precision="fp8", attention="flash")
+    backend = ATTENTION_BACKEND.get((src, r["gpu"]), ("", ""))[0]
+    train = TrainSpec(global_batch=r["gbs"], seq_len=r["seq"], precision="fp8", attention="flash",
+                      attention_backend=backend)
     # context parallelism (S5-S7 "CP" columns): Megatron-Core's ring attention through Transformer
     # Engine (planner.cost.longctx ring_comm), the cp ranks inside dp: processes = dp x cp x tp x pp
     cp = r.get("cp", 1)

@@ -14,7 +14,7 @@ from planner.specs.compare import comparison_rows
 from planner.specs.hardware import ClusterSpec, load_profile, parse_cluster
 from planner.specs.model import ModelSpec
 from planner.specs.presets import preset, scale
-from planner.specs.train import ATTENTION, TrainSpec
+from planner.specs.train import ATTENTION, ATTENTION_BACKENDS, TrainSpec
 
 SCALE_CHOICES = ["full", "tiny", "small"]
 
@@ -109,6 +109,10 @@ def cluster_options(f: Callable) -> Callable:
 
 
 def train_options(f: Callable) -> Callable:
+    f = click.option("--attention-backend", type=click.Choice([b for b in ATTENTION_BACKENDS if b]), default=None,
+                     help="The flash kernel family the runtime is configured to run, where its environment "
+                          "overrides the runtime's preference (e.g. fa2 under Transformer Engine with "
+                          "NVTE_FUSED_ATTN=0); default: the runtime's own choice.")(f)
     f = click.option("--attention", type=click.Choice(list(ATTENTION)), default="flash", show_default=True,
                      help="Attention kernel the run uses: flash (torch SDPA, no s x s scores kept, backward "
                           "recomputes them) or eager (softmax stored; selective recompute pays off).")(f)
@@ -162,7 +166,7 @@ def load_cluster(gpus: str, profile_path: str | None, inter_gbps: float | None,
 
 
 def load_train(model: ModelSpec, cluster: ClusterSpec, global_batch: int | None, seq_len: int | None,
-               precision: str | None, attention: str = "flash") -> TrainSpec:
+               precision: str | None, attention: str = "flash", attention_backend: str | None = None) -> TrainSpec:
     cpu = cluster.device.kind == "cpu"
     if global_batch is None:
         global_batch = 8 if cpu else 512
@@ -176,7 +180,8 @@ def load_train(model: ModelSpec, cluster: ClusterSpec, global_batch: int | None,
     if seq_len > model.max_seq:
         raise SpecError("--seq-len", f"{seq_len} exceeds {model.name}'s maximum sequence {model.max_seq}",
                         f"use --seq-len {model.max_seq} or less")
-    return TrainSpec(global_batch=global_batch, seq_len=seq_len, precision=precision, attention=attention)
+    return TrainSpec(global_batch=global_batch, seq_len=seq_len, precision=precision, attention=attention,
+                     attention_backend=attention_backend or "")
 
 
 def load_inputs(kw: dict[str, Any]) -> tuple[ModelSpec, ClusterSpec, TrainSpec]:
@@ -187,7 +192,7 @@ def load_inputs(kw: dict[str, Any]) -> tuple[ModelSpec, ClusterSpec, TrainSpec]:
                            nvme_gbps=kw.pop("nvme_gbps"), memory_headroom=kw.pop("memory_headroom"),
                            nvme_gb=kw.pop("nvme_gb"), checkpoint_gbps=kw.pop("checkpoint_gbps"))
     train = load_train(model, cluster, kw.pop("global_batch"), kw.pop("seq_len"), kw.pop("precision"),
-                       kw.pop("attention"))
+                       kw.pop("attention"), kw.pop("attention_backend", None))
     return model, cluster, train
 
 

@@ -79,7 +79,7 @@ def estimate(ctx: click.Context, **kw: Any) -> None:
     est = cost_estimate(model, cluster, train, plan)
     compare = training_comparison(model.base(), cost_estimate(model.base(), cluster, train, plan), model, est) \
         if model.variant_label else None
-    runtime = [p.line for p in runtime_problems(plan)]
+    runtime = [p.line for p in runtime_problems(plan, model)]
     bill, bill_text = estimate_bill(spec, est, plan, model, cluster)
     written: list[str] = []
     moved = None

@@ -167,11 +167,13 @@ def _zero12(stage: int, e: float, overlap: bool, pipeline: bool = False) -> Engi
             ),
             Buffer(
                 name="owned gradient partition", kind=Kind.OWNED_GRAD_PARTITION,
-                role="grads", bytes=e, sharded=stage == 2, phase="grads", basis="owned" if stage == 1 else "psi",
+                role="grads", bytes=e, phase="grads", basis="owned",
                 source=s +
                     ": stage 1: averaged_gradients = views of the whole p.grad of every parameter overlapping the "
-                    "partition (all_grad_tensors, planner.cost.params.zero1_owned); stage 2: grads_in_partition; "
-                    "freed after the step",
+                    "partition (all_grad_tensors, planner.cost.params.zero1_owned); stage 2: grads_in_partition, "
+                    "which copy_grads_in_partition allocates as the sum of numel() over params_in_partition, i.e. "
+                    "whole tensors too, the same owned count (measured: SP2xDP2 ZeRO-2's four ranks hold exactly "
+                    "zero1_owned, docs/runtime.md); freed after the step",
             ),
             Buffer(
                 name="fp32 master partition", kind=Kind.MASTER_PARTITION,

@@ -114,7 +114,7 @@ def _block_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
     rt = get_runtime(plan.runtime)
     bc = compute.block_compute_times(model, dev, s, b, t, prec, compute_scale=f.compute_scale,
                                      attention_scale=f.attention_scale, kernel=kernel,
-                                     attention=compute.AttentionKernel(rt.attention_kernels, rt.causal_attention))
+                                     attention=attention_kernel_of(rt, train))
     gemm_f, gemm_b, core_f = bc.gemm_fwd, bc.gemm_bwd, bc.core_fwd
     # the attention core's backward beyond 2x its forward (flash: the recomputed Q K^T)
     rec_f = bc.core_bwd - 2.0 * core_f
@@ -154,6 +154,17 @@ def _block_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
         selective *= bp.scale
     return _BlockTimes(forward=fwd, backward=bwd, tp_fwd=tp_fwd + a2a_f,
                        tp_bwd=tp_bwd + a2a_b, selective=selective, a2a_fwd=a2a_f, a2a_bwd=a2a_b)
+
+
+def attention_kernel_of(rt, train: TrainSpec) -> compute.AttentionKernel:
+    """The flash kernel families the plan's runtime runs, in order: the one its environment names
+    (TrainSpec.attention_backend, e.g. Transformer Engine with NVTE_FUSED_ATTN=0 runs
+    FlashAttention-2, not cuDNN) first, then the runtime's own preference (profiles/runtimes/*.json
+    "attention_kernels"), so a profile without the named family falls back as the runtime would."""
+    fams = tuple(rt.attention_kernels)
+    if train.attention_backend:
+        fams = (train.attention_backend,) + tuple(f for f in fams if f != train.attention_backend)
+    return compute.AttentionKernel(fams, rt.causal_attention)
 
 
 def block_compute_time(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan) -> float:

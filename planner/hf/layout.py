@@ -10,7 +10,18 @@ Layouts (parameter names of the families' public modeling code):
   transformer.embedding.word_embeddings, transformer.encoder.layers.N.self_attention.
   {query_key_value, dense}, .mlp.{dense_h_to_4h, dense_4h_to_h}, .{input,post_attention}_layernorm,
   transformer.encoder.final_layernorm, transformer.output_layer. These are the executor's own
-  names (`p.canonical`), so the mapping is a prefix.
+  names (`p.canonical`), so the mapping is a prefix;
+- glm4_moe (transformers' Glm4MoeForCausalLM: GLM-4.5-Air, zai-org checkpoints): as llama for
+  attention, norms and the dense first blocks (first_k_dense_replace); a MoE block's router is
+  model.layers.N.mlp.gate.weight [E, h] with its balancing bias mlp.gate.e_score_correction_bias
+  [E] (a buffer: read and written, never trained), each routed expert
+  mlp.experts.E.{gate,up,down}_proj.weight (the per-expert names the published checkpoints use
+  and transformers 5.24 converts on load to its stacked experts.gate_up_proj / down_proj:
+  conversion_mapping.py "qwen2_moe"), the shared experts mlp.shared_experts.{gate,up,down}_proj
+  (n_shared_experts x moe_intermediate_size columns). The executor's names: layers.N.mlp.router,
+  layers.N.mlp.experts.E.dense_{h_to_4h,4h_to_h}, layers.N.mlp.shared_experts.dense_*.
+  Glm4Moe's routing options the executor's router does not have are refused on load
+  (moe_config_problem): QK-norm, routed_scaling_factor != 1, n_group > 1, norm_topk_prob false.
 
 The executor fuses [q | k | v] and [gate | up] along the output rows, and the query heads of
 one KV group are consecutive (head i reads KV group i // (heads / kv), as transformers'
@@ -38,7 +49,7 @@ from planner.errors import SpecError
 from planner.specs.hf import spec_from_hf
 from planner.specs.model import ModelSpec
 
-LAYOUTS = ("llama", "glm", "chatglm")
+LAYOUTS = ("llama", "glm", "chatglm", "glm4_moe")
 FIELD = "--init-hf"
 INDEX = "model.safetensors.index.json"
 COMPARED = ("hidden", "layers", "heads", "kv_heads", "dim_per_head", "ffn_hidden", "activation", "vocab", "norm",
@@ -67,12 +78,40 @@ def check_supported(spec: ModelSpec, layout: str, where: str = FIELD) -> None:
         raise SpecError(where, f"{spec.name}: {layout} weights need a pre-RMSNorm, rotary, SwiGLU model; this one is "
                         f"{spec.norm_position}-{spec.norm}, {spec.position}, {spec.activation}",
                         "use a llama, GLM-4 or ChatGLM2/3 model")
+    if (layout == "glm4_moe") != (spec.moe is not None):
+        raise SpecError(where, f"{spec.name} is {'a mixture-of-experts' if spec.moe else 'a dense'} model, "
+                        f"the {layout} layout is {'MoE' if layout == 'glm4_moe' else 'dense'}",
+                        "use a glm4_moe checkpoint for a MoE model" if spec.moe else
+                        "use a llama, glm or chatglm checkpoint for a dense model")
     if layout == "llama" and spec.qkv_bias != spec.linear_bias:
         raise SpecError(where, "llama with attention_bias != mlp_bias: the executor's attention output bias follows "
                         "the MLP's", "use a checkpoint with both biases or neither")
     if layout == "glm" and spec.linear_bias:
         raise SpecError(where, "GlmForCausalLM has no o_proj or MLP bias, the model has linear_bias",
                         "re-plan with the checkpoint's config.json")
+    if layout == "glm4_moe" and (spec.moe.router != "sigmoid" or spec.linear_bias):
+        raise SpecError(where, f"{spec.name}: Glm4MoeForCausalLM has a sigmoid router and no o_proj or MLP bias; "
+                        f"this model has a {spec.moe.router} router{' and linear_bias' if spec.linear_bias else ''}",
+                        "re-plan with the checkpoint's config.json")
+
+
+MOE_COMPARED = ("experts", "top_k", "expert_ffn", "shared_experts", "shared_size", "first_dense", "router")
+"""MoESpec fields a glm4_moe checkpoint's config.json must agree on with the plan's model."""
+
+
+def moe_config_problem(config: dict[str, Any]) -> tuple[str, str, str] | None:
+    """(key, what is wrong, fix) for a Glm4MoeConfig option the executor's block does not compute
+    (planner/model/moe.py Router: top-k of sigmoid + bias over all experts, weights normalised;
+    no QK-norm in its attention), else None. Defaults are transformers 5.24's Glm4MoeConfig."""
+    checks = (("use_qk_norm", False, "QK-norm (GLM-4.5) is not built by the executor's attention"),
+              ("routed_scaling_factor", 1.0, "the executor's router does not scale the routed output"),
+              ("n_group", 1, "group-limited routing is not built by the executor's router"),
+              ("norm_topk_prob", True, "the executor's router always normalises the top-k weights"))
+    for key, want, why in checks:
+        got = config.get(key, want)
+        if got != want and not (key == "n_group" and got is None):
+            return key, f"{key} = {got!r}: {why}", f"use a checkpoint with {key} {json.dumps(want)} (GLM-4.5-Air's)"
+    return None
 
 
 def sources(canonical: str, spec: ModelSpec, layout: str) -> list[tuple[str, int]]:
@@ -80,6 +119,14 @@ def sources(canonical: str, spec: ModelSpec, layout: str) -> list[tuple[str, int
     parameter `canonical`: [(name, rows)]."""
     q, kv, f, h = spec.q_size, spec.kv_size, spec.ffn_hidden, spec.hidden
     parts = canonical.split(".")
+    if ".mlp.router." in canonical:  # glm4_moe (check_supported refuses MoE in the other layouts)
+        return [(f"model.layers.{parts[1]}.mlp.gate.{parts[-1]}", spec.moe.experts)]
+    if ".mlp.experts." in canonical or ".mlp.shared_experts." in canonical:
+        pre = "model." + ".".join(parts[:-2])  # model.layers.N.mlp.experts.E / model.layers.N.mlp.shared_experts
+        rows = full_shape(canonical, spec)[0]
+        if parts[-2] == "dense_h_to_4h":
+            return [(f"{pre}.gate_proj.{parts[-1]}", rows // 2), (f"{pre}.up_proj.{parts[-1]}", rows // 2)]
+        return [(f"{pre}.down_proj.{parts[-1]}", rows)]
     if layout == "chatglm":
         if parts[0] == "layers":
             name = "transformer.encoder." + canonical
@@ -118,6 +165,12 @@ def full_shape(canonical: str, spec: ModelSpec) -> tuple[int, ...]:
     q, kv, f, h = spec.q_size, spec.kv_size, spec.ffn_hidden, spec.hidden
     if canonical in ("embedding.word_embeddings.weight", "head.output_layer.weight"):
         return spec.vocab, h
+    if ".mlp.router." in canonical:
+        return (spec.moe.experts,) + ((h,) if canonical.endswith(".weight") else ())
+    if ".mlp.experts." in canonical:
+        f = spec.moe.expert_ffn
+    elif ".mlp.shared_experts." in canonical:
+        f = spec.moe.shared_experts * spec.moe.shared_size
     leaf = canonical.rsplit(".", 1)[1]
     rows = {"query_key_value": q + 2 * kv, "dense": h, "dense_h_to_4h": spec.ffn_in_matrices * f,
             "dense_4h_to_h": h}.get(canonical.split(".")[-2], h)
@@ -128,16 +181,23 @@ def full_shape(canonical: str, spec: ModelSpec) -> tuple[int, ...]:
 
 
 def canonical_names(spec: ModelSpec) -> list[str]:
-    """Every parameter of the whole model, in model order (the executor's names)."""
+    """Every parameter of the whole model, in model order (the executor's names); for a MoE
+    model also the routers' balancing bias (a buffer, BUFFERS)."""
     names = ["embedding.word_embeddings.weight"]
     for i in range(spec.layers):
         p = f"layers.{i}."
         names += [p + "input_layernorm.weight", p + "self_attention.query_key_value.weight"]
         names += [p + "self_attention.query_key_value.bias"] if spec.qkv_bias else []
         names += [p + "self_attention.dense.weight"] + ([p + "self_attention.dense.bias"] if spec.linear_bias else [])
-        names += [p + "post_attention_layernorm.weight", p + "mlp.dense_h_to_4h.weight"]
-        names += [p + "mlp.dense_h_to_4h.bias"] if spec.linear_bias else []
-        names += [p + "mlp.dense_4h_to_h.weight"] + ([p + "mlp.dense_4h_to_h.bias"] if spec.linear_bias else [])
+        names.append(p + "post_attention_layernorm.weight")
+        ffns = [p + "mlp."]
+        if spec.moe is not None and i >= spec.moe.first_dense:  # planner/model/moe.py's names
+            names += [p + "mlp.router.weight", p + "mlp.router.e_score_correction_bias"]
+            ffns = [f"{p}mlp.experts.{e}." for e in range(spec.moe.experts)]
+            ffns += [p + "mlp.shared_experts."] if spec.moe.shared_experts else []
+        for m in ffns:
+            names += [m + "dense_h_to_4h.weight"] + ([m + "dense_h_to_4h.bias"] if spec.linear_bias else [])
+            names += [m + "dense_4h_to_h.weight"] + ([m + "dense_4h_to_h.bias"] if spec.linear_bias else [])
     names.append("head.final_layernorm.weight")
     if not spec.tied_embeddings:
         names.append("head.output_layer.weight")
@@ -246,6 +306,16 @@ def check_checkpoint(ckpt: Checkpoint, spec: ModelSpec) -> str:
             raise SpecError(ckpt.field, f"{ckpt.path / 'config.json'} has {field} = {a!r}, the plan's model "
                             f"{spec.name} has {b!r}",
                             "give the checkpoint the plan was made for, or re-plan with --model DIR/config.json")
+    if layout == "glm4_moe":
+        for field in MOE_COMPARED:
+            a, b = getattr(theirs.moe, field), getattr(spec.moe, field) if spec.moe else None
+            if a != b:
+                raise SpecError(ckpt.field, f"{ckpt.path / 'config.json'} has moe.{field} = {a!r}, the plan's model "
+                                f"{spec.name} has {b!r}",
+                                "give the checkpoint the plan was made for, or re-plan with --model DIR/config.json")
+        bad = moe_config_problem(ckpt.config)
+        if bad:
+            raise SpecError(ckpt.field, f"{ckpt.path / 'config.json'}: {bad[1]}", bad[2])
     check_supported(spec, layout, ckpt.field)
     for name, want in expected_tensors(spec, layout).items():
         got = ckpt.shape(name)
@@ -285,6 +355,18 @@ def hf_config(spec: ModelSpec, layout: str) -> dict[str, Any]:
         import transformers
         cfg = transformers.LlamaConfig(**common, mlp_bias=spec.linear_bias, architectures=["LlamaForCausalLM"],
                                        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta})
+        return cfg.to_dict()
+    if layout == "glm4_moe":
+        import transformers
+        m = spec.moe
+        common.update(attention_bias=spec.qkv_bias)
+        cfg = transformers.Glm4MoeConfig(
+            **common, architectures=["Glm4MoeForCausalLM"], moe_intermediate_size=m.expert_ffn,
+            n_routed_experts=m.experts, num_experts_per_tok=m.top_k, n_shared_experts=m.shared_experts,
+            first_k_dense_replace=m.first_dense, routed_scaling_factor=1.0, n_group=1, topk_group=1,
+            norm_topk_prob=True, use_qk_norm=False, num_nextn_predict_layers=0,
+            rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta,
+                             "partial_rotary_factor": spec.rotary_fraction})
         return cfg.to_dict()
     if layout == "glm":
         import transformers

@@ -33,8 +33,8 @@ from planner.specs.model import ModelSpec
 
 __all__ = ["COMPARED", "COPIED_SUFFIXES", "FIELD", "INDEX", "LAYOUTS", "Checkpoint", "canonical_names",
            "check_checkpoint", "check_hf_checkpoint", "check_supported", "expected_tensors", "full_shape",
-           "gather_full", "hf_config", "layout_for", "load_hf_weights", "local_tensor", "module_tp",
-           "save_hf_weights", "save_layout", "sources", "to_hf", "write_checkpoint"]
+           "gather_experts", "gather_full", "hf_config", "layout_for", "load_hf_weights", "local_tensor", "module_tp",
+           "named_buffers", "save_hf_weights", "save_layout", "sources", "to_hf", "write_checkpoint"]
 
 COPIED_SUFFIXES = (".json", ".py", ".model", ".txt", ".tiktoken")
 """Non-weight files of the source directory (tokenizer, generation config, remote code) copied
@@ -111,10 +111,18 @@ def local_tensor(ckpt: Checkpoint, p: torch.nn.Parameter, spec: ModelSpec, layou
     return torch.cat(pieces, dim)
 
 
+def named_buffers(module: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    """(canonical name, tensor) of the buffers a checkpoint holds: a MoE router's balancing bias
+    (planner/model/moe.py Router.canonical_buffers), whole on every rank."""
+    for m in module.modules():
+        for attr, canonical in getattr(m, "canonical_buffers", {}).items():
+            yield canonical, getattr(m, attr)
+
+
 def load_hf_weights(module: torch.nn.Module, path: str | Path, spec: ModelSpec, groups=None) -> None:
     """Load the checkpoint at `path` into this rank's module (before deepspeed.initialize).
     `groups` (planner.model.parallel.groups.Groups) may be None: the TP rank is then read
-    from the module's layers."""
+    from the module's layers. A MoE rank reads its own experts (those its module holds)."""
     tp = groups.tp if groups is not None else module_tp(module)
     ckpt = Checkpoint(path)
     try:
@@ -126,6 +134,8 @@ def load_hf_weights(module: torch.nn.Module, path: str | Path, spec: ModelSpec, 
                     raise ExecutionError(FIELD, f"{p.canonical}: read {list(value.shape)}, the rank holds "
                                          f"{list(p.shape)}", "report this as a bug")
                 p.copy_(value.to(p.dtype))
+            for canonical, buf in named_buffers(module):
+                buf.copy_(ckpt.read(sources(canonical, spec, layout)[0][0]).to(buf.dtype))
     finally:
         ckpt.close()
 
@@ -170,7 +180,22 @@ def gather_full(module: torch.nn.Module, spec: ModelSpec, groups, zero3: bool = 
         if p.canonical in ("embedding.word_embeddings.weight", "head.output_layer.weight"):
             full = full[:spec.vocab]
         out.setdefault(p.canonical, full)
+    for canonical, buf in named_buffers(module):
+        out.setdefault(canonical, buf.detach().clone().cpu())
     return out
+
+
+def gather_experts(module: torch.nn.Module, ep) -> dict[str, torch.Tensor]:
+    """Every routed expert of this stage's MoE blocks, whole, from the expert-parallel group
+    (each EP rank holds experts / ep of them, whole: planner/model/moe.py). Collective over the
+    EP group `ep` (a TPGroup); every rank of the group gets all of them."""
+    mine = {p.canonical: p.detach().clone().cpu() for p in _params(module) if ".mlp.experts." in p.canonical}
+    if ep is None or ep.size == 1:
+        return mine
+    import torch.distributed as dist
+    box: list[Any] = [None] * ep.size
+    dist.all_gather_object(box, mine, group=ep.group)
+    return {k: v for part in box for k, v in part.items()}
 
 
 def write_checkpoint(path: str | Path, tensors: dict[str, torch.Tensor], config: dict[str, Any] | bytes,
@@ -213,6 +238,11 @@ def save_hf_weights(engine, path: str | Path, spec: ModelSpec, plan, groups, *,
     dp_rank = groups.dp_rank if groups is not None else 0
     tp_rank = groups.tp_rank if groups is not None else 0
     full = gather_full(module, spec, groups, zero3=plan.zero == 3) if dp_rank == 0 or plan.zero == 3 else {}
+    ep = getattr(groups, "ep", None)
+    if ep is not None and ep.size > 1:  # every rank: the all-gather is over each EP group
+        experts = gather_experts(module, ep)
+        if dp_rank == 0:
+            full.update(experts)
     rank = dist.get_rank() if dist.is_initialized() else 0
     leader = dp_rank == 0 and tp_rank == 0  # one rank per pipeline stage sends its stage
     if plan.pp > 1:

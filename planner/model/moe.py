@@ -69,6 +69,8 @@ class Router(nn.Module):
         # DeepSeek-V3 / GLM-4.5's balancing bias: chooses experts, never weights them; not trained by
         # gradient (a buffer, as Hugging Face's e_score_correction_bias)
         self.register_buffer("e_score_correction_bias", torch.zeros(m.experts), persistent=True)
+        # buffer -> canonical name, for Hugging Face checkpoints (planner/hf: mlp.gate.e_score_correction_bias)
+        self.canonical_buffers = {"e_score_correction_bias": f"layers.{layer}.mlp.router.e_score_correction_bias"}
         self.ep_group = None
 
     def _set_ep_group(self, group) -> None:

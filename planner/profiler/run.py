@@ -117,6 +117,15 @@ def copy_bandwidth(target: Target, quick: bool) -> dict[str, Any]:
             "gbps_max": 2 * nbytes / t.min / 1e9, "method": "torch copy_ of a float32 tensor; 2 x bytes per copy"}
 
 
+def _loadavg() -> list[float] | None:
+    """The host's 1, 5 and 15-minute load averages (None where the OS has none): a CPU profile
+    measured while other processes ran is slower than the machine (docs/lab.md)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
 def measure_all(opts: ProfileOptions, target: Target, plan: WorkList,
                 tick: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Run every measurement; returns the raw figures (planner.profiler.write turns them into a profile)."""
@@ -126,6 +135,7 @@ def measure_all(opts: ProfileOptions, target: Target, plan: WorkList,
         # ranks (OMP_NUM_THREADS = cores // world size): measure with that many threads.
         torch.set_num_threads(cpu_threads(opts.procs))
     started = time.perf_counter()
+    load_before = _loadavg()
     window = 0.05 if opts.quick else 0.2
     out: dict[str, Any] = {"notes": []}
     results: list[gemm.GemmResult] = []
@@ -166,7 +176,7 @@ def measure_all(opts: ProfileOptions, target: Target, plan: WorkList,
             # DP2 and PP2 on two processes: the data-parallel step and the pipe schedule as they run
             try:
                 out["engine"] += engine.measure_parallel(opts.model.to_dict(), b, s_, list(plan.block_precisions),
-                                                         cpu_threads(opts.procs))
+                                                         cpu_threads(opts.procs), quick=opts.quick)
             except PlannerError as exc:
                 out["notes"].append(f"parallel engine probe skipped: {exc.line()}")
     tick("engine steps")
@@ -183,4 +193,5 @@ def measure_all(opts: ProfileOptions, target: Target, plan: WorkList,
         out["comm"][str(n)] = comm.summarize_group(raw)
     out["backend"] = backend
     out["wall_s"] = time.perf_counter() - started
+    out["load"] = {"before": load_before, "after": _loadavg(), "cores": os.cpu_count()}
     return out

@@ -267,6 +267,7 @@ def measured_section(raw: dict[str, Any], env: dict[str, Any], opts: ProfileOpti
         "options": {"model": opts.model.to_dict(), "precision": opts.precision, "quick": opts.quick,
                     "procs": opts.procs, "max_tp": opts.max_tp},
         "wall_s": raw["wall_s"],
+        "load_average": raw.get("load"),
         "gemm": [r.to_dict() for r in raw["gemm"]],
         "gemm_square": [r.to_dict() for r in raw["gemm_square"]],
         "engine": raw.get("engine") or [],

@@ -63,7 +63,7 @@ def fits_nowhere(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, trial
     """The one-line error when no plan fits. It names the leanest plan DeepSpeed can run (an
     interleaved or MiCS plan may need less, but nobody can start it) and, on a CPU cluster,
     the --scale that makes the model fit one."""
-    runnable = [t for t in trials if not runtime_problems(t.plan)] or trials
+    runnable = [t for t in trials if not runtime_problems(t.plan, model)] or trials
     least = min(runnable, key=lambda t: t.needs_bytes)
     fix = "use more or larger devices, a shorter --seq-len, or a smaller model"
     if cluster.device.kind == "cpu" and not model.name.endswith("-tiny"):

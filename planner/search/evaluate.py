@@ -103,7 +103,7 @@ class Evaluator:
         # the stage model's ZeRO groups are those of the cp-free equivalent (dp x cp ranks)
         sol = solve(StageModel(self.cluster, local(base, train)[0], lc), model.layers, checkpoint=full)
         if isinstance(sol, NoFit):
-            problems = ([] if self.megatron_features else runtime_problems(base)) + [sol.problem]
+            problems = ([] if self.megatron_features else runtime_problems(base, model)) + [sol.problem]
             return Trial(outer=outer, plan=base, estimate=None, feasible=False, problems=tuple(problems),
                          needs_bytes=sol.needs_bytes, capacity_bytes=self.capacity, source=source)
         plan = outer.plan(precision, stage_layers=sol.stage_layers,
@@ -114,7 +114,7 @@ class Evaluator:
         est = estimate(model, self.cluster, train, plan)
         problems = list(est.problems)
         if not self.megatron_features:
-            problems = runtime_problems(plan) + problems
+            problems = runtime_problems(plan, model) + problems
         return Trial(outer=outer, plan=plan, estimate=est, feasible=not problems, problems=tuple(problems),
                      needs_bytes=est.peak_memory_bytes, capacity_bytes=est.capacity_bytes, source=source)
 

@@ -102,7 +102,7 @@ def pruned_sweep(space: Space, evaluate: Evaluator, top: int = 10,
         if not evaluate.megatron_features:
             key = (head, precision)
             if key not in rule_checked:
-                rule_checked[key] = bool(runtime_problems(head.plan(precision, runtime=evaluate.runtime)))
+                rule_checked[key] = bool(runtime_problems(head.plan(precision, runtime=evaluate.runtime), evaluate.model))
             if rule_checked[key]:
                 pruned["rules"] += len(cells)
                 continue

@@ -9,6 +9,9 @@ from planner.errors import SpecError
 from planner.specs.hardware import TRAIN_PRECISIONS
 
 ATTENTION = ("flash", "eager")
+ATTENTION_BACKENDS = ("", "fa1", "fa2", "fa3", "cudnn", "triton")
+"""Flash-kernel families a runtime can be told to run (profiles' kernels.attention); "" = the
+runtime's own preference (profiles/runtimes/<name>.json "attention_kernels")."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -26,6 +29,11 @@ class TrainSpec:
     """Attention kernel: "flash" (torch scaled_dot_product_attention, memory-efficient/flash:
     no s x s tensor is kept, backward recomputes the scores) or "eager" (softmax(QK^T)V in
     plain ops, the softmax and its dropout mask stored: Korthikanti et al. 2022, Table 2)."""
+    attention_backend: str = ""
+    """The flash kernel family the runtime is configured to run, where its environment overrides
+    the runtime's preference: e.g. "fa2" under Transformer Engine with NVTE_FUSED_ATTN=0 (which
+    disables cuDNN's fused attention, leaving FlashAttention-2). "" = the runtime's own order
+    (profiles/runtimes/<name>.json "attention_kernels")."""
 
     def __post_init__(self) -> None:
         for f in ("global_batch", "seq_len"):
@@ -38,10 +46,16 @@ class TrainSpec:
         if self.attention not in ATTENTION:
             raise SpecError("--attention", f"unknown attention kernel {self.attention!r}",
                             f"use one of {', '.join(ATTENTION)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise SpecError("--attention-backend", f"unknown attention backend {self.attention_backend!r}",
+                            f"use one of {', '.join(b for b in ATTENTION_BACKENDS if b)} (or leave it unset)")
 
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not self.attention_backend:  # unset: run directories written before the field load as they were
+            del d["attention_backend"]
+        return d

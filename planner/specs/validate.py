@@ -158,11 +158,14 @@ def variant_problems(cluster: ClusterSpec, plan: Plan) -> list[Problem]:
     return out
 
 
-def runtime_problems(plan: Plan) -> list[Problem]:
+def runtime_problems(plan: Plan, model: ModelSpec | None = None) -> list[Problem]:
     """What the executor under DeepSpeed 0.19.8 cannot run: DeepSpeed's PipelineEngine has
     only the plain 1F1B schedule, and MiCS is gone from it. Such plans stay in the space (evaluated, shown with this
     reason) but are only chosen with --megatron-features. Megatron sequence parallelism is
-    not here: the executor's own TP layers run it (tests/integration/test_parity.py)."""
+    not here: the executor's own TP layers run it (tests/integration/test_parity.py).
+    With `model` (the search passes it): the executor's DeepSpeed-MoE and Ulysses layers run
+    with pp 1 only (pipeline_layers_problem), and launch.sh starts that executor, so a pp > 1
+    MoE or cp plan is no DeepSpeed plan the planner can start either."""
     if plan.runtime != "deepspeed":
         return [Problem("plan.runtime", "runtime-other", f"a {plan.runtime} plan: `planner run` and the DeepSpeed "
                         "exports execute DeepSpeed only", detail="estimated for comparison; docs/runtimes.md")]
@@ -178,7 +181,20 @@ def runtime_problems(plan: Plan) -> list[Problem]:
                            "re-plan without MiCS (plain ZeRO-3, or hpZ for intra-node weight gathers)",
                            detail="its config rejects zero_optimization.mics_shard_size: 'MiCS ZeRO-3 sharding has "
                            "been removed', deepspeedai/DeepSpeed#8489; estimated for comparison, never chosen"))
+    if model is not None:
+        out += [p for p in (pipeline_layers_problem(model, plan),) if p is not None]
     return out
+
+
+def pipeline_layers_problem(model: ModelSpec, plan: Plan) -> Problem | None:
+    """DeepSpeed-MoE and DeepSpeed-Ulysses run in the executor's GLMModel (planner/model/moe.py,
+    glm.py SelfAttention), not in its pipeline stages (planner/model/parallel/pipeline.py)."""
+    if plan.pp == 1 or (model.moe is None and plan.cp == 1):
+        return None
+    what = "mixture-of-experts layers" if model.moe is not None else "Ulysses context parallelism"
+    return Problem("plan.pp", "executor-layers",
+                   f"the executor runs {what} with pp 1 only (docs/moe.md, docs/long-context.md): such "
+                   "plans are estimated for comparison, not chosen or run", "run a plan with pp 1")
 
 
 def vocab_problem(model: ModelSpec, tp: int) -> Problem | None:
@@ -203,13 +219,7 @@ def executor_problems(model: ModelSpec, cluster: ClusterSpec, plan: Plan) -> lis
     """What `planner run` does not execute on this machine, for a plan legal under DeepSpeed:
     a vocabulary TP cannot split, layers the executor lacks, several nodes."""
     out = [p for p in (vocab_problem(model, plan.tp),) if p is not None]
-    # DeepSpeed-MoE and DeepSpeed-Ulysses run in the executor's GLMModel (planner/model/moe.py,
-    # glm.py SelfAttention), not in its pipeline stages
-    if plan.pp > 1 and (model.moe is not None or plan.cp > 1):
-        what = "mixture-of-experts layers" if model.moe is not None else "Ulysses context parallelism"
-        out.append(Problem("plan.pp", "executor-layers",
-                           f"the executor runs {what} with pp 1 only (docs/moe.md, docs/long-context.md): such "
-                           "plans are estimated and searched, not run", "run a plan with pp 1"))
+    out += [p for p in (pipeline_layers_problem(model, plan),) if p is not None]
     if cluster.nodes > 1:
         out.append(Problem("cluster", "executor-nodes", f"{cluster.nodes} nodes: `planner run` launches on this "
                            "machine only", "use launch.sh with a hostfile (deepspeed launcher) for multi-node runs"))

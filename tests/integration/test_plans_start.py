@@ -11,6 +11,12 @@ rest (one, of 2-4 processes, to keep the test near 2 minutes), covering every ti
 fixed so a failure reproduces; PLANNER_PLANS_SEED=<n> draws another sample. The plans are
 printed as they start.
 
+Issue 22: two more kinds come from the searches benchmarks/plans_start.py --moe-cp sweeps
+(tiny GLM-4.5-Air and tiny ChatGLM3, flash attention, cp offered at 128 tokens): a MoE plan
+with EP > 1 (DeepSpeed-MoE) and a ChatGLM3 plan with Ulysses cp > 1, each of 2-4 processes.
+test_search_runs_no_pipelined_moe_or_cp checks that those searches mark no pp > 1 MoE or
+Ulysses plan feasible (the executor runs both with pp 1 only).
+
     flock /tmp/planner-cpu.lock .venv/bin/pytest -q tests/integration/test_plans_start.py
 """
 from __future__ import annotations
@@ -55,15 +61,30 @@ KINDS: dict[str, Callable[[Any], bool]] = {
     "sequence-parallel": lambda c: c.plan.sequence_parallel,
     "eager-selective": lambda c: c.searched.train.attention == "eager" and c.plan.recompute == "selective",
 }
-IDS = [*KINDS, "partial-full-recompute", *(f"random-{i}" for i in range(1, FILL + 1))]
+MOE_CP_KINDS: dict[str, Callable[[Any], bool]] = {
+    "moe-ep": lambda c: c.searched.model.moe is not None and c.plan.ep > 1,
+    "ulysses": lambda c: c.searched.model.moe is None and c.plan.cp > 1,
+}
+"""Drawn from ps.MOE_CP_MODELS' searches on 2 and 4 processes (8 costs CI time, and the sweep
+covers it)."""
+IDS = [*KINDS, "partial-full-recompute", *(f"random-{i}" for i in range(1, FILL + 1)), *MOE_CP_KINDS]
 
 
 @pytest.fixture(scope="module")
-def sample(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def moe_cp_pool() -> list[Any]:
+    return [c for s in ps.spaces(ps.MOE_CP_MODELS, (2, 4), ("flash",), context_parallel="on") for c in ps.feasible(s)]
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory: pytest.TempPathFactory, moe_cp_pool: list[Any]) -> dict[str, Any]:
     """id -> Case (or a str: why the search offers no such plan)."""
     rng = random.Random(SEED)
-    pool = [c for s in ps.spaces() for c in ps.feasible(s)]
     out: dict[str, Any] = {}
+    for kind, pred in MOE_CP_KINDS.items():
+        cands = [c for c in moe_cp_pool if pred(c)]
+        out[kind] = rng.choice(cands) if cands else f"the search marks no {kind} plan of {ps.MOE_CP_MODELS} feasible"
+    rng = random.Random(SEED)  # the draws of the kinds below as before the issue-22 kinds came
+    pool = [c for s in ps.spaces() for c in ps.feasible(s)]
     for kind, pred in KINDS.items():
         cands = [c for c in pool if pred(c)]
         out[kind] = rng.choice(cands) if cands else f"the search marks no {kind} plan of the tiny models feasible"
@@ -71,7 +92,7 @@ def sample(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     partial = ps.partial_recompute(model, f"{world}xcpu", tmp_path_factory.mktemp("profiles"))
     out["partial-full-recompute"] = rng.choice(partial) if partial else (
         f"no partial full-recompute plan for {model} on {world} processes even with a tighter profile")
-    chosen = [c for c in out.values() if not isinstance(c, str)]
+    chosen = [c for k, c in out.items() if not isinstance(c, str) and k not in MOE_CP_KINDS]
     rest = [c for c in pool if c not in chosen and c.processes <= FILL_MAX_PROCESSES]
     for i in range(1, FILL + 1):
         # first the tiny models and process counts the sample lacks, then any plan
@@ -109,10 +130,27 @@ def test_sample_holds_the_named_kinds(sample: dict[str, Any]) -> None:
     partial = sample["partial-full-recompute"]
     assert not isinstance(partial, str), partial
     assert partial.plan.recompute == "full" and 0 < sum(partial.plan.recompute_layers) < partial.searched.model.layers
-    for kind in ("tp-x-pp", "tp-x-pp-x-dp", "zero3-tp", "eager-selective"):
+    for kind in ("tp-x-pp", "tp-x-pp-x-dp", "zero3-tp", "eager-selective", *MOE_CP_KINDS):
         assert not isinstance(sample[kind], str), sample[kind]
-    assert {c.searched.model_arg for c in sample.values() if not isinstance(c, str)} == set(ps.MODELS)
+    for kind, pred in MOE_CP_KINDS.items():
+        assert pred(sample[kind]) and sample[kind].processes <= 4, kind
+    assert {c.searched.model_arg for k, c in sample.items() if not isinstance(c, str) and k not in MOE_CP_KINDS} \
+        == set(ps.MODELS)
     assert {c.processes for c in sample.values() if not isinstance(c, str)} >= {2, 4, 8}
+
+
+def test_search_runs_no_pipelined_moe_or_cp(moe_cp_pool: list[Any]) -> None:
+    """The executor runs DeepSpeed-MoE and Ulysses with pp 1 only (planner/specs/validate.py
+    pipeline_layers_problem): the search marks no pp > 1 plan of a MoE model or with cp > 1
+    feasible, while it does offer pp > 1 for the dense model without cp (so the rule, not the
+    space, keeps them out) and does offer EP > 1 and cp > 1 with pp 1."""
+    moe = [c for c in moe_cp_pool if c.searched.model.moe is not None]
+    dense = [c for c in moe_cp_pool if c.searched.model.moe is None]
+    assert moe and dense
+    assert not [c.label() for c in moe if c.plan.pp > 1]
+    assert not [c.label() for c in moe_cp_pool if c.plan.cp > 1 and c.plan.pp > 1]
+    assert any(c.plan.pp > 1 for c in dense)
+    assert any(c.plan.ep > 1 for c in moe) and any(c.plan.cp > 1 for c in dense)
 
 
 def test_glm130b_pick_runs_shrunk(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -300,7 +300,10 @@ def test_zero1_memory_terms():
 
 def test_zero2_and_zero3_memory_terms():
     z2 = run(Plan(dp=4, zero=2, micro_batch=1, grad_accum=2, bucket_elements=1000)).stage_memory[0]
-    assert (z2.params, z2.grads, z2.optimizer) == (2 * PSI_T1, 2 * PSI_T1 / 4, 12 * PSI_T1 / 4)
+    # ZeRO-2's grads_in_partition holds the whole gradients of the tensors overlapping the
+    # partition (copy_grads_in_partition sums numel() over params_in_partition): ZeRO-1's owned
+    # count on the worst rank (rank 0: 97,216 elements > psi / 4 = 81,984), not psi / dp
+    assert (z2.params, z2.grads, z2.optimizer) == (2 * PSI_T1, 2 * RANK0_OWNED, 12 * PSI_T1 / 4)
     z3 = run(Plan(dp=4, zero=3, micro_batch=1, grad_accum=2, bucket_elements=1000)).stage_memory[0]
     small = 4 * (64 * 4 + 192 + 64 + 256 + 64) + 128          # tensors of <= 10 h elements stay gathered
     assert z3.params == 2 * PSI_T1 / 4 + 2 * small

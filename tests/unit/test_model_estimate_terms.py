@@ -11,7 +11,7 @@ from planner.cost import comm, engines, estimate
 from planner.cost.estimate import dp_comm, p2p_times
 from planner.cost.factors import Factors, cluster_factors
 from planner.cost.model import _block_times, block_compute_time, moe_state_bytes, overlapped_tp
-from planner.cost.runtime import trial_factors
+from planner.cost.runtime import get_runtime, trial_factors
 from planner.specs import Plan, TrainSpec, parse_cluster, preset, scale
 from planner.specs.hardware import find_device
 from planner.specs.step import BlockProbe, StepProbes
@@ -155,6 +155,11 @@ def test_a_moe_estimate_adds_the_experts_gradient_sync_and_optimizer_step():
         assert e_sync > 0 and e_opt > 0
         assert est.time.dp_sync == pytest.approx(dp_comm(C2, p, eng, psi, f, (0.0,), (0.0,)) + e_sync, rel=1e-9)
         assert est.time.optimizer == pytest.approx(optimizer_time(C2, p, eng, psi, f) + e_opt, rel=1e-9)
+        # fp32 gradients: 4 bytes per expert parameter on the wire
+        p32, tr32 = dataclasses.replace(p, precision="fp32"), dataclasses.replace(tr, precision="fp32")
+        e32 = moe.expert_sync_and_step(MOE, C2, p32, layers, f, (0.0,), 4.0, sharded)[0]
+        d32 = dp_comm(C2, p32, engines.engine_for(p32), psi, f, (0.0,), (0.0,))
+        assert estimate(MOE, C2, tr32, p32).time.dp_sync == pytest.approx(d32 + e32, rel=1e-9)
 
 
 def test_a_plan_too_big_for_the_device_names_memory_and_the_largest_part():
@@ -231,3 +236,256 @@ def test_tflops_per_gpu_are_model_flops_over_step_and_world():
     c, tr = parse_cluster("8xA100-80GB"), TrainSpec(global_batch=32, seq_len=2048)
     est = estimate(TINY, c, tr, Plan(dp=8, zero=1, micro_batch=1, grad_accum=4))
     assert est.tflops_per_gpu == pytest.approx(est.model_flops_per_step / (est.step_time_s * 8) / 1e12, rel=EXACT)
+
+
+# --- model.py: the MoE, CP and TP-overlap terms of the block and its layer costs -----------------
+
+def _bc(model, cluster, train, plan, f):
+    from planner.cost import compute
+    from planner.cost.model import _kernel
+    from planner.cost.runtime import get_runtime
+    rt = get_runtime(plan.runtime)
+    return compute.block_compute_times(model, cluster.device, train.seq_len, plan.micro_batch, plan.tp, plan.precision,
+                                       compute_scale=f.compute_scale, attention_scale=f.attention_scale,
+                                       kernel=_kernel(model, cluster, train),
+                                       attention=compute.AttentionKernel(rt.attention_kernels, rt.causal_attention))
+
+
+def test_megatron_core_tp_overlap_exposes_only_what_the_gemms_cannot_cover():
+    from planner.cost import runtime as rtm
+    from planner.cost.model import _tp_link, tp_block_comm
+    c, tr = parse_cluster("8xH100"), TrainSpec(global_batch=8, seq_len=256)
+    p = Plan(tp=4, dp=2, micro_batch=1, grad_accum=4, sequence_parallel=True, runtime="megatron-core")
+    m = TINY                                                        # h 128: the TP traffic outlasts the GEMMs
+    f = cluster_factors(c, "megatron-core")
+    raw_f, raw_b = tp_block_comm(m, 256, 1, 4, 2.0, True, _tp_link(c, p), f.comm_efficiency)
+    bc = _bc(m, c, tr, p, f)
+    assert bc.gemm_bwd != 2.0 * bc.gemm_fwd and raw_b > max(bc.gemm_bwd, 2.0 * bc.gemm_fwd)
+    bt = _block_times(m, c, tr, p, f)
+    assert (bt.tp_fwd, bt.tp_bwd) == (pytest.approx(max(raw_f - bc.gemm_fwd, 0.0), rel=EXACT),
+                                      pytest.approx(raw_b - bc.gemm_bwd, rel=EXACT))
+
+
+def test_cp_block_backward_is_cp_times_the_local_core_and_its_recompute():
+    c = parse_cluster("8xA100-80GB")
+    m, f = preset("glm-4-9b"), cluster_factors(c)
+    lp, ltr = Plan(dp=8, micro_batch=1, grad_accum=1), TrainSpec(global_batch=8, seq_len=32768)
+    plain = _block_times(m, c, ltr, lp, f)
+    cp2 = _block_times(m, c, ltr, lp, f, (2, "ulysses"))
+    bc = _bc(m, c, ltr, lp, f)
+    rec = bc.core_bwd - 2.0 * bc.core_fwd
+    assert rec > 0
+    assert cp2.backward - plain.backward == pytest.approx(2.0 * bc.core_fwd + rec, rel=1e-9)
+
+
+def test_moe_block_swaps_the_dense_ffn_gemms_for_the_experts():
+    """Megatron-Core on H100 (compute_scale 1.338 fitted there; elementwise 1.7 on trial): the mean
+    block is the dense block plus w = 3/4 of (experts - dense FFN) in GEMMs forward and backward
+    (the experts' backward 2x their forward) and in memory-bound traffic, and w of the
+    dispatch/combine all-to-alls."""
+    from planner.cost import compute, moe
+    c, tr = parse_cluster("8xH100"), TrainSpec(global_batch=16, seq_len=256)
+    p = Plan(dp=8, ep=4, zero=1, micro_batch=1, grad_accum=2, runtime="megatron-core")
+    w, hbm = 3 / 4, c.device.hbm_bytes_per_s
+    dense_model = dataclasses.replace(MOE, moe=None)
+    with trial_factors("megatron-core", {"elementwise_scale": 1.7}):
+        f = cluster_factors(c, "megatron-core")
+        assert f.compute_scale != 1.0 and f.elementwise_scale == 1.7
+        moe_bt = _block_times(MOE, c, tr, p, f)
+        dense_bt = _block_times(dense_model, c, tr, dataclasses.replace(p, ep=1), f)
+    ffn = compute.weight_gemm_times(MOE, c.device, 256, 1, 1, "bf16")[2:]
+    moe_t = moe.ffn_time(MOE, c.device, 256, 1, 1, 4, "bf16", f.compute_scale)
+    moe_e, dense_e = moe.ffn_elementwise_bytes(MOE, 256, 1, 1, 2.0)
+    elem = w * (moe_e - dense_e) / hbm * 1.7
+    want_f = w * (moe_t - sum(x[0] for x in ffn) * f.compute_scale) + elem
+    want_b = w * (2.0 * moe_t - sum(x[1] for x in ffn) * f.compute_scale) + 2.0 * elem
+    assert moe_bt.forward - dense_bt.forward == pytest.approx(want_f, rel=1e-9)
+    assert moe_bt.backward - dense_bt.backward == pytest.approx(want_b, rel=1e-9)
+    af, ab = moe.alltoall_comm(MOE, c, p, 256, 2.0, f.comm_efficiency)
+    assert af > 0 and (moe_bt.a2a_fwd, moe_bt.a2a_bwd) == (pytest.approx(w * af, rel=EXACT),
+                                                           pytest.approx(w * ab, rel=EXACT))
+    # TP 1: the block's communication outside its compute is the all-to-alls alone
+    assert (moe_bt.tp_fwd, moe_bt.tp_bwd) == (moe_bt.a2a_fwd, moe_bt.a2a_bwd)
+
+
+def test_moe_layer_costs_activations_parameters_and_resident_expert_states():
+    from planner.cost import layer_costs, memory, moe, params
+    from planner.cost.model import _kernel
+    c, tr = parse_cluster("8xH100"), TrainSpec(global_batch=16, seq_len=256)
+    p = Plan(dp=8, ep=4, zero=1, micro_batch=1, grad_accum=2, recompute="full", runtime="megatron-core")
+    w = 3 / 4
+    moe_a, dense_a = moe.ffn_activation_bytes(MOE, 256, 1, 1, 2.0)
+    none = memory.block_activation_bytes(MOE, 256, 1, 1, recompute="none", sequence_parallel=False, act_bytes=2.0,
+                                         kernel=_kernel(MOE, c, tr))
+    one = layer_costs(MOE, c, tr, p)
+    with trial_factors("megatron-core", {"activation_scale": 1.5}):
+        more = layer_costs(MOE, c, tr, p)
+    kept = none + w * (moe_a - dense_a)                            # a MoE block keeps its router and dispatch
+    assert more.block_act_bytes - one.block_act_bytes == pytest.approx(0.5 * kept, rel=1e-9)
+    assert more.block_work_bytes - one.block_work_bytes == pytest.approx(0.5 * kept, rel=1e-9)
+    thr = params.persistence_threshold(MOE)
+    blk, mblk = params.block_tensors(MOE, 1), params.moe_block_tensors(MOE, 1)
+    assert one.block_small == pytest.approx((1 - w) * blk.small(thr) + w * mblk.small(thr), rel=EXACT)
+    assert one.block_psi == pytest.approx((1 - w) * blk.total + w * mblk.total, rel=EXACT)
+    # a CPU device's offloaded expert states are its own memory
+    cpu = parse_cluster("2xcpu")
+    off = Plan(dp=2, ep=2, zero=2, offload_optimizer="cpu", micro_batch=1, grad_accum=8)
+    got = layer_costs(MOE, cpu, tr, off).block_expert_bytes
+    assert got == tuple(pytest.approx(w * x, rel=EXACT) for x in moe_state_bytes(off, MOE, True))
+    assert moe_state_bytes(off, MOE, True) != moe_state_bytes(off, MOE, False)
+
+
+def test_shared_layers_hold_one_parameter_set_per_group():
+    from planner.cost import layer_costs, params
+    shared = dataclasses.replace(TINY, share_layers=2)
+    c, tr = parse_cluster("8xA100-80GB"), TrainSpec(global_batch=8, seq_len=128)
+    lc = layer_costs(shared, c, tr, Plan(dp=8, micro_batch=1, grad_accum=1))
+    blk = params.block_tensors(shared, 1)
+    thr = params.persistence_threshold(shared)
+    assert (lc.block_psi, lc.block_small) == (blk.total / 2, blk.small(thr) / 2)
+
+
+def test_zero3_engine_costs_apply_to_zero3_with_data_parallelism_only():
+    """The 2-process probe's ZeRO-3 costs (0.5 s per micro-batch, 0.7 s per step) come with
+    ZeRO-3 over dp > 1 only; ZeRO 0-2 with dp > 1 take its dp step (0.11 s) instead; every
+    multi-process plan without a pipeline its concurrency cost (0.013 s per micro-batch)."""
+    from planner.cost.model import framework_overheads
+    from planner.specs.step import Framework, Parallel
+    par = Parallel(microbatch_s=0.013, dp_step_s=0.11, pipe_microbatch_s=0.17, pipe_bubble=0.5,
+                   zero3_microbatch_s=0.5, zero3_step_s=0.7)
+    dev = dataclasses.replace(find_device("cpu")[0], step=StepProbes(
+        framework={"bf16": Framework(microbatch_s=0.02, step_s=0.03)}, parallel={"bf16": par}))
+    c, f = parse_cluster("2xcpu", dev), Factors()
+    assert framework_overheads(c, Plan(dp=2, zero=1, micro_batch=1, grad_accum=1), f) == (
+        pytest.approx(0.02 + 0.013, rel=EXACT), pytest.approx(0.03 + 0.11, rel=EXACT))
+    assert framework_overheads(c, Plan(dp=2, zero=3, micro_batch=1, grad_accum=1), f) == (
+        pytest.approx(0.02 + 0.013 + 0.5, rel=EXACT), pytest.approx(0.03 + 0.7, rel=EXACT))
+    assert framework_overheads(c, Plan(tp=2, dp=1, zero=3, micro_batch=1, grad_accum=1), f) == (
+        pytest.approx(0.02 + 0.013, rel=EXACT), pytest.approx(0.03, rel=EXACT))
+
+
+def test_the_in_step_tp_link_is_the_probes_in_its_units():
+    from planner.cost.model import _tp_link
+    from planner.specs.step import InStepLink
+    dev = dataclasses.replace(find_device("cpu")[0], step=StepProbes(tp_allreduce={2: InStepLink(busbw_gbps=0.5,
+                                                                                                  latency_us=500.0)}))
+    bw, lat = _tp_link(parse_cluster("2xcpu", dev), Plan(tp=2, micro_batch=1, grad_accum=8))
+    assert (bw, lat) == (pytest.approx(0.5e9, rel=EXACT), pytest.approx(500e-6, rel=EXACT))
+
+
+def test_fp8_weight_copies_under_full_sharding_are_the_gathered_units_only():
+    """fp8 on H100 under megatron-core: ZeRO-3 (Megatron-FSDP) keeps FP8 copies of the gathered
+    block and the prefetched one (2 of 40), ZeRO-1 of every block; amax histories for all."""
+    from planner.cost import layer_costs, memory
+    from planner.cost.model import stage_memory
+    m, c, tr = preset("glm-4-9b"), parse_cluster("8xH100"), TrainSpec(global_batch=8, seq_len=4096)
+    z3 = Plan(dp=8, zero=3, precision="fp8", micro_batch=1, grad_accum=1, runtime="megatron-core")
+    bf = dataclasses.replace(z3, precision="bf16")
+    lc3, lcb = layer_costs(m, c, tr, z3), layer_costs(m, c, tr, bf)
+    layers, ckpt = (m.layers,), (0,)
+    got = stage_memory(z3, lc3, layers, ckpt, 0.0, False)[0].params
+    plain = stage_memory(bf, lcb, layers, ckpt, 0.0, False)[0].params
+    assert got - plain == pytest.approx(memory.fp8_bytes(m.layers, lc3.block_psi, True), rel=1e-9)
+    assert memory.fp8_bytes(m.layers, lc3.block_psi, True) < memory.fp8_bytes(m.layers, lc3.block_psi, False)
+
+
+def test_a_block_probe_scales_the_embedding_and_output_layer_too():
+    from planner.cost import layer_costs
+    plan, train = Plan(dp=2, micro_batch=2, grad_accum=2), TrainSpec(global_batch=8, seq_len=128)
+    plain = layer_costs(TINY, parse_cluster("2xcpu", find_device("cpu")[0]), train, plan)
+    probed = layer_costs(TINY, parse_cluster("2xcpu", dataclasses.replace(
+        find_device("cpu")[0], step=StepProbes(block={"bf16": BlockProbe(scale=2.0, overhead_s=3e-3)}))), train, plan)
+    assert probed.first_stage_time == pytest.approx(2.0 * plain.first_stage_time, rel=EXACT)
+    assert probed.last_stage_time == pytest.approx(2.0 * plain.last_stage_time, rel=EXACT)
+
+
+def test_megatron_core_stage_extras_keep_no_mask_and_fused_cross_entropy():
+    """Megatron-Core passes a causal flag (no s x s mask kept, none in the stage cache) and fuses
+    the cross-entropy (bf16 logits + lse, no fp32 softmax): the stages' extra bytes by hand
+    from memory.py's pieces, pipeline of 2."""
+    from planner.cost import memory
+    from planner.cost.model import _kernel, stage_extras
+    m, c, tr = preset("glm-4-9b"), parse_cluster("8xH100"), TrainSpec(global_batch=32, seq_len=2048)
+    p = Plan(pp=2, dp=4, micro_batch=1, grad_accum=8, runtime="megatron-core")
+    rt = get_runtime("megatron-core")
+    assert not rt.materialises_mask and rt.fused_cross_entropy
+    s, b, t, e, k = 2048, 1, 1, 2.0, _kernel(m, c, tr)
+    shared = dict(act_bytes=e, kernel=k, plain=True)
+    kept = memory.shared_bytes(m, s, b, t, recomputed=False, mask=False, **shared)
+    assert kept != memory.shared_bytes(m, s, b, t, recomputed=False, **shared)          # the mask would count
+    cache = memory.cache_bytes(m, s, b, t, e, False) - kept
+    assert cache != memory.cache_bytes(m, s, b, t, e) - kept
+    per0, fixed0 = memory.pipeline_bytes(m, s, b, t, sequence_parallel=False, act_bytes=e, stage=0, p=2, m=8)
+    per1, fixed1 = memory.pipeline_bytes(m, s, b, t, sequence_parallel=False, act_bytes=e, stage=1, p=2, m=8)
+    head = memory.head_bytes(m, s, b, t, sequence_parallel=False, act_bytes=e, fused_ce=True)
+    assert head != memory.head_bytes(m, s, b, t, sequence_parallel=False, act_bytes=e)
+    first, last, work = stage_extras(m, s, b, t, p, e, k, 3.0)
+    assert first == pytest.approx(memory.embedding_bytes(m, s, b, t) + kept + per0 + (cache + fixed0) / 3.0, rel=EXACT)
+    assert last == pytest.approx(head + memory.logits_bytes(m, s, b, t, e) + kept + cache + per1 + fixed1, rel=EXACT)
+    assert work == pytest.approx(memory.shared_bytes(m, s, b, t, recomputed=True, mask=False, **shared), rel=EXACT)
+    assert work != memory.shared_bytes(m, s, b, t, recomputed=True, **shared)
+
+
+def test_a_block_probe_scales_the_selective_recompute_too():
+    plan, train = Plan(dp=2, micro_batch=2, grad_accum=2, recompute="selective"), TrainSpec(global_batch=8, seq_len=128)
+    plain_c = parse_cluster("2xcpu", find_device("cpu")[0])
+    probed_c = parse_cluster("2xcpu", dataclasses.replace(
+        find_device("cpu")[0], step=StepProbes(block={"bf16": BlockProbe(scale=2.0, overhead_s=3e-3)})))
+    plain = _block_times(TINY, plain_c, train, plan, cluster_factors(plain_c))
+    probed = _block_times(TINY, probed_c, train, plan, cluster_factors(probed_c))
+    assert plain.selective > 0 and probed.selective == pytest.approx(2.0 * plain.selective, rel=EXACT)
+
+
+def test_cpu_offload_memory_holds_the_largest_tensor_staging_buffer_on_the_device():
+    """ZeRO-2 with the optimizer on the CPU, on a GPU: the only optimizer-role bytes left on the
+    device are DeepSpeed's temp_grad_buffer_for_gpu_offload, 2 B x the largest parameter."""
+    from planner.cost import layer_costs
+    from planner.cost.model import stage_memory
+    c, tr = parse_cluster("8xA100-80GB"), TrainSpec(global_batch=8, seq_len=2048)
+    p = Plan(dp=8, zero=2, offload_optimizer="cpu", micro_batch=1, grad_accum=1)
+    lc = layer_costs(preset("glm-10b"), c, tr, p)
+    assert lc.largest > 0
+    mem = stage_memory(p, lc, (preset("glm-10b").layers,), (0,), 0.0, False)[0]
+    assert mem.optimizer == pytest.approx(2.0 * lc.largest, rel=EXACT)
+
+
+def test_ring_backward_hides_behind_cp_times_the_local_backward_core():
+    """glm-10b (full MHA: 4096-wide KV) over a 16-rank ring across two A6000 nodes (10 GB/s
+    Ethernet): the KV and dKV sends hide partly behind each step's backward core, cp x the
+    local block's (2 x forward + flash's recompute)."""
+    from planner.cost import longctx
+    m, c = preset("glm-10b"), parse_cluster("2x8xA6000")
+    f = cluster_factors(c)
+    lp, ltr = Plan(dp=16, micro_batch=1, grad_accum=1), TrainSpec(global_batch=16, seq_len=2048)
+    bc = _bc(m, c, ltr, lp, f)
+    core_f, rec = bc.core_fwd, bc.core_bwd - 2.0 * bc.core_fwd      # attention_scale applied in _bc
+    want = longctx.block_comm(m, c, 1, 1, 16, "ring", 2048, 2.0, f.comm_efficiency, 16 * core_f,
+                              16 * (2.0 * core_f + rec))
+    bare = longctx.block_comm(m, c, 1, 1, 16, "ring", 2048, 2.0, f.comm_efficiency, 0.0, 0.0)
+    bt = _block_times(m, c, ltr, lp, f, (16, "ring"))
+    assert 0 < want[1] < bare[1] and rec > 0
+    assert (bt.a2a_fwd, bt.a2a_bwd) == (pytest.approx(want[0], rel=1e-9), pytest.approx(want[1], rel=1e-9))
+
+
+# --- factors.py ----------------------------------------------------------------------------------
+
+def test_oversubscription_stretches_every_cpu_bound_scale():
+    """4 processes on a CPU profile measured with 2: compute, attention, memory-bound work and
+    the optimizer step all take k = 2x as long; nothing else moves."""
+    cpu = find_device("cpu")[0]
+    two, four = cluster_factors(parse_cluster("2xcpu", cpu)), cluster_factors(parse_cluster("4xcpu", cpu))
+    k = cpu.oversubscription(4) / cpu.oversubscription(2)
+    assert k == 2.0
+    for name in ("compute_scale", "attention_scale", "elementwise_scale", "optimizer_scale"):
+        assert getattr(four, name) == pytest.approx(k * getattr(two, name), rel=EXACT), name
+    assert four.dp_overlap == two.dp_overlap
+
+
+def test_factors_are_named_fields_with_their_defaults():
+    from planner.cost.factors import DEFAULTS, factor
+    names = Factors.names()
+    assert names[0] == "compute_scale" and "network_efficiency" in names and len(names) == len(set(names))
+    assert Factors().to_dict() == {n: getattr(Factors(), n) for n in names} == dict(DEFAULTS)
+    assert Factors(dp_overlap=0.25).to_dict()["dp_overlap"] == 0.25
+    dev = dataclasses.replace(parse_cluster("8xA100-80GB").device, factors={"dp_overlap": 0.3})
+    assert factor(dev, "dp_overlap") == 0.3 and factor(dev, "compute_scale") == DEFAULTS["compute_scale"]

@@ -160,6 +160,19 @@ def test_executor_runs_moe_and_ulysses_with_pp_1_only() -> None:
     assert [x.code for x in p] == ["executor-layers"] and p[0].field == "plan.pp"
 
 
+def test_search_rules_keep_pipelined_moe_and_ulysses_out() -> None:
+    """The same rule is a DeepSpeed runtime rule when the search passes the model (launch.sh
+    starts the same executor): a MoE model at pp 2 (even with ep 1), cp 2 at pp 2; not a dense
+    pp 2 plan, nor MoE / cp at pp 1; without the model (preflight, exports) nothing changes."""
+    from planner.specs.validate import runtime_problems
+    glm = scale(preset("chatglm3-6b"), "tiny")
+    for model, plan in ((MOE, Plan(dp=2, pp=2, ep=2)), (MOE, Plan(dp=2, pp=2)), (glm, Plan(dp=1, pp=2, cp=2))):
+        assert [x.code for x in runtime_problems(plan, model)] == ["executor-layers"], plan.describe()
+        assert runtime_problems(plan) == []
+    for model, plan in ((glm, Plan(dp=2, pp=2)), (MOE, Plan(dp=4, ep=2)), (glm, Plan(dp=2, cp=2))):
+        assert runtime_problems(plan, model) == [], plan.describe()
+
+
 def _moe_run(d: Path, plan: Plan, model: str = "glm-4.5-air", gpus: str = "4xcpu") -> Path:
     """A run directory as `planner search` writes it (tests/unit/test_run_guard.py write_run)."""
     from planner import dsconfig

@@ -50,3 +50,31 @@ def test_bad_ep_cp_is_one_line_exit_2(capsys, flags, words):
     rc = main(["estimate", *flags])
     _, err = capsys.readouterr()
     assert rc == 2 and len(err.strip().splitlines()) == 1 and words in err, err
+
+
+CONFIG = {"model_type": "glm4_moe", "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4,
+          "num_attention_heads": 12, "num_key_value_heads": 12, "head_dim": 64, "vocab_size": 1000,
+          "max_position_embeddings": 65536, "moe_intermediate_size": 256, "n_routed_experts": 8,
+          "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1}
+"""A small glm4_moe config.json: 8 experts top-2, 12 heads (so Ulysses cp 8 fails on the heads, not the KV groups)."""
+
+
+@pytest.mark.parametrize("edit,flags,words", [
+    (dict(num_experts_per_tok=16), [], "top_k: 16 is larger than the 8 experts"),
+    (dict(moe_intermediate_size=None), [], "moe_intermediate_size: missing"),
+    ({}, ["--gpus", "3x8xH100", "--ep", "3"], "plan.ep 3 does not divide the 8 experts"),
+    ({}, ["--ep", "16"], "--ep: 16 does not divide the data-parallel size 8"),
+    ({}, ["--cp", "8", "--seq-len", "65536", "--global-batch", "16"], "does not divide the 12 attention heads"),
+    ({}, ["--cp", "2", "--seq-len", "65535", "--global-batch", "16"], "needs seq_len 65535 divisible by 2"),
+])
+def test_bad_moe_config_and_degrees_are_one_line_exit_2(tmp_path, capsys, edit, flags, words):
+    """Issue 22's bad input through `planner estimate --model config.json`: top-k over the experts, a
+    missing expert field, EP not dividing the experts or the DP ranks, Ulysses not dividing the
+    heads or the sequence."""
+    import json
+    cfg = {k: v for k, v in {**CONFIG, **edit}.items() if v is not None}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    args = ["estimate", "--model", str(tmp_path / "config.json"), "--gpus", "8xH100", *flags]
+    rc = main(args[:3] + args[5:] if "--gpus" in flags else args)
+    _, err = capsys.readouterr()
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and words in err, err
