@@ -128,12 +128,32 @@ STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests"
           -11: "segfault", -9: "segfault", None: "not checked", 2: "interrupted"}
 
 
-def prepare(work: Path, mutate: list[str], tests: list[str], deselect: str) -> None:
+CACHE_DECORATOR = re.compile(r"^@(functools\.)?(lru_cache|cache)(\(.*\))?[ \t]*\n", re.M)
+
+
+def undecorate(work: Path, mutate: list[str]) -> int:
+    """Drop the module-level @lru_cache / @cache lines of the files to mutate, in the work copy:
+    mutmut 3.8.1 leaves decorated functions unmutated, and these caches only save time (the
+    conftest empties them between tests anyway). Returns how many were dropped."""
+    n = 0
+    for pattern in mutate:
+        for path in work.glob(pattern):
+            if path.suffix == ".py":
+                text, k = CACHE_DECORATOR.subn("", path.read_text())
+                if k:
+                    path.write_text(text)
+                    n += k
+    return n
+
+
+def prepare(work: Path, mutate: list[str], tests: list[str], deselect: str, uncache: bool = False) -> None:
     """A fresh copy of the sources and tests with the [mutmut] configuration."""
     if work.exists():
         shutil.rmtree(work)
     (work / "tests" / "unit").mkdir(parents=True)
     shutil.copytree(ROOT / "planner", work / "planner", ignore=shutil.ignore_patterns("__pycache__"))
+    if uncache:
+        print(f"cached functions made mutable: {undecorate(work, mutate)}")
     shutil.copytree(ROOT / "profiles", work / "profiles")
     for t in tests:
         shutil.copy(ROOT / t, work / t)
@@ -232,6 +252,8 @@ def main() -> int:
                     help="the work directory of an earlier full run (then of earlier re-checks, in order): its "
                          "results, overridden by the mutants each later directory and this one checked (the "
                          "counts after --only re-checks)")
+    ap.add_argument("--uncache", action="store_true",
+                    help="with --run: drop @lru_cache/@cache from the files to mutate (mutmut skips decorated functions)")
     ap.add_argument("--write-todo", type=Path, default=None,
                     help="write the unexplained survivors as a JSON skeleton to fill in")
     args = ap.parse_args()
@@ -253,7 +275,7 @@ def main() -> int:
               file=sys.stderr)
         return 2
     if args.run:
-        prepare(work, mutate, tests, deselect)
+        prepare(work, mutate, tests, deselect, uncache=args.uncache)
     only = None
     if args.only:
         only = []

@@ -43,13 +43,14 @@ def measure(model: dict[str, Any], b: int, s: int, precisions: list[str], thread
 
 
 def measure_parallel(model: dict[str, Any], b: int, s: int, precisions: list[str], threads: int,
-                     timeout_s: float = 600.0) -> list[dict[str, Any]]:
+                     timeout_s: float = 600.0, quick: bool = False) -> list[dict[str, Any]]:
     """The engine probe on 2 processes, each LAYOUTS entry in every precision (ZeRO-3: the
     first, the profiled one) with 1 and 4 micro-batches per step; rows tagged with their layout
-    ("dp", "pp", "z3")."""
+    ("dp", "pp", "z3"). quick: 1 warm-up step and 3 timed (else the probe's 2 and 4)."""
     return _launch({"model": model, "b": b, "s": s, "precisions": precisions, "threads": threads,
                     "layouts": [dict(lay, precisions=precisions[:1]) if lay.get("zero") == 3 else lay
-                                for lay in LAYOUTS]}, 2, timeout_s)
+                                for lay in LAYOUTS], **({"steps": 3, "warmup": 1} if quick else {})},
+                   2, timeout_s)
 
 
 def _launch(args: dict[str, Any], world: int, timeout_s: float) -> list[dict[str, Any]]:

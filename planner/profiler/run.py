@@ -176,7 +176,7 @@ def measure_all(opts: ProfileOptions, target: Target, plan: WorkList,
             # DP2 and PP2 on two processes: the data-parallel step and the pipe schedule as they run
             try:
                 out["engine"] += engine.measure_parallel(opts.model.to_dict(), b, s_, list(plan.block_precisions),
-                                                         cpu_threads(opts.procs))
+                                                         cpu_threads(opts.procs), quick=opts.quick)
             except PlannerError as exc:
                 out["notes"].append(f"parallel engine probe skipped: {exc.line()}")
     tick("engine steps")

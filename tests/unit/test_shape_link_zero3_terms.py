@@ -12,7 +12,7 @@ from planner.cost.factors import Factors
 from planner.cost.runtime import get_runtime, problems
 from planner.specs.hardware import parse_cluster
 from planner.specs.plan import Plan
-from planner.specs.presets import preset
+from planner.specs.presets import preset, scale
 
 EXACT = 1e-12
 H100 = parse_cluster("8xH100").device
@@ -357,3 +357,41 @@ def test_a_runtime_file_is_read_field_by_field(tmp_path):
     assert isinstance(rt.factors["compute_scale"], float) and isinstance(rt.by_device["H100-SXM"]["compute_scale"], float)
     assert (rt.executable, rt.pipeline, rt.interleaved, rt.attention) == (False, True, False, "plan")
     assert rt.zero_label(1) == "sharded optimizer"
+
+
+# --- the cached layout helpers (mutated with benchmarks/mutation.py --uncache) -----------------
+
+def test_group_shape_per_stage_by_hand():
+    # 4 GPUs per node, PP 2 x DP 3: stage 0 is ranks 0-2 (node 0), stage 1 ranks 3-5 (nodes 0, 1, 1)
+    assert comm.group_shape(4, 3, 1, 2, "dp") == ((3, 1), (2, 2))
+    # DP 2 x TP 8 on 8-GPU nodes: each DP group is one rank on each of two nodes
+    assert comm.group_shape(8, 2, 8, 1, "dp") == ((1, 2),)
+
+
+def test_mics_replica_groups_across_nodes_by_hand():
+    """DP 8 x TP 2 on two 8-GPU nodes, replica groups of 2 DP ranks 4 apart: DP j and j + 4 are
+    global ranks 2 j + t and 2 j + 8 + t, one on each node; all 8 groups cross, 8 per node."""
+    from planner.cost.zero import _strided
+    assert _strided(8, 2, 8, 2, 4) == (8, 1, 2)
+    assert _strided(8, 1, 16, 2, 4) == (0, 2, 1)                    # 16 DP ranks: pairs inside a node
+    # DP 8 x TP 4 (2 DP ranks per node), groups of 2 DP ranks 2 apart in 2 blocks of 4: DP
+    # (0, 2), (1, 3), (4, 6), (5, 7), each on nodes (0, 1) or (2, 3): 2 groups x 4 TP per node
+    assert _strided(8, 4, 8, 2, 2) == (8, 1, 2)
+
+
+def test_a_biased_moe_block_holds_the_shared_experts_biases():
+    """Tiny GLM-4.5-Air with linear biases at TP 2: the attention part of the dense block (its
+    last four tensors are the FFN's two weights and two biases), the h x E router, one shared
+    expert's weights h k s / t and s h / t and its biases k s / t and h."""
+    from planner.cost import params
+    air = dataclasses.replace(scale(preset("glm-4.5-air"), "tiny"), linear_bias=True)   # h 128, E 4, s 48, k 2
+    dense = params.block_tensors(air, 2).numels
+    assert params.moe_block_tensors(air, 2).numels == dense[:-4] + (128 * 4, 128 * 2 * 48 // 2, 48 * 128 // 2,
+                                                                     2 * 48 // 2, 128)
+
+
+def test_at_a_bandwidth_tie_the_intra_node_link_is_the_bottleneck():
+    """L40S: 40 GB/s of network per node shared by 2 crossing groups = the 20 GB/s PCIe link;
+    the route counts PCIe as the bottleneck, so the runtime's network efficiency does not apply."""
+    r = comm.route(parse_cluster("2x8xL40S"), 16, 2, 8, 2)
+    assert r.busbw == 20e9 and not r.network

@@ -90,3 +90,13 @@ def test_expert_partition_index_counts_context_ranks_within_an_expert_group():
             continue
         got = rank_states(MOE, parse_cluster("4x8xH100"), train, plan, rank)["device"]
         assert got["grads"] == 4 * (d_owned[c.dp * 2 + c.cp] + e_owned[(c.dp // 4) * 2 + c.cp])
+
+
+def test_zero1_partitions_by_hand_with_padding_ranks():
+    """One tensor of 10 elements over 8 ranks: the flat group pads to 16 (a multiple of 2 x 8),
+    slices of 2; ranks 0-4 overlap the tensor and keep its whole gradient (10), ranks 5-7 hold
+    only padding (2 each). Tensors of 6 and 4 over 4 ranks (slices of 4): 6, 6 + 4, 4 + 2 of
+    padding, 4 of padding. No tensors: nothing."""
+    assert params.zero1_owned((10,), 8) == (10, 10, 10, 10, 10, 2, 2, 2)
+    assert params.zero1_owned((6, 4), 4) == (6, 10, 6, 4)
+    assert params.zero1_owned((), 2) == (0, 0)

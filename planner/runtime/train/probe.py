@@ -22,7 +22,8 @@ STEPS, WARMUP = 4, 2
 
 
 def run(port: int, model: dict[str, Any], b: int, s: int, precisions: list[str], threads: int, out_path: str,
-        world: int = 1, rank: int = 0, layouts: list[dict[str, Any]] | None = None) -> None:
+        world: int = 1, rank: int = 0, layouts: list[dict[str, Any]] | None = None, steps: int = STEPS,
+        warmup: int = WARMUP) -> None:
     """Time steps of 1 and 4 micro-batches per layout and precision; rank 0 writes the rows."""
     import statistics
 
@@ -57,7 +58,7 @@ def run(port: int, model: dict[str, Any], b: int, s: int, precisions: list[str],
                     pos = torch.arange(s).expand(b, s).contiguous()
                     seg = torch.ones(b, s, dtype=torch.long)
                     times = []
-                    for step in range(WARMUP + STEPS):
+                    for step in range(warmup + steps):
                         if world > 1:
                             dist.barrier()
                         t0 = time.perf_counter()
@@ -74,7 +75,7 @@ def run(port: int, model: dict[str, Any], b: int, s: int, precisions: list[str],
                         dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
                         if world > 1:
                             dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
-                        if step >= WARMUP:
+                        if step >= warmup:
                             times.append(float(dt.item()))
                     rows.append({"layout": lay["name"], "dp": plan.dp, "pp": plan.pp, "zero": plan.zero,
                                  "processes": world,
@@ -90,7 +91,8 @@ def run(port: int, model: dict[str, Any], b: int, s: int, precisions: list[str],
 def main() -> int:
     a = json.loads(sys.argv[1])
     run(a["port"], a["model"], a["b"], a["s"], a["precisions"], a["threads"], sys.argv[2],
-        world=a.get("world", 1), rank=a.get("rank", 0), layouts=a.get("layouts"))
+        world=a.get("world", 1), rank=a.get("rank", 0), layouts=a.get("layouts"), steps=a.get("steps", STEPS),
+        warmup=a.get("warmup", WARMUP))
     return 0
 
 
