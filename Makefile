@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(VENV)/bin/planner search --model glm-10b --gpus 8xA100
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests   # CI logs name the slowest tests
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit

@@ -357,7 +357,10 @@ def search_regret(cases: list[Setup], measured: dict, device, args, runner, out:
         pick_setup, was_run = mine[0], False
     else:
         pick_setup = Setup(name=f"chatglm3-6b tiny search pick {world}", model=model, cluster=cluster, train=train,
-                           plan=pick, run_dir=out / ("search_pick" if world == 4 else f"search_pick_{world}"),
+                           # one directory per plan: --reuse must not take another pick's saved rounds
+                           plan=pick, run_dir=out / ("search_pick_" + "_".join(
+                               "".join(c if c.isalnum() else "-" for c in part.strip())
+                               for part in pick.describe().split(","))),
                            scale="tiny", model_arg="chatglm3-6b",
                            tags={"layout": "search pick", "scale": "tiny", "model": "chatglm3-6b"})
         rounds = load_rounds(pick_setup, args.rounds) if args.reuse else None

@@ -2,7 +2,8 @@
 
 For a fixed seed and data, each layout (DP, TP, PP and their products; ZeRO 0-3; sequence
 parallelism) must give, against one single-process reference run per model:
-- the per-step loss over the first 5 steps within 1e-4 relative;
+- the per-step loss over the first 3 steps within 1e-4 relative (step 1 the initial model,
+  steps 2 and 3 after Adam's first and second updates, moments carried over);
 - the first step's gradients (written by each rank just before the optimizer step, averaged
   over DP as the optimizer sees them, reassembled across TP into full tensors) within 1e-4
   relative (norm of the difference over norm of the reference), tensor by tensor; the padded
@@ -10,7 +11,7 @@ parallelism) must give, against one single-process reference run per model:
 - the global gradient norm DeepSpeed computed for clipping within 1e-4 relative (each
   parameter counted once: TP slices once per slice, replicated and tied parameters once).
 Some layouts' ranks are also checked to hold what the plan lays out (LAYOUT_CHECKS: TP slices,
-the pipeline's partial checkpointing, four processes' coordinates).
+the pipeline's partial checkpointing, eight processes' coordinates).
 
 Models: ChatGLM3 tiny (grouped-query attention, SwiGLU, RMSNorm, rotary), GLM-10B tiny (GELU,
 multi-head attention, LayerNorm, learned positions, tied embeddings; dropout set to 0 so
@@ -36,7 +37,7 @@ pytestmark = pytest.mark.integration
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 torch = pytest.importorskip("torch")
 
-SEQ, STEPS, GLOBAL_BATCH, MICRO = 32, 5, 4, 2
+SEQ, STEPS, GLOBAL_BATCH, MICRO = 32, 3, 4, 2
 TOL = 1e-4
 CHATGLM = scale(preset("chatglm3-6b"), "tiny")
 GLM10B = dataclasses.replace(scale(preset("glm-10b"), "tiny"), hidden_dropout=0.0, attention_dropout=0.0)
@@ -51,13 +52,15 @@ MICRO_OF = {"moe": 1}
 
 # (id, model, plan fields, attention); global batch 4 everywhere, micro-batch 2. A layout whose
 # mechanism a larger case here already runs is left out (each launch costs ~10 s of CI): DP2 ZeRO-3
-# (TP2xDP2 ZeRO-3 and the tied DP2 ZeRO-3), PP2 tied (TP2xPP2 SP tied), TP2 padded vocab (TP2xPP2 padded)
+# (TP2xDP2 ZeRO-3 and the tied DP2 ZeRO-3), PP2 tied (TP2xPP2 SP tied), TP2 padded vocab (TP2xPP2 padded),
+# TP2 ZeRO-0 (TP on the plain engine: TP2 SP ZeRO-1, TP2xDP2 eager and the tied TP2; ZeRO-0: PP2, TP2xPP2,
+# SP2, EP2; its slice check runs on TP2 SP ZeRO-1, whose ranks hold the same slices), DP2xPP2 ZeRO-1
+# (TP2xPP2xDP2 ZeRO-1 runs DP over pipeline stages at the same ZeRO stage; its coordinate check runs
+# there, on all three axes)
 CASES = [
     ("DP2 ZeRO-2", "chatglm3", dict(dp=2, zero=2), "flash"),
-    ("TP2 ZeRO-0", "chatglm3", dict(tp=2, zero=0), "flash"),
     ("PP2 ZeRO-0 partial recompute", "chatglm3", dict(pp=2, zero=0, stage_layers=(3, 1), recompute="full",
                                                      recompute_layers=(2, 0)), "flash"),
-    ("DP2xPP2 ZeRO-1", "chatglm3", dict(dp=2, pp=2, zero=1), "flash"),
     ("TP2xPP2 ZeRO-0 full recompute", "chatglm3", dict(tp=2, pp=2, zero=0, recompute="full"), "flash"),
     ("TP2xDP2 ZeRO-1 eager", "chatglm3", dict(tp=2, dp=2, zero=1), "eager"),
     ("TP2xDP2 ZeRO-3", "chatglm3", dict(tp=2, dp=2, zero=3), "flash"),
@@ -158,14 +161,16 @@ def _pp2_partial_recompute(ranks: list[dict]) -> None:
     assert ranks[0]["local_params"] != ranks[1]["local_params"]
 
 
-def _dp2_pp2_coords(ranks: list[dict]) -> None:
-    """Four processes: rank -> (pp, dp, tp) as the plan lays them out."""
-    assert [r["coords"] for r in ranks] == [[0, 0, 0], [0, 1, 0], [1, 0, 0], [1, 1, 0]]
+def _tp2_pp2_dp2_coords(ranks: list[dict]) -> None:
+    """Eight processes: rank -> (pp, dp, tp) as the plan lays them out, TP fastest, then DP, then
+    the stage (rank = 4 pp + 2 dp + tp)."""
+    assert [r["coords"] for r in ranks] == [[0, 0, 0], [0, 0, 1], [0, 1, 0], [0, 1, 1],
+                                            [1, 0, 0], [1, 0, 1], [1, 1, 0], [1, 1, 1]]
 
 
 # what a case's ranks hold besides the parity (result.json's per-rank records, in rank order)
-LAYOUT_CHECKS = {"TP2 ZeRO-0": _tp2_slices, "PP2 ZeRO-0 partial recompute": _pp2_partial_recompute,
-                 "DP2xPP2 ZeRO-1": _dp2_pp2_coords}
+LAYOUT_CHECKS = {"TP2 SP ZeRO-1": _tp2_slices, "PP2 ZeRO-0 partial recompute": _pp2_partial_recompute,
+                 "TP2xPP2xDP2 ZeRO-1": _tp2_pp2_dp2_coords}
 
 
 @pytest.fixture(scope="module")
