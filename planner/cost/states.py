@@ -52,16 +52,23 @@ def rank_states(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: 
         psi = sum(tensors)
     owned = params.zero1_owned(tensors, zplan.dp)[dp_i * plan.cp + cp_i]
     eng = engines.engine_for(zplan)
-    sz = engines.sizes(zplan, psi, small, owned, largest=lc.largest)
+    expert_numels: tuple[int, ...] = ()
+    if model.moe is not None and plan.pp == 1:
+        k, f, h = model.ffn_in_matrices, model.moe.expert_ffn, model.hidden
+        n = moe.expert_params(model, plan.ep) // model.expert_params  # experts on this rank per block
+        expert_numels = (k * f * h, h * f) * (n * model.moe_layers)
+    # one offload staging buffer per optimizer, of the largest tensor over all its parameter
+    # groups, the experts' included (stage_1_and_2.py __init__: largest_param_numel over
+    # bit16_groups; temp_grad_buffer_for_{cpu,gpu}_offload): counted with the dense group only
+    largest = max((lc.largest, *expert_numels))
+    sz = engines.sizes(zplan, psi, small, owned, largest=largest)
     phases = counted_phases(plan)
     out = _by_location(eng, sz, phases)
     if model.moe is not None and plan.pp == 1:
         eplan = moe.expert_plan(zplan)
-        n = moe.expert_params(model, plan.ep) // model.expert_params  # experts on this rank per block
-        k, f, h = model.ffn_in_matrices, model.moe.expert_ffn, model.hidden
-        numels = (k * f * h, h * f) * (n * model.moe_layers)
+        numels = expert_numels
         e_owned = params.zero1_owned(numels, eplan.dp)[(dp_i // plan.ep) * plan.cp + cp_i]
-        e_sz = engines.sizes(eplan, float(sum(numels)), 0.0, e_owned, largest=lc.largest)
+        e_sz = engines.sizes(eplan, float(sum(numels)), 0.0, e_owned, largest=0.0)
         experts = _by_location(engines.engine_for(eplan), e_sz, phases)
         for loc, by in experts.items():
             for role in ("params", "grads", "optimizer"):

@@ -62,6 +62,19 @@ def test_cpu_offload_keeps_one_largest_tensor_buffer_on_the_device():
     assert got["device"]["grads"] == 0.0 and got["host"]["grads"] > 0 and got["host"]["optimizer"] > 0
 
 
+def test_a_moe_plan_keeps_one_offload_buffer_for_both_parameter_groups():
+    """EP 2 x DP 2, ZeRO-2, optimizer on the CPU: DeepSpeed keeps one staging buffer per
+    optimizer, the size of the largest tensor over all its parameter groups (stage_1_and_2.py
+    __init__: largest_param_numel over bit16_groups), not one for the dense group and another
+    for the experts: one bf16 buffer of the 1024 x 128 embedding (the largest; an expert's
+    gate/up is 2 x 48 x 128)."""
+    plan = Plan(dp=2, ep=2, zero=2, offload_optimizer="cpu", micro_batch=1, grad_accum=2)
+    train = TrainSpec(global_batch=4, seq_len=32)
+    for rank in range(2):
+        got = rank_states(MOE, parse_cluster("2xcpu"), train, plan, rank)
+        assert got["device"]["optimizer"] == 2 * 1024 * 128
+
+
 def test_nvme_states_count_with_host_memory():
     plan = Plan(dp=2, zero=3, offload_optimizer="nvme", offload_params="nvme", micro_batch=1, grad_accum=2)
     lc = layer_costs(TINY, parse_cluster("2xcpu"), TRAIN, plan)
