@@ -76,11 +76,18 @@ class LayerCosts:
     partitioned over the expert-data-parallel ranks (planner.cost.model.moe_state_bytes); not
     in block_psi."""
 
+    moe_numels: tuple[int, ...] = ()
+    """MoE: the tensors one device holds beyond block_numels (the MoE block's): the dense
+    blocks' (first_dense) and one block's routed experts (planner.cost.params.expert_tensors);
+    read by `largest` only."""
+
     @property
     def largest(self) -> int:
-        """Elements of the model's largest parameter tensor on one device (the size of
-        DeepSpeed's offload staging buffers)."""
-        return max(self.block_numels + self.first_stage_numels + self.last_stage_numels, default=0)
+        """Elements of the model's largest parameter tensor on one device, over every parameter
+        group (the size of DeepSpeed's offload staging buffers: stage_1_and_2.py __init__,
+        largest_param_numel over bit16_groups, the experts' group included)."""
+        return max(self.block_numels + self.first_stage_numels + self.last_stage_numels + self.moe_numels,
+                   default=0)
 
     def stage_psi(self, stage: int, pp: int, blocks: int) -> tuple[int, int]:
         """(parameters, small parameters) of one device of `stage` holding `blocks` blocks."""

@@ -305,10 +305,12 @@ def _layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
     blk, fst, lst = (params.block_tensors(model, t), params.first_stage_tensors(model, t),
                      params.last_stage_tensors(model, t, plan.pp))
     blk_psi, blk_small, experts = blk.total / model.share_layers, blk.small(thr) / model.share_layers, (0.0,) * 3
+    moe_numels: tuple[int, ...] = ()
     if w:  # the mean block: dense blocks and MoE blocks' replicated part; experts in their own group
         mblk = params.moe_block_tensors(model, t)
         blk_psi = (1 - w) * blk.total + w * mblk.total
         blk_small = (1 - w) * blk.small(thr) + w * mblk.small(thr)
+        moe_numels = (blk.numels if model.moe.first_dense else ()) + params.expert_tensors(model, plan.ep).numels
         blk = mblk
         experts = tuple(w * x for x in moe_state_bytes(plan, model, resident_memory(dev.kind)))
     return LayerCosts(
@@ -323,7 +325,7 @@ def _layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan:
         fixed_bytes=f.memory_overhead_gb * GB,
         in_flight=in_flight,
         block_numels=blk.numels, first_stage_numels=fst.numels, last_stage_numels=lst.numels,
-        share_layers=model.share_layers, block_expert_bytes=experts,
+        share_layers=model.share_layers, block_expert_bytes=experts, moe_numels=moe_numels,
     )
 
 

@@ -75,6 +75,13 @@ def block_tensors(model: ModelSpec, t: int) -> Tensors:
 
 
 @lru_cache(maxsize=4096)
+def expert_tensors(model: ModelSpec, ep: int) -> Tensors:
+    """The routed experts of one MoE block on one rank: experts / ep whole experts (not split
+    by TP), each its FFN input weight(s) k f x h and its output weight h x f."""
+    h, k, f = model.hidden, model.ffn_in_matrices, model.moe.expert_ffn
+    return Tensors(numels=(k * f * h, h * f) * (model.moe.experts // ep))
+
+
 def moe_block_tensors(model: ModelSpec, t: int) -> Tensors:
     """The replicated part of one MoE block on one TP rank (its routed experts are counted
     apart, planner.cost.moe.expert_params): the block's attention and norms as in

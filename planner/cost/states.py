@@ -52,21 +52,14 @@ def rank_states(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: 
         psi = sum(tensors)
     owned = params.zero1_owned(tensors, zplan.dp)[dp_i * plan.cp + cp_i]
     eng = engines.engine_for(zplan)
-    expert_numels: tuple[int, ...] = ()
-    if model.moe is not None and plan.pp == 1:
-        k, f, h = model.ffn_in_matrices, model.moe.expert_ffn, model.hidden
-        n = moe.expert_params(model, plan.ep) // model.expert_params  # experts on this rank per block
-        expert_numels = (k * f * h, h * f) * (n * model.moe_layers)
-    # one offload staging buffer per optimizer, of the largest tensor over all its parameter
-    # groups, the experts' included (stage_1_and_2.py __init__: largest_param_numel over
-    # bit16_groups; temp_grad_buffer_for_{cpu,gpu}_offload): counted with the dense group only
-    largest = max((lc.largest, *expert_numels))
-    sz = engines.sizes(zplan, psi, small, owned, largest=largest)
+    # lc.largest is over every parameter group, the experts' included: DeepSpeed keeps one offload
+    # staging buffer per optimizer, counted with the dense group only (largest=0.0 below)
+    sz = engines.sizes(zplan, psi, small, owned, largest=lc.largest)
     phases = counted_phases(plan)
     out = _by_location(eng, sz, phases)
     if model.moe is not None and plan.pp == 1:
         eplan = moe.expert_plan(zplan)
-        numels = expert_numels
+        numels = params.expert_tensors(model, plan.ep).numels * model.moe_layers
         e_owned = params.zero1_owned(numels, eplan.dp)[(dp_i // plan.ep) * plan.cp + cp_i]
         e_sz = engines.sizes(eplan, float(sum(numels)), 0.0, e_owned, largest=0.0)
         experts = _by_location(engines.engine_for(eplan), e_sz, phases)

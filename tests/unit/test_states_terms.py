@@ -113,3 +113,15 @@ def test_zero1_partitions_by_hand_with_padding_ranks():
     assert params.zero1_owned((10,), 8) == (10, 10, 10, 10, 10, 2, 2, 2)
     assert params.zero1_owned((6, 4), 4) == (6, 10, 6, 4)
     assert params.zero1_owned((), 2) == (0, 0)
+
+
+def test_the_offload_buffer_is_the_largest_tensor_over_every_group_experts_included():
+    """An expert FFN of 4096 without shared experts makes a routed expert's gate/up (2 x 4096 x 128
+    = 1,048,576 elements) the largest tensor, above the 1024 x 128 embedding: the estimate (LayerCosts.largest) and the
+    counted states both size the one staging buffer by it (bf16: 2 bytes an element)."""
+    big = dataclasses.replace(MOE, moe=dataclasses.replace(MOE.moe, expert_ffn=4096, shared_experts=0))
+    plan = Plan(dp=2, ep=2, zero=2, offload_optimizer="cpu", micro_batch=1, grad_accum=2)
+    train = TrainSpec(global_batch=4, seq_len=32)
+    assert layer_costs(big, parse_cluster("2xcpu"), train, plan).largest == 2 * 4096 * 128
+    got = rank_states(big, parse_cluster("2xcpu"), train, plan, 0)
+    assert got["device"]["optimizer"] == 2 * (2 * 4096 * 128)
