@@ -9,8 +9,10 @@ from planner.cost.attention import recomputes_scores
 from planner.cost.engines import Engine
 from planner.cost.factors import Factors, cluster_factors
 from planner.cost.layers import LayerCosts
-from planner.cost.model import (_block_times, _kernel, _layer_costs, framework_overheads, parallel_probe,
-                                 resident_memory, runtime_train, stage_memory, stage_times)
+from planner.cost.block import block_kernel, block_times, runtime_train
+from planner.cost.model import layer_costs_of
+from planner.cost.probes import framework_overheads, parallel_probe
+from planner.cost.stage import resident_memory, stage_memory, stage_times
 from planner.cost.runtime import get_runtime
 from planner.specs.estimate import GB, MEMORY_LABELS, Estimate, TimeBreakdown
 from planner.specs.cluster import ClusterSpec
@@ -113,7 +115,7 @@ def p2p_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pl
     A boundary crosses nodes exactly when the rank layout puts the two stages on different
     nodes (planner.cost.comm.cross_node_boundaries). On a profiled CPU with the 2-process probe,
     a boundary inside a node costs nothing here: its sends are in the pipe schedule's
-    per-micro-batch cost (planner.cost.model.framework_overheads)."""
+    per-micro-batch cost (planner.cost.probes.framework_overheads)."""
     e = activation_bytes(plan.precision)
     nbytes = train.seq_len * plan.micro_batch * model.hidden * e / (plan.tp if plan.sequence_parallel else 1)
     cross = comm.cross_node_boundaries(cluster.gpus_per_node, plan.dp, plan.tp, plan.pp)
@@ -134,8 +136,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
     # the FLOPs and tokens for the plan as given
     full_plan, full_train = plan, train
     plan, train = longctx.local(plan, train)
-    bt = _block_times(model, cluster, train, plan, f, (full_plan.cp, full_plan.cp_kind))
-    lc = _layer_costs(model, cluster, train, plan, f, bt)
+    bt = block_times(model, cluster, train, plan, f, (full_plan.cp, full_plan.cp_kind))
+    lc = layer_costs_of(model, cluster, train, plan, f, bt)
     engine = engines.engine_for(plan)
     layers = plan.layers_per_stage(model.layers)
     ckpt = plan.checkpointed_per_stage(model.layers)
@@ -255,7 +257,7 @@ def hardware_extra_flops(model: ModelSpec, cluster: ClusterSpec, train: TrainSpe
     full = sum(ckpt) * moe.block_forward_flops(model, s)  # ckpt is all zeros unless recompute is full
     selective = model.layers * compute.block_gemms(model, s, 1, 1)[1] if plan.recompute == "selective" else 0.0
     flash = model.layers * compute.flash_recompute_flops(model, s, 1) \
-        if recomputes_scores(_kernel(model, cluster, train)) else 0.0
+        if recomputes_scores(block_kernel(model, cluster, train)) else 0.0
     padding = 3.0 * (compute.logits_forward_flops(model, s, 1, plan.tp) * plan.tp
                      - compute.logits_forward_flops(model, s, 1))
     return (full + selective + flash + padding) * train.global_batch

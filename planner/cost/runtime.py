@@ -6,7 +6,7 @@ runs, and the few structural terms that differ between them:
 
 - tp_comm_overlap (Megatron-Core --tp-comm-overlap): the sequence-parallel all-gathers and
   reduce-scatters are chunked and pipelined with the GEMMs beside them, so only what the GEMMs
-  cannot cover is exposed (planner.cost.model.tp_block_comm's callers);
+  cannot cover is exposed (planner.cost.tp.tp_block_comm's callers);
 - p2p_overlap (Megatron-Core --overlap-p2p-communication): steady-state pipeline sends run
   behind the next micro-batch's compute; fill and drain stay exposed;
 - flat_parameters (FSDP's FlatParameter, Megatron's contiguous buffers): one collective per

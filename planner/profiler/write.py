@@ -103,7 +103,7 @@ def build(raw: dict[str, Any], env: dict[str, Any], opts: ProfileOptions, *, nam
         data["step"] = step
         sources["step.block"] = ("measured: the executor's block (one TP rank, no communication) forward + backward "
                                  "per precision at the block points = scale x the cost model's block compute "
-                                 "(planner.cost.model.block_compute_time: GEMMs + attention core + element-wise) + "
+                                 "(planner.cost.block.block_compute_time: GEMMs + attention core + element-wise) + "
                                  "overhead_s; weighted least squares on relative residuals (planner/specs/step.py)")
         sources["step.tp_allreduce"] = ("measured: the executor's block with its TP group minus without, / 4 "
                                         "all-reduces, per (micro-batch, sequence, precision); alpha-beta fit "
@@ -135,7 +135,7 @@ def step_section(raw: dict[str, Any], opts: ProfileOptions, data: dict[str, Any]
     """The "step" section (planner/specs/step.py) from the block points and the in-step
     all-reduces: per precision, the line measured block time = scale x the cost model's block
     compute + overhead_s over the points; per group size, the in-step all-reduce's fit."""
-    from planner.cost.model import block_compute_time
+    from planner.cost.block import block_compute_time
     from planner.specs.plan import Plan
     from planner.specs.step import fit_line
     from planner.specs.train import TrainSpec

@@ -2,7 +2,7 @@
 
 What the executor's step is made of on this machine, measured by `planner profile`
 (planner/profiler/run.py) and composed by the cost model in the structure it uses on GPUs
-(planner/cost/model.py): the block's GEMMs, attention core and element-wise work are timed
+(planner/cost/block.py, tp.py, probes.py): the block's GEMMs, attention core and element-wise work are timed
 from the GEMM curves and the memory bandwidth, and the block probe says how the executor's
 real block relates to that sum in each precision; the TP all-reduces are timed as they run
 inside autograd, between the block's GEMMs:
@@ -32,7 +32,7 @@ inside autograd, between the block's GEMMs:
   beyond the 1-process engine and the cost model's all-reduce (DP2); what the pipe schedule
   costs per micro-batch beyond the stage's compute, and the share of the fill / drain the
   step shows (PP2); what DP2 ZeRO-3 costs per micro-batch and per step beyond the cost
-  model's ZeRO-3 terms. planner/cost/model.py framework_overheads and planner/cost/estimate.py
+  model's ZeRO-3 terms. planner/cost/probes.py framework_overheads and planner/cost/estimate.py
   compose them.
 - optimizer[precision]: the executor's optimizer step timed alone (planner/profiler/optimizer.py)
   at two sizes: seconds per parameter updated (param_s, the slope). It replaces the memory-bound

@@ -1,5 +1,5 @@
 """The CPU step probes (planner/specs/step.py): the profile section, the profiler's fits, and how
-the cost model composes them (planner/cost/model.py), pinned to hand-computed values."""
+the cost model composes them (planner/cost/block.py, probes.py), pinned to hand-computed values."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from planner.cost import layer_costs
-from planner.cost.model import _block_times, block_compute_time
+from planner.cost.block import block_compute_time, block_times
 from planner.cost.factors import cluster_factors
 from planner.errors import ProfileError
 from planner.profiler import comm
@@ -58,15 +58,15 @@ def test_block_time_is_the_probe_line_through_the_compute_terms():
     assert x == pytest.approx(layer_costs(MODEL, plain, TRAIN, plan).block_time, rel=1e-12)  # no probe: as before
     dev = with_step(StepProbes(block={"bf16": BlockProbe(scale=2.0, overhead_s=3e-3)}))
     two = parse_cluster("2xcpu", dev)
-    bt = _block_times(MODEL, two, TRAIN, plan, cluster_factors(two))
+    bt = block_times(MODEL, two, TRAIN, plan, cluster_factors(two))
     assert bt.forward + bt.backward == pytest.approx(2.0 * x + 3e-3, rel=1e-12)
-    fwd = _block_times(MODEL, plain, TRAIN, plan, cluster_factors(plain)).forward
+    fwd = block_times(MODEL, plain, TRAIN, plan, cluster_factors(plain)).forward
     assert bt.forward == pytest.approx(2.0 * fwd + 1e-3, rel=1e-12)  # the overhead: 1/3 forward, 2/3 backward
     # 4 processes on a profile measured with 2: every CPU-bound term stretches 2x, the overhead too
     four = parse_cluster("4xcpu", dev)
     plan4 = Plan(dp=4, micro_batch=1, grad_accum=2)
     x4 = block_compute_time(MODEL, parse_cluster("4xcpu", find_device("cpu")[0]), TRAIN, plan4)
-    bt4 = _block_times(MODEL, four, TRAIN, plan4, cluster_factors(four))
+    bt4 = block_times(MODEL, four, TRAIN, plan4, cluster_factors(four))
     assert bt4.forward + bt4.backward == pytest.approx(2.0 * x4 + 2 * 3e-3, rel=1e-12)
     # the probe of the other precision does not apply
     fp32 = Plan(dp=2, micro_batch=2, grad_accum=2, precision="fp32")
@@ -82,13 +82,13 @@ def test_tp_all_reduce_in_the_step_is_the_measured_link():
     dev = with_step(StepProbes(tp_allreduce={2: InStepLink(busbw_gbps=0.5, latency_us=500.0)}))
     cluster = parse_cluster("2xcpu", dev)
     plan = Plan(tp=2, micro_batch=2, grad_accum=4)
-    bt = _block_times(MODEL, cluster, TRAIN, plan, cluster_factors(cluster))
+    bt = block_times(MODEL, cluster, TRAIN, plan, cluster_factors(cluster))
     assert bt.tp_fwd == pytest.approx(2262.144e-6, rel=1e-9)
     assert bt.tp_bwd == pytest.approx(2262.144e-6, rel=1e-9)
     # 4 processes (TP2 x DP2) on a profile measured with 2: the in-step all-reduce is not stretched
     # (a waiting rank leaves its core to the others), unlike compute
     four = parse_cluster("4xcpu", dev)
-    bt4 = _block_times(MODEL, four, TRAIN, Plan(tp=2, dp=2, micro_batch=2, grad_accum=2), cluster_factors(four))
+    bt4 = block_times(MODEL, four, TRAIN, Plan(tp=2, dp=2, micro_batch=2, grad_accum=2), cluster_factors(four))
     assert bt4.tp_fwd == pytest.approx(2262.144e-6, rel=1e-9)
 
 
