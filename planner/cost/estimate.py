@@ -89,10 +89,15 @@ def optimizer_time(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[
                    f: Factors) -> float:
     """Adam is memory-bound (ADAM_BYTES per parameter it updates); the engine updates all of
     the stage's parameters or, when it shards the optimizer, 1/dp (MiCS: 1/mics_shard) of
-    them. Offloaded: DeepSpeedCPUAdam on the host (planner.cost.zero.offload_step_time)."""
+    them. Offloaded: DeepSpeedCPUAdam on the host (planner.cost.zero.offload_step_time). A
+    profiled CPU with an optimizer probe (planner/specs/step.py optimizer) counts its measured
+    seconds per parameter instead (time-shared by the oversubscription, optimizer_scale)."""
     if plan.offload_optimizer != "none":
         return zero.offload_step_time(cluster, plan, max(psi), activation_bytes(plan.precision), f)
     n = max(psi) / (plan.zero_shard if engine.optimizer_sharded else 1)
+    probe = cluster.device.step.optimizer.get(plan.precision) if cluster.device.kind == "cpu" else None
+    if probe is not None:  # a profiled CPU: the executor's optimizer step measured per parameter
+        return n * probe.param_s * f.optimizer_scale
     per_param = ADAM_BYTES["fp32" if plan.precision == "fp32" else "mixed"]
     return n * per_param / (cluster.device.hbm_bandwidth_gbps * 1e9) * f.optimizer_scale
 
