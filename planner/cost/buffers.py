@@ -135,7 +135,7 @@ class Sizes:
     """Count only the pages a buffer touches, as a CPU's resident set does (a GPU's allocator
     counts what was allocated): DeepSpeed allocates its reduce buckets with torch.empty and
     fills them with the rank's gradients, so `count` buckets touch min(psi, count x bucket)
-    elements (planner.cost.model.resident_memory)."""
+    elements (planner.cost.stage.resident_memory)."""
 
     def of(self, b: Buffer) -> float:
         if b.basis == "owned":

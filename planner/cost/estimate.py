@@ -9,8 +9,10 @@ from planner.cost.attention import recomputes_scores
 from planner.cost.engines import Engine
 from planner.cost.factors import Factors, cluster_factors
 from planner.cost.layers import LayerCosts
-from planner.cost.model import (_block_times, _kernel, _layer_costs, framework_overheads, parallel_probe,
-                                 resident_memory, runtime_train, stage_memory, stage_times)
+from planner.cost.block import block_kernel, block_times, runtime_train
+from planner.cost.model import layer_costs_of
+from planner.cost.probes import framework_overheads, parallel_probe
+from planner.cost.stage import resident_memory, stage_memory, stage_times
 from planner.cost.runtime import get_runtime
 from planner.specs.estimate import GB, MEMORY_LABELS, Estimate, TimeBreakdown
 from planner.specs.cluster import ClusterSpec
@@ -53,14 +55,19 @@ def dp_comm(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[int, ..
     # ZeRO-0 flattens up to FALLBACK_BUCKET elements per all-reduce; ZeRO-1/2 reduce and gather
     # reduce_bucket_size / allgather_bucket_size elements per collective
     bucket = engines.FALLBACK_BUCKET if plan.zero == 0 else plan.bucket_elements
+    rt = get_runtime(plan.runtime)
+    grad_bytes = 4.0 if rt.grad_reduce_fp32 and plan.precision in ("bf16", "fp8") else None
+    gather_in_forward = rt.param_gather_overlap and plan.overlap_comm
     worst = 0.0
     for i, n in enumerate(psi):
         nb = max(1, math.ceil(n / bucket))
         # collectives sharing one overlap window hide at most dp_overlap x that window together
         windows: dict[tuple[str, bool], float] = {}
         for c in engine.collectives if d > 1 else ():
-            t = nb * comm.ROUTE_COLLECTIVES[c.kind](n * c.bytes / nb, d, links[i], eff, ls, f.network_efficiency)
-            windows[(c.per, c.overlap)] = windows.get((c.per, c.overlap), 0.0) + t
+            nbytes = grad_bytes if grad_bytes and c.kind != "all_gather" else c.bytes
+            t = nb * comm.ROUTE_COLLECTIVES[c.kind](n * nbytes / nb, d, links[i], eff, ls, f.network_efficiency)
+            key = ("forward", True) if gather_in_forward and c.kind == "all_gather" else (c.per, c.overlap)
+            windows[key] = windows.get(key, 0.0) + t
         if offload:
             # the reduced gradient partition crosses to the host (stage 2 every micro-batch,
             # stage 1 at the boundary), asynchronously while backward still computes
@@ -68,7 +75,11 @@ def dp_comm(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[int, ..
             windows[key] = windows.get(key, 0.0) + zero.host_copy(cluster, n * activation_bytes(plan.precision) / d)
         sync = 0.0
         for (per, overlap), total in windows.items():
-            window = (mb_compute[i] if per == "micro_batch" else backward[i]) if overlap else 0.0
+            # a step's collective hides behind the last micro-batch's backward; the parameter
+            # gather of runtime.param_gather_overlap behind the next step's first forward
+            span = {"micro_batch": mb_compute[i], "step": backward[i],
+                    "forward": max(mb_compute[i] - backward[i], 0.0)}[per]
+            window = span if overlap else 0.0
             sync += max(total - hide * min(total, window), 0.0) * (m if per == "micro_batch" else 1)
         worst = max(worst, sync)
     return worst
@@ -78,10 +89,15 @@ def optimizer_time(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[
                    f: Factors) -> float:
     """Adam is memory-bound (ADAM_BYTES per parameter it updates); the engine updates all of
     the stage's parameters or, when it shards the optimizer, 1/dp (MiCS: 1/mics_shard) of
-    them. Offloaded: DeepSpeedCPUAdam on the host (planner.cost.zero.offload_step_time)."""
+    them. Offloaded: DeepSpeedCPUAdam on the host (planner.cost.zero.offload_step_time). A
+    profiled CPU with an optimizer probe (planner/specs/step.py optimizer) counts its measured
+    seconds per parameter instead (time-shared by the oversubscription, optimizer_scale)."""
     if plan.offload_optimizer != "none":
         return zero.offload_step_time(cluster, plan, max(psi), activation_bytes(plan.precision), f)
     n = max(psi) / (plan.zero_shard if engine.optimizer_sharded else 1)
+    probe = cluster.device.step.optimizer.get(plan.precision) if cluster.device.kind == "cpu" else None
+    if probe is not None:  # a profiled CPU: the executor's optimizer step measured per parameter
+        return n * probe.param_s * f.optimizer_scale
     per_param = ADAM_BYTES["fp32" if plan.precision == "fp32" else "mixed"]
     return n * per_param / (cluster.device.hbm_bandwidth_gbps * 1e9) * f.optimizer_scale
 
@@ -108,7 +124,7 @@ def p2p_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pl
     A boundary crosses nodes exactly when the rank layout puts the two stages on different
     nodes (planner.cost.comm.cross_node_boundaries). On a profiled CPU with the 2-process probe,
     a boundary inside a node costs nothing here: its sends are in the pipe schedule's
-    per-micro-batch cost (planner.cost.model.framework_overheads)."""
+    per-micro-batch cost (planner.cost.probes.framework_overheads)."""
     e = activation_bytes(plan.precision)
     nbytes = train.seq_len * plan.micro_batch * model.hidden * e / (plan.tp if plan.sequence_parallel else 1)
     cross = comm.cross_node_boundaries(cluster.gpus_per_node, plan.dp, plan.tp, plan.pp)
@@ -129,8 +145,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
     # the FLOPs and tokens for the plan as given
     full_plan, full_train = plan, train
     plan, train = longctx.local(plan, train)
-    bt = _block_times(model, cluster, train, plan, f, (full_plan.cp, full_plan.cp_kind))
-    lc = _layer_costs(model, cluster, train, plan, f, bt)
+    bt = block_times(model, cluster, train, plan, f, (full_plan.cp, full_plan.cp_kind))
+    lc = layer_costs_of(model, cluster, train, plan, f, bt)
     engine = engines.engine_for(plan)
     layers = plan.layers_per_stage(model.layers)
     ckpt = plan.checkpointed_per_stage(model.layers)
@@ -250,7 +266,7 @@ def hardware_extra_flops(model: ModelSpec, cluster: ClusterSpec, train: TrainSpe
     full = sum(ckpt) * moe.block_forward_flops(model, s)  # ckpt is all zeros unless recompute is full
     selective = model.layers * compute.block_gemms(model, s, 1, 1)[1] if plan.recompute == "selective" else 0.0
     flash = model.layers * compute.flash_recompute_flops(model, s, 1) \
-        if recomputes_scores(_kernel(model, cluster, train)) else 0.0
+        if recomputes_scores(block_kernel(model, cluster, train)) else 0.0
     padding = 3.0 * (compute.logits_forward_flops(model, s, 1, plan.tp) * plan.tp
                      - compute.logits_forward_flops(model, s, 1))
     return (full + selective + flash + padding) * train.global_batch

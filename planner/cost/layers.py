@@ -59,7 +59,7 @@ class LayerCosts:
     last_stage_small: int
     fixed_bytes: float
     """Per-device runtime allowance independent of layers (model states and communication
-    buffers are per stage and engine: planner.cost.model.stage_bytes)."""
+    buffers are per stage and engine: planner.cost.stage.stage_bytes)."""
     in_flight: tuple[float, ...]
     """Micro-batches whose activations a stage holds at its peak (1F1B: p - i on stage i,
     capped at the accumulation steps; interleaving scales it)."""

@@ -75,7 +75,7 @@ def in_step(rank: int, n: int, block: dict[str, Any], repeats: int, sync: Callab
             device: str) -> list[dict[str, Any]]:
     """TP all-reduces as they run inside autograd: the executor's block (planner.model.glm.Block)
     of one rank of TP n, forward + backward, with its TP group (2 all-reduces of b s h forward,
-    2 backward: planner.cost.model.tp_block_comm) and without it (group None: the same block,
+    2 backward: planner.cost.tp.tp_block_comm) and without it (group None: the same block,
     no collectives), alternating, each timed as the slowest rank's; the difference / 4 is one
     all-reduce of b s h elements in the step. [] when the model's heads, KV groups or FFN do
     not split n ways."""

@@ -2,7 +2,7 @@
 planner.search.exhaustive.pruned_sweep; docs/search.md "Pruned exhaustive sweep").
 
 Both bounds are computed from the cost model's own functions -- planner.cost.layer_costs and
-planner.cost.model.stage_bytes on a plan of the point -- never from copies of its formulas, so
+planner.cost.stage.stage_bytes on a plan of the point -- never from copies of its formulas, so
 they move with the cost terms. What they share between points (computed once per key, the
 "shared per-stage terms") rests on two facts of the cost model that the unit tests check on
 every point of small spaces (tests/unit/test_search_bounds.py):
@@ -24,7 +24,7 @@ least one block with the embedding or with the output layer. m t_max + (sum - t_
 with t_max (m >= 1 >= 1/v), so the step is at least that expression at the smallest t_max.
 
 **Peak memory, lower bound.** Some stage holds at least ceil(L/p) blocks and every stage at
-least one; a stage's memory is at least its model states (planner.cost.model.stage_bytes:
+least one; a stage's memory is at least its model states (planner.cost.stage.stage_bytes:
 parameters, gradients and optimizer states, which grow with its blocks) plus the fixed
 allowance. So the peak is at least max(the largest stage's states with one block, the
 smallest stage's states with ceil(L/p) blocks) + the allowance, whatever the split,
@@ -40,7 +40,7 @@ from planner.cost.engines import footprint
 from planner.cost.factors import cluster_factors
 from planner.cost.layers import LayerCosts
 from planner.cost.longctx import local
-from planner.cost.model import resident_memory, stage_bytes, stage_times
+from planner.cost.stage import resident_memory, stage_bytes, stage_times
 from planner.search.space import Outer, Space
 from planner.specs.cluster import ClusterSpec
 from planner.specs.model import ModelSpec

@@ -1,6 +1,6 @@
 """Checkpoint placement: the fewest fully checkpointed blocks that let a stage fit.
 
-Per-stage memory of one device (planner.cost.model.stage_bytes, from the shared LayerCosts and
+Per-stage memory of one device (planner.cost.stage.stage_bytes, from the shared LayerCosts and
 the DeepSpeed engine's buffers, planner.cost.engines):
 
     mem(n, k) = states(n) + fixed + (1 + frag) * max(acts(n, k) + logits + backward buffers(n),
@@ -19,7 +19,8 @@ from __future__ import annotations
 from planner.cost import engines, memory
 from planner.cost.factors import cluster_factors
 from planner.cost.layers import LayerCosts
-from planner.cost.model import framework_overheads, resident_memory
+from planner.cost.probes import framework_overheads
+from planner.cost.stage import resident_memory
 from planner.specs.cluster import ClusterSpec
 from planner.specs.plan import Plan
 
@@ -27,7 +28,7 @@ from planner.specs.plan import Plan
 class StageModel:
     """Time and memory of stage i holding n blocks, k of them checkpointed, for one outer plan.
 
-    The same formulas as planner.cost.model.stage_times / stage_bytes, with the per-stage
+    The same formulas as planner.cost.stage.stage_times / stage_bytes, with the per-stage
     constants precomputed so that the solvers can call them thousands of times cheaply."""
 
     __slots__ = ("fp8", "pp", "lc", "frag", "frag1", "mb_overhead", "capacity", "saving", "selective",
@@ -70,7 +71,7 @@ class StageModel:
                          lc.last_stage_act_bytes if i == p - 1 else 0.0) for i in range(p)]
 
     def bytes(self, i: int, n: int, k: int) -> float:
-        """planner.cost.model.stage_bytes(...) summed, from the precomputed constants."""
+        """planner.cost.stage.stage_bytes(...) summed, from the precomputed constants."""
         (s0, i0), (s1, i1), (s2, i2), (s3, i3), (s4, i4) = self.stage_lin[i]
         held, held_b, back, back_b, step = s0 * n + i0, s1 * n + i1, s2 * n + i2, s3 * n + i3, s4 * n + i4
         if self.mins or self.owned:

@@ -118,7 +118,7 @@ class Estimate:
     """Per stage, the peak of live tensor bytes (what torch.cuda.max_memory_allocated reports):
     every buffer counted whole as allocated, no runtime allowance (overhead 0). stage_memory
     is what the device's peak figure counts: on a GPU this plus the allowance; on a CPU the
-    resident set, pages touched plus the process (planner.cost.model.resident_memory)."""
+    resident set, pages touched plus the process (planner.cost.stage.resident_memory)."""
 
     @property
     def reasons(self) -> tuple[str, ...]:

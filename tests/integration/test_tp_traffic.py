@@ -1,4 +1,4 @@
-"""The cost model's TP collectives (planner.cost.model.tp_block_comm / tp_stage_comm) against the
+"""The cost model's TP collectives (planner.cost.tp.tp_block_comm / tp_stage_comm) against the
 collectives the executor's layers really issue: one training step of the whole model at TP 2 on
 two gloo processes, with and without sequence parallelism, counting every all-reduce,
 all-gather and reduce-scatter torch.distributed runs (docs/runtime.md "Tensor parallelism").
@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from planner.cost.model import tp_block_comm, tp_stage_comm
+from planner.cost.tp import tp_block_comm, tp_stage_comm
 from planner.specs import preset, scale
 
 pytestmark = pytest.mark.integration

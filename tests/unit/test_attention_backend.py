@@ -1,12 +1,12 @@
 """TrainSpec.attention_backend: the flash kernel family a runtime is configured to run (e.g.
 Transformer Engine with NVTE_FUSED_ATTN=0 runs FlashAttention-2, not cuDNN), timed from that
-family's measured curve (planner.cost.model.attention_kernel_of)."""
+family's measured curve (planner.cost.block.attention_kernel_of)."""
 from __future__ import annotations
 
 import pytest
 
 from planner.cost import compute
-from planner.cost.model import attention_kernel_of
+from planner.cost.block import attention_kernel_of
 from planner.cost.runtime import get_runtime
 from planner.errors import SpecError
 from planner.specs import ModelSpec

@@ -9,7 +9,7 @@ import pytest
 
 from planner.cost import compute
 from planner.cost.factors import Factors
-from planner.cost.model import _block_times
+from planner.cost.block import block_times
 from planner.specs import ModelSpec
 from planner.specs.hardware import DeviceProfile, Link
 from planner.specs.cluster import ClusterSpec
@@ -105,7 +105,7 @@ def test_memory_bound_work_is_bytes_over_the_achievable_bandwidth():
     train = TrainSpec(global_batch=4, seq_len=256, precision="bf16", attention="flash")
     plan = Plan(dp=4, micro_batch=1, grad_accum=1, precision="bf16", zero=0)
     f = Factors(elementwise_scale=2.0, compute_scale=1.5, attention_scale=3.0)
-    bt = _block_times(MODEL, cluster, train, plan, f)
+    bt = block_times(MODEL, cluster, train, plan, f)
     bc = compute.block_compute_times(MODEL, DEV, 256, 1, 1, "bf16", compute_scale=1.5, attention_scale=3.0,
                                      attention=compute.AttentionKernel(("fa2",), False))
     elem = compute.block_elementwise_bytes(MODEL, 256, 1, 1, 2.0, False, "flash")

@@ -14,7 +14,7 @@ import pytest
 
 from planner.cost import layer_costs, memory, pipeline
 from planner.cost.attention import selective_saves_memory
-from planner.cost.model import replicated_grad_allreduces, tp_block_comm, tp_stage_comm
+from planner.cost.tp import replicated_grad_allreduces, tp_block_comm, tp_stage_comm
 from planner.specs import ModelSpec, Plan, TrainSpec, parse_cluster, preset, scale
 
 TOY = ModelSpec(name="toy", hidden=64, layers=4, heads=4, kv_groups=2, ffn_hidden=96, activation="swiglu",

@@ -362,14 +362,15 @@ def test_zero12_latency_is_paid_per_bucket():
 def test_zero3_counts_its_collectives_and_fetches():
     from planner.cost.estimate import zero3_comm
     from planner.cost.factors import cluster_factors
-    from planner.cost.model import _block_times, _layer_costs
+    from planner.cost.block import block_times
+    from planner.cost.model import layer_costs_of
     c = cluster()
     for plan, fetches, colls in ((z3(), 2 * FETCHED, 2 * FETCHED + 328),
                                  (z3(quantized_gradients=True), 2 * FETCHED, 2 * FETCHED + 2 * 328),
                                  (z3(recompute="full"), 2 * FETCHED + 12, 2 * FETCHED + 12 + 328)):
         f = cluster_factors(c)
-        bt = _block_times(MODEL, c, train(plan), plan, f)
-        lc = _layer_costs(MODEL, c, train(plan), plan, f, bt)
+        bt = block_times(MODEL, c, train(plan), plan, f)
+        lc = layer_costs_of(MODEL, c, train(plan), plan, f, bt)
         ckpt = plan.checkpointed_per_stage(MODEL.layers)[0]
         z = zero3_comm(MODEL, c, plan, f, lc, bt, ckpt)
         assert (z.fetches, z.collectives) == (fetches, colls)
@@ -445,12 +446,13 @@ def test_zero3_windows_include_tp_and_reduce_scatters_hide_with_overlap():
     # TP 2 x DP 2 on 2 x 2: the blocks' TP collectives are part of the windows the gathers hide behind
     from planner.cost.estimate import zero3_comm
     from planner.cost.factors import cluster_factors
-    from planner.cost.model import _block_times, _layer_costs
+    from planner.cost.block import block_times
+    from planner.cost.model import layer_costs_of
     plan = Plan(dp=2, tp=2, zero=3, micro_batch=1, grad_accum=1, bucket_elements=1000, overlap_comm=False)
     c = cluster()
     f = cluster_factors(c)
-    bt = _block_times(MODEL, c, train(plan), plan, f)
-    lc = _layer_costs(MODEL, c, train(plan), plan, f, bt)
+    bt = block_times(MODEL, c, train(plan), plan, f)
+    lc = layer_costs_of(MODEL, c, train(plan), plan, f, bt)
     seen = []
     orig = zero.units
     zero.units = lambda *a: seen.append(a) or orig(*a)
@@ -477,12 +479,13 @@ def test_zero3_in_fp32_gathers_4_bytes_per_element():
 def test_more_counts_and_latencies():
     from planner.cost.estimate import zero3_comm
     from planner.cost.factors import cluster_factors
-    from planner.cost.model import _block_times, _layer_costs
+    from planner.cost.block import block_times
+    from planner.cost.model import layer_costs_of
 
     def counts(plan, c):
         f = cluster_factors(c)
-        bt = _block_times(MODEL, c, train(plan), plan, f)
-        lc = _layer_costs(MODEL, c, train(plan), plan, f, bt)
+        bt = block_times(MODEL, c, train(plan), plan, f)
+        lc = layer_costs_of(MODEL, c, train(plan), plan, f, bt)
         z = zero3_comm(MODEL, c, plan, f, lc, bt, 0)
         return z.fetches, z.collectives
     # MiCS adds no per-micro-batch collective (its replica all-reduce is per step); one bucket

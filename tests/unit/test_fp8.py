@@ -10,7 +10,7 @@ import pytest
 from planner.cli import main
 from planner.cost import compute, estimate, layer_costs, memory
 from planner.cost import runtime as rtm
-from planner.cost.model import stage_memory
+from planner.cost.stage import stage_memory
 from planner.errors import ProfileError
 from planner.search.checkpoint import StageModel
 from planner.search.evaluate import Evaluator

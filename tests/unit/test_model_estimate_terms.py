@@ -1,8 +1,9 @@
-"""planner/cost/model.py and estimate.py terms pinned where the mutation run over them (issue 19)
-found no test: the TP overlap's backward window, the experts' states on a CPU device that
-counts offloaded buffers, the runtime's own factors in the estimate and the block probe's
-reference, the data-parallel sync's latency and network efficiencies, an offloaded gradient
-copy sharing the step collectives' window, and the pipeline sends' efficiencies."""
+"""planner/cost/ terms (block.py, tp.py, probes.py, model.py, stage.py, estimate.py: what was
+model.py and estimate.py) pinned where the mutation run over them (issue 19) found no test: the
+TP overlap's backward window, the experts' states on a CPU device that counts offloaded
+buffers, the runtime's own factors in the estimate and the block probe's reference, the
+data-parallel sync's latency and network efficiencies, an offloaded gradient copy sharing the
+step collectives' window, and the pipeline sends' efficiencies."""
 import dataclasses
 
 import pytest
@@ -10,7 +11,9 @@ import pytest
 from planner.cost import comm, engines, estimate
 from planner.cost.estimate import dp_comm, p2p_times
 from planner.cost.factors import Factors, cluster_factors
-from planner.cost.model import _block_times, block_compute_time, moe_state_bytes, overlapped_tp
+from planner.cost.block import block_compute_time, block_times
+from planner.cost.model import moe_state_bytes
+from planner.cost.tp import overlapped_tp
 from planner.cost.runtime import get_runtime, trial_factors
 from planner.specs import Plan, TrainSpec, parse_cluster, preset, scale
 from planner.specs.hardware import find_device
@@ -63,7 +66,7 @@ def test_the_block_reference_leaves_the_probe_out():
         find_device("cpu")[0], step=StepProbes(block={"bf16": BlockProbe(scale=2.0, overhead_s=3e-3)})))
     x = block_compute_time(TINY, plain, train, plan)
     assert block_compute_time(TINY, probed, train, plan) == pytest.approx(x, rel=EXACT)
-    bt = _block_times(TINY, probed, train, plan, cluster_factors(probed))
+    bt = block_times(TINY, probed, train, plan, cluster_factors(probed))
     assert bt.forward + bt.backward == pytest.approx(2.0 * x + 3e-3, rel=EXACT)
 
 
@@ -121,7 +124,8 @@ def test_megatron_core_hides_steady_pipeline_sends_behind_one_chunk():
     chunk, the stage's time / v): m v max(send - time / v, 0) stays exposed; DeepSpeed's sends
     are all exposed (m v max(send))."""
     from planner.cost import layer_costs
-    from planner.cost.model import framework_overheads, stage_times
+    from planner.cost.probes import framework_overheads
+    from planner.cost.stage import stage_times
     tr = TrainSpec(global_batch=32, seq_len=256)
     p = Plan(pp=2, tp=2, dp=4, micro_batch=1, grad_accum=8, schedule="interleaved", interleave=2,
              runtime="megatron-core")
@@ -225,7 +229,7 @@ def test_moe_estimate_splits_all_to_alls_from_tp_traffic():
     c, tr = parse_cluster("8xH100"), TrainSpec(global_batch=16, seq_len=256)
     p = Plan(dp=8, ep=4, zero=1, micro_batch=1, grad_accum=2)
     est = estimate(MOE, c, tr, p)
-    bt = _block_times(MOE, c, tr, p, cluster_factors(c))
+    bt = block_times(MOE, c, tr, p, cluster_factors(c))
     assert bt.a2a_fwd > 0 and bt.a2a_bwd > 0
     n, m = MOE.layers, 2
     assert est.time.a2a_comm == pytest.approx(m * n * (bt.a2a_fwd + bt.a2a_bwd), rel=EXACT)
@@ -242,26 +246,26 @@ def test_tflops_per_gpu_are_model_flops_over_step_and_world():
 
 def _bc(model, cluster, train, plan, f):
     from planner.cost import compute
-    from planner.cost.model import _kernel
+    from planner.cost.block import block_kernel
     from planner.cost.runtime import get_runtime
     rt = get_runtime(plan.runtime)
     return compute.block_compute_times(model, cluster.device, train.seq_len, plan.micro_batch, plan.tp, plan.precision,
                                        compute_scale=f.compute_scale, attention_scale=f.attention_scale,
-                                       kernel=_kernel(model, cluster, train),
+                                       kernel=block_kernel(model, cluster, train),
                                        attention=compute.AttentionKernel(rt.attention_kernels, rt.causal_attention))
 
 
 def test_megatron_core_tp_overlap_exposes_only_what_the_gemms_cannot_cover():
     from planner.cost import runtime as rtm
-    from planner.cost.model import _tp_link, tp_block_comm
+    from planner.cost.tp import tp_block_comm, tp_link
     c, tr = parse_cluster("8xH100"), TrainSpec(global_batch=8, seq_len=256)
     p = Plan(tp=4, dp=2, micro_batch=1, grad_accum=4, sequence_parallel=True, runtime="megatron-core")
     m = TINY                                                        # h 128: the TP traffic outlasts the GEMMs
     f = cluster_factors(c, "megatron-core")
-    raw_f, raw_b = tp_block_comm(m, 256, 1, 4, 2.0, True, _tp_link(c, p), f.comm_efficiency)
+    raw_f, raw_b = tp_block_comm(m, 256, 1, 4, 2.0, True, tp_link(c, p), f.comm_efficiency)
     bc = _bc(m, c, tr, p, f)
     assert bc.gemm_bwd != 2.0 * bc.gemm_fwd and raw_b > max(bc.gemm_bwd, 2.0 * bc.gemm_fwd)
-    bt = _block_times(m, c, tr, p, f)
+    bt = block_times(m, c, tr, p, f)
     assert (bt.tp_fwd, bt.tp_bwd) == (pytest.approx(max(raw_f - bc.gemm_fwd, 0.0), rel=EXACT),
                                       pytest.approx(raw_b - bc.gemm_bwd, rel=EXACT))
 
@@ -270,8 +274,8 @@ def test_cp_block_backward_is_cp_times_the_local_core_and_its_recompute():
     c = parse_cluster("8xA100-80GB")
     m, f = preset("glm-4-9b"), cluster_factors(c)
     lp, ltr = Plan(dp=8, micro_batch=1, grad_accum=1), TrainSpec(global_batch=8, seq_len=32768)
-    plain = _block_times(m, c, ltr, lp, f)
-    cp2 = _block_times(m, c, ltr, lp, f, (2, "ulysses"))
+    plain = block_times(m, c, ltr, lp, f)
+    cp2 = block_times(m, c, ltr, lp, f, (2, "ulysses"))
     bc = _bc(m, c, ltr, lp, f)
     rec = bc.core_bwd - 2.0 * bc.core_fwd
     assert rec > 0
@@ -291,8 +295,8 @@ def test_moe_block_swaps_the_dense_ffn_gemms_for_the_experts():
     with trial_factors("megatron-core", {"elementwise_scale": 1.7}):
         f = cluster_factors(c, "megatron-core")
         assert f.compute_scale != 1.0 and f.elementwise_scale == 1.7
-        moe_bt = _block_times(MOE, c, tr, p, f)
-        dense_bt = _block_times(dense_model, c, tr, dataclasses.replace(p, ep=1), f)
+        moe_bt = block_times(MOE, c, tr, p, f)
+        dense_bt = block_times(dense_model, c, tr, dataclasses.replace(p, ep=1), f)
     ffn = compute.weight_gemm_times(MOE, c.device, 256, 1, 1, "bf16")[2:]
     moe_t = moe.ffn_time(MOE, c.device, 256, 1, 1, 4, "bf16", f.compute_scale)
     moe_e, dense_e = moe.ffn_elementwise_bytes(MOE, 256, 1, 1, 2.0)
@@ -310,13 +314,13 @@ def test_moe_block_swaps_the_dense_ffn_gemms_for_the_experts():
 
 def test_moe_layer_costs_activations_parameters_and_resident_expert_states():
     from planner.cost import layer_costs, memory, moe, params
-    from planner.cost.model import _kernel
+    from planner.cost.block import block_kernel
     c, tr = parse_cluster("8xH100"), TrainSpec(global_batch=16, seq_len=256)
     p = Plan(dp=8, ep=4, zero=1, micro_batch=1, grad_accum=2, recompute="full", runtime="megatron-core")
     w = 3 / 4
     moe_a, dense_a = moe.ffn_activation_bytes(MOE, 256, 1, 1, 2.0)
     none = memory.block_activation_bytes(MOE, 256, 1, 1, recompute="none", sequence_parallel=False, act_bytes=2.0,
-                                         kernel=_kernel(MOE, c, tr))
+                                         kernel=block_kernel(MOE, c, tr))
     one = layer_costs(MOE, c, tr, p)
     with trial_factors("megatron-core", {"activation_scale": 1.5}):
         more = layer_costs(MOE, c, tr, p)
@@ -349,7 +353,7 @@ def test_zero3_engine_costs_apply_to_zero3_with_data_parallelism_only():
     """The 2-process probe's ZeRO-3 costs (0.5 s per micro-batch, 0.7 s per step) come with
     ZeRO-3 over dp > 1 only; ZeRO 0-2 with dp > 1 take its dp step (0.11 s) instead; every
     multi-process plan without a pipeline its concurrency cost (0.013 s per micro-batch)."""
-    from planner.cost.model import framework_overheads
+    from planner.cost.probes import framework_overheads
     from planner.specs.step import Framework, Parallel
     par = Parallel(microbatch_s=0.013, dp_step_s=0.11, pipe_microbatch_s=0.17, pipe_bubble=0.5,
                    zero3_microbatch_s=0.5, zero3_step_s=0.7)
@@ -365,11 +369,11 @@ def test_zero3_engine_costs_apply_to_zero3_with_data_parallelism_only():
 
 
 def test_the_in_step_tp_link_is_the_probes_in_its_units():
-    from planner.cost.model import _tp_link
+    from planner.cost.tp import tp_link
     from planner.specs.step import InStepLink
     dev = dataclasses.replace(find_device("cpu")[0], step=StepProbes(tp_allreduce={2: InStepLink(busbw_gbps=0.5,
                                                                                                   latency_us=500.0)}))
-    bw, lat = _tp_link(parse_cluster("2xcpu", dev), Plan(tp=2, micro_batch=1, grad_accum=8))
+    bw, lat = tp_link(parse_cluster("2xcpu", dev), Plan(tp=2, micro_batch=1, grad_accum=8))
     assert (bw, lat) == (pytest.approx(0.5e9, rel=EXACT), pytest.approx(500e-6, rel=EXACT))
 
 
@@ -377,7 +381,7 @@ def test_fp8_weight_copies_under_full_sharding_are_the_gathered_units_only():
     """fp8 on H100 under megatron-core: ZeRO-3 (Megatron-FSDP) keeps FP8 copies of the gathered
     block and the prefetched one (2 of 40), ZeRO-1 of every block; amax histories for all."""
     from planner.cost import layer_costs, memory
-    from planner.cost.model import stage_memory
+    from planner.cost.stage import stage_memory
     m, c, tr = preset("glm-4-9b"), parse_cluster("8xH100"), TrainSpec(global_batch=8, seq_len=4096)
     z3 = Plan(dp=8, zero=3, precision="fp8", micro_batch=1, grad_accum=1, runtime="megatron-core")
     bf = dataclasses.replace(z3, precision="bf16")
@@ -404,12 +408,13 @@ def test_megatron_core_stage_extras_keep_no_mask_and_fused_cross_entropy():
     the cross-entropy (bf16 logits + lse, no fp32 softmax): the stages' extra bytes by hand
     from memory.py's pieces, pipeline of 2."""
     from planner.cost import memory
-    from planner.cost.model import _kernel, stage_extras
+    from planner.cost.block import block_kernel
+    from planner.cost.model import stage_extras
     m, c, tr = preset("glm-4-9b"), parse_cluster("8xH100"), TrainSpec(global_batch=32, seq_len=2048)
     p = Plan(pp=2, dp=4, micro_batch=1, grad_accum=8, runtime="megatron-core")
     rt = get_runtime("megatron-core")
     assert not rt.materialises_mask and rt.fused_cross_entropy
-    s, b, t, e, k = 2048, 1, 1, 2.0, _kernel(m, c, tr)
+    s, b, t, e, k = 2048, 1, 1, 2.0, block_kernel(m, c, tr)
     shared = dict(act_bytes=e, kernel=k, plain=True)
     kept = memory.shared_bytes(m, s, b, t, recomputed=False, mask=False, **shared)
     assert kept != memory.shared_bytes(m, s, b, t, recomputed=False, **shared)          # the mask would count
@@ -431,8 +436,8 @@ def test_a_block_probe_scales_the_selective_recompute_too():
     plain_c = parse_cluster("2xcpu", find_device("cpu")[0])
     probed_c = parse_cluster("2xcpu", dataclasses.replace(
         find_device("cpu")[0], step=StepProbes(block={"bf16": BlockProbe(scale=2.0, overhead_s=3e-3)})))
-    plain = _block_times(TINY, plain_c, train, plan, cluster_factors(plain_c))
-    probed = _block_times(TINY, probed_c, train, plan, cluster_factors(probed_c))
+    plain = block_times(TINY, plain_c, train, plan, cluster_factors(plain_c))
+    probed = block_times(TINY, probed_c, train, plan, cluster_factors(probed_c))
     assert plain.selective > 0 and probed.selective == pytest.approx(2.0 * plain.selective, rel=EXACT)
 
 
@@ -440,7 +445,7 @@ def test_cpu_offload_memory_holds_the_largest_tensor_staging_buffer_on_the_devic
     """ZeRO-2 with the optimizer on the CPU, on a GPU: the only optimizer-role bytes left on the
     device are DeepSpeed's temp_grad_buffer_for_gpu_offload, 2 B x the largest parameter."""
     from planner.cost import layer_costs
-    from planner.cost.model import stage_memory
+    from planner.cost.stage import stage_memory
     c, tr = parse_cluster("8xA100-80GB"), TrainSpec(global_batch=8, seq_len=2048)
     p = Plan(dp=8, zero=2, offload_optimizer="cpu", micro_batch=1, grad_accum=1)
     lc = layer_costs(preset("glm-10b"), c, tr, p)
@@ -462,7 +467,7 @@ def test_ring_backward_hides_behind_cp_times_the_local_backward_core():
     want = longctx.block_comm(m, c, 1, 1, 16, "ring", 2048, 2.0, f.comm_efficiency, 16 * core_f,
                               16 * (2.0 * core_f + rec))
     bare = longctx.block_comm(m, c, 1, 1, 16, "ring", 2048, 2.0, f.comm_efficiency, 0.0, 0.0)
-    bt = _block_times(m, c, ltr, lp, f, (16, "ring"))
+    bt = block_times(m, c, ltr, lp, f, (16, "ring"))
     assert 0 < want[1] < bare[1] and rec > 0
     assert (bt.a2a_fwd, bt.a2a_bwd) == (pytest.approx(want[0], rel=1e-9), pytest.approx(want[1], rel=1e-9))
 

@@ -164,13 +164,13 @@ def test_grouped_expert_gemms_run_at_one_experts_efficiency():
 
 def test_cp_block_core_is_cp_times_the_local_one():
     from planner.cost.factors import cluster_factors
-    from planner.cost.model import _block_times
+    from planner.cost.block import block_times
     m, c = preset("glm-4-9b"), parse_cluster("8xA100-80GB")
     f = cluster_factors(c)
     p, tr = Plan(dp=4, cp=2, micro_batch=1, grad_accum=1), TrainSpec(global_batch=4, seq_len=65536)
     lp, ltr = longctx.local(p, tr)
-    plain = _block_times(m, c, ltr, lp, f)
-    cp2 = _block_times(m, c, ltr, lp, f, (2, "ulysses"))
+    plain = block_times(m, c, ltr, lp, f)
+    cp2 = block_times(m, c, ltr, lp, f, (2, "ulysses"))
     # the local core from the flash kernel's measured throughput (the executor: FA2 over every block)
     core = compute.block_compute_times(m, c.device, 32768, 1, 1, "bf16", compute_scale=f.compute_scale,
                                        attention_scale=f.attention_scale,

@@ -8,7 +8,8 @@ import pytest
 
 from planner.cli import main
 from planner.cost import estimate
-from planner.cost import model as cm
+from planner.cost import block, compute, tp
+from planner.cost.model import layer_costs
 from planner.cost import runtime as rtm
 from planner.cost.factors import DEFAULTS, cluster_factors
 from planner.errors import SpecError
@@ -62,32 +63,32 @@ def test_trial_factors_apply_inside_the_block_only() -> None:
 
 def test_overlapped_tp_by_hand() -> None:
     # forward: 3 s of TP comm against 1 s of GEMMs -> 2 exposed; backward 5 against 2 -> 3
-    assert cm.overlapped_tp(3.0, 5.0, 1.0) == (2.0, 3.0)
+    assert tp.overlapped_tp(3.0, 5.0, 1.0) == (2.0, 3.0)
     # comm fully covered: nothing exposed
-    assert cm.overlapped_tp(0.5, 1.5, 1.0) == (0.0, 0.0)
+    assert tp.overlapped_tp(0.5, 1.5, 1.0) == (0.0, 0.0)
 
 
 def test_megatron_core_exposes_only_uncovered_tp_comm() -> None:
     plan = Plan(dp=2, tp=8, pp=1, zero=1, micro_batch=1, grad_accum=32, sequence_parallel=True)
     mc = dataclasses.replace(plan, runtime="megatron-core")
-    train = cm.runtime_train(TRAIN, mc)
+    train = block.runtime_train(TRAIN, mc)
     f = cluster_factors(CLUSTER, "megatron-core")
-    bc = cm.compute.block_compute_times(MODEL, CLUSTER.device, 2048, 1, 8, "bf16",
+    bc = compute.block_compute_times(MODEL, CLUSTER.device, 2048, 1, 8, "bf16",
                                         compute_scale=f.compute_scale, attention_scale=f.attention_scale)
-    raw = cm.tp_block_comm(MODEL, 2048, 1, 8, 2.0, True, cm._tp_link(CLUSTER, mc), f.comm_efficiency)
-    bt = cm._block_times(MODEL, CLUSTER, train, mc, f)
+    raw = tp.tp_block_comm(MODEL, 2048, 1, 8, 2.0, True, tp.tp_link(CLUSTER, mc), f.comm_efficiency)
+    bt = block.block_times(MODEL, CLUSTER, train, mc, f)
     assert bt.tp_fwd == pytest.approx(max(raw[0] - bc.gemm_fwd, 0.0))
     assert bt.tp_bwd == pytest.approx(max(raw[1] - bc.gemm_bwd, 0.0))  # the backward GEMMs from their shapes
     assert raw[0] > 0 and bt.tp_fwd < raw[0]  # the overlap matters on this shape
 
 
 def test_fsdp_runs_flash_attention_megatron_core_the_backend_chosen() -> None:
-    assert cm.runtime_train(TRAIN, Plan(runtime="fsdp", zero=3)).attention == "flash"
+    assert block.runtime_train(TRAIN, Plan(runtime="fsdp", zero=3)).attention == "flash"
     # deepspeed and megatron-core (--attention-backend unfused / local) run what the user chose
-    assert cm.runtime_train(TRAIN, Plan()).attention == "eager"
-    assert cm.runtime_train(TRAIN, Plan(runtime="megatron-core", zero=0)).attention == "eager"
+    assert block.runtime_train(TRAIN, Plan()).attention == "eager"
+    assert block.runtime_train(TRAIN, Plan(runtime="megatron-core", zero=0)).attention == "eager"
     flash = dataclasses.replace(TRAIN, attention="flash")
-    assert cm.runtime_train(flash, Plan(runtime="megatron-core", zero=0)).attention == "flash"
+    assert block.runtime_train(flash, Plan(runtime="megatron-core", zero=0)).attention == "flash"
 
 
 def test_megatron_core_hides_steady_state_pipeline_sends() -> None:
@@ -143,8 +144,8 @@ def test_flat_parameters_gather_each_unit_once() -> None:
     u = zero.Unit(tensors=(10, 20), elements=35, forward=1.0, backward=2.0, count=3)
     assert zero.flat_units((u,)) == (dataclasses.replace(u, tensors=(35,)),)
     plan = Plan(dp=16, zero=3, micro_batch=1, grad_accum=4)
-    lc = cm.layer_costs(MODEL, CLUSTER, TRAIN, plan)
-    bt = cm._block_times(MODEL, CLUSTER, TRAIN, plan, cluster_factors(CLUSTER))
+    lc = layer_costs(MODEL, CLUSTER, TRAIN, plan)
+    bt = block.block_times(MODEL, CLUSTER, TRAIN, plan, cluster_factors(CLUSTER))
     from planner.cost.estimate import zero3_comm
     ds = zero3_comm(MODEL, CLUSTER, plan, cluster_factors(CLUSTER), lc, bt, 0)
     fs_plan = dataclasses.replace(plan, runtime="fsdp")

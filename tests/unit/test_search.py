@@ -9,7 +9,7 @@ import pytest
 
 from planner.cost import estimate, layer_costs
 from planner.cost.factors import device_factors
-from planner.cost.model import stage_times
+from planner.cost.stage import stage_times
 from planner.errors import SpecError
 from planner.search import Evaluator, Space, conventional_baseline, rank
 from planner.search.checkpoint import StageModel

@@ -336,7 +336,7 @@ def test_stage_model_matches_the_estimate_where_the_optimizer_step_sets_the_peak
     """Short sequences: the engines' step-only copies outweigh the activations; every engine,
     every stage, a per-micro-batch overhead in the profile."""
     from planner.cost.factors import device_factors
-    from planner.cost.model import stage_bytes, stage_times
+    from planner.cost.stage import stage_bytes, stage_times
     from planner.cost import engines
     m = scale(preset("glm-10b"), "small")
     base = parse_cluster("8xA100")

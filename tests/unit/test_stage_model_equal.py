@@ -1,6 +1,6 @@
 """One stage-memory and stage-time definition: the search's fast path (planner/search/checkpoint.py
 StageModel, precomputed linear forms called thousands of times per plan) equals the cost model's
-(planner/cost/model.py stage_bytes / stage_times) under every named factor of the profile, for
+(planner/cost/stage.py stage_bytes / stage_times) under every named factor of the profile, for
 every engine shape the fast path special-cases: ZeRO-1's owned gradients, ZeRO-3's bucket minima,
 offload, fp8's weight copies, MoE experts in their own ZeRO group, pipelines, every recompute
 mode, a CPU device (resident pages) and a GPU."""
@@ -12,7 +12,8 @@ import pytest
 
 from planner.cost import engines
 from planner.cost.factors import DEFAULTS, cluster_factors
-from planner.cost.model import layer_costs, resident_memory, stage_bytes, stage_times
+from planner.cost.model import layer_costs
+from planner.cost.stage import resident_memory, stage_bytes, stage_times
 from planner.search.checkpoint import StageModel
 from planner.specs import preset, scale
 from planner.specs.cluster import parse_cluster

@@ -1,5 +1,5 @@
 """The CPU step probes (planner/specs/step.py): the profile section, the profiler's fits, and how
-the cost model composes them (planner/cost/model.py), pinned to hand-computed values."""
+the cost model composes them (planner/cost/block.py, probes.py), pinned to hand-computed values."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from planner.cost import layer_costs
-from planner.cost.model import _block_times, block_compute_time
+from planner.cost.block import block_compute_time, block_times
 from planner.cost.factors import cluster_factors
 from planner.errors import ProfileError
 from planner.profiler import comm
@@ -58,15 +58,15 @@ def test_block_time_is_the_probe_line_through_the_compute_terms():
     assert x == pytest.approx(layer_costs(MODEL, plain, TRAIN, plan).block_time, rel=1e-12)  # no probe: as before
     dev = with_step(StepProbes(block={"bf16": BlockProbe(scale=2.0, overhead_s=3e-3)}))
     two = parse_cluster("2xcpu", dev)
-    bt = _block_times(MODEL, two, TRAIN, plan, cluster_factors(two))
+    bt = block_times(MODEL, two, TRAIN, plan, cluster_factors(two))
     assert bt.forward + bt.backward == pytest.approx(2.0 * x + 3e-3, rel=1e-12)
-    fwd = _block_times(MODEL, plain, TRAIN, plan, cluster_factors(plain)).forward
+    fwd = block_times(MODEL, plain, TRAIN, plan, cluster_factors(plain)).forward
     assert bt.forward == pytest.approx(2.0 * fwd + 1e-3, rel=1e-12)  # the overhead: 1/3 forward, 2/3 backward
     # 4 processes on a profile measured with 2: every CPU-bound term stretches 2x, the overhead too
     four = parse_cluster("4xcpu", dev)
     plan4 = Plan(dp=4, micro_batch=1, grad_accum=2)
     x4 = block_compute_time(MODEL, parse_cluster("4xcpu", find_device("cpu")[0]), TRAIN, plan4)
-    bt4 = _block_times(MODEL, four, TRAIN, plan4, cluster_factors(four))
+    bt4 = block_times(MODEL, four, TRAIN, plan4, cluster_factors(four))
     assert bt4.forward + bt4.backward == pytest.approx(2.0 * x4 + 2 * 3e-3, rel=1e-12)
     # the probe of the other precision does not apply
     fp32 = Plan(dp=2, micro_batch=2, grad_accum=2, precision="fp32")
@@ -82,13 +82,13 @@ def test_tp_all_reduce_in_the_step_is_the_measured_link():
     dev = with_step(StepProbes(tp_allreduce={2: InStepLink(busbw_gbps=0.5, latency_us=500.0)}))
     cluster = parse_cluster("2xcpu", dev)
     plan = Plan(tp=2, micro_batch=2, grad_accum=4)
-    bt = _block_times(MODEL, cluster, TRAIN, plan, cluster_factors(cluster))
+    bt = block_times(MODEL, cluster, TRAIN, plan, cluster_factors(cluster))
     assert bt.tp_fwd == pytest.approx(2262.144e-6, rel=1e-9)
     assert bt.tp_bwd == pytest.approx(2262.144e-6, rel=1e-9)
     # 4 processes (TP2 x DP2) on a profile measured with 2: the in-step all-reduce is not stretched
     # (a waiting rank leaves its core to the others), unlike compute
     four = parse_cluster("4xcpu", dev)
-    bt4 = _block_times(MODEL, four, TRAIN, Plan(tp=2, dp=2, micro_batch=2, grad_accum=2), cluster_factors(four))
+    bt4 = block_times(MODEL, four, TRAIN, Plan(tp=2, dp=2, micro_batch=2, grad_accum=2), cluster_factors(four))
     assert bt4.tp_fwd == pytest.approx(2262.144e-6, rel=1e-9)
 
 
@@ -309,3 +309,48 @@ def test_profile_writes_the_parallel_section_from_the_two_process_probe():
     assert step_from_dict({"parallel": {"bf16": {k: par[k] for k in ("microbatch_s", "dp_step_s",
                                                                      "pipe_microbatch_s", "pipe_bubble")}}},
                           PRECISIONS).parallel["bf16"].pipe_bubble == pytest.approx(par["pipe_bubble"])
+
+
+# --- the optimizer probe (step.optimizer): seconds per parameter, replacing the memory-bound update ----
+def test_optimizer_probe_fit_is_the_slope_between_two_sizes():
+    """2 Mi parameters in 0.03 s, 16 Mi in 0.17 s: slope 0.14 / (14 x 2^20) s per parameter,
+    fixed 0.03 - 2^21 x slope = 0.03 - 0.02 = 0.01 s; a flat or falling pair gives nothing."""
+    from planner.profiler.optimizer import fit
+
+    def row(p, n, t):
+        return {"precision": p, "params": n, "time_s": {"median": t}}
+    got = fit([row("bf16", 2 << 20, 0.03), row("bf16", 16 << 20, 0.17), row("fp32", 2 << 20, 0.05),
+               row("fp32", 16 << 20, 0.05)])
+    assert got["bf16"]["param_s"] == pytest.approx(0.14 / (14 * 2 ** 20), rel=1e-12)
+    assert got["bf16"]["fixed_s"] == pytest.approx(0.01, rel=1e-9) and got["bf16"]["points"] == 2
+    assert "fp32" not in got
+
+
+def test_optimizer_time_is_the_measured_seconds_per_parameter():
+    """The memory-bound update costs n x 30 B / copy bandwidth (mixed precision); with the probe
+    it costs n x param_s: their ratio is param_s x bandwidth / 30, whatever n. ZeRO-1 over DP2
+    updates half the parameters; 4 processes of a 2-process profile stretch it 2x; the fp32
+    probe does not apply to bf16 plans; parse errors name the field."""
+    from planner.cost import estimate
+    from planner.cost.params import stage_params
+    from planner.specs.step import OptimizerProbe
+    base = find_device("cpu")[0]
+    dev = with_step(StepProbes(optimizer={"bf16": OptimizerProbe(param_s=2e-8)}))
+    plan = Plan(dp=2, micro_batch=2, grad_accum=2)
+    plain = estimate(MODEL, parse_cluster("2xcpu", base), TRAIN, plan).time.optimizer
+    got = estimate(MODEL, parse_cluster("2xcpu", dev), TRAIN, plan).time.optimizer
+    assert got / plain == pytest.approx(2e-8 * base.hbm_bandwidth_gbps * 1e9 / 30.0, rel=1e-9)
+    n = stage_params(MODEL, plan)[0]
+    assert got == pytest.approx(n * 2e-8, rel=1e-12)
+    z1 = estimate(MODEL, parse_cluster("2xcpu", dev), TRAIN, Plan(dp=2, zero=1, micro_batch=2, grad_accum=2))
+    assert z1.time.optimizer == pytest.approx(n / 2 * 2e-8, rel=1e-12)
+    four = estimate(MODEL, parse_cluster("4xcpu", dev), TRAIN, Plan(dp=4, micro_batch=1, grad_accum=2))
+    assert four.time.optimizer == pytest.approx(2 * n * 2e-8, rel=1e-12)
+    p32, t32 = Plan(dp=2, micro_batch=2, grad_accum=2, precision="fp32"), dataclasses.replace(TRAIN, precision="fp32")
+    assert estimate(MODEL, parse_cluster("2xcpu", dev), t32, p32).time.optimizer == \
+        estimate(MODEL, parse_cluster("2xcpu", base), t32, p32).time.optimizer
+    s = step_from_dict({"optimizer": {"fp32": {"param_s": 1e-8, "points": 2}}}, PRECISIONS)
+    assert s.optimizer["fp32"].param_s == 1e-8 and not s.empty and step_from_dict(s.to_dict(), PRECISIONS) == s
+    with pytest.raises(ProfileError) as exc:
+        step_from_dict({"optimizer": {"bf16": {"param_s": 0}}}, PRECISIONS)
+    assert "step.optimizer.bf16.param_s" in exc.value.line() and "planner profile" in exc.value.line()
