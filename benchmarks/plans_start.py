@@ -29,6 +29,9 @@ Two more cases come from the search, not from the default spaces:
     # feasible plan of tiny GLM-4.5-Air, and of tiny ChatGLM3 with cp > 1 (its cp-free plans are
     # the sweep above), with the search offering cp at the tiny models' 128-token sequences:
     .venv/bin/python benchmarks/plans_start.py --moe-cp --lock /tmp/planner-cpu.lock
+    # the same with up to 40 plans of one world size per launch of the ranks (import and
+    # profiler start paid once per launch; planner/runtime/train/batch.py):
+    nice -n 19 .venv/bin/python -u benchmarks/plans_start.py --moe-cp --batch 40
 
 The feasible plans are started in a seeded random order (`--seed`), so `--limit N` or a time
 budget (`--budget-s S`: no new start after S seconds; the rest are counted as not tried) give
