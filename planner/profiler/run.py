@@ -179,6 +179,9 @@ def measure_all(opts: ProfileOptions, target: Target, plan: WorkList,
                                                          cpu_threads(opts.procs), quick=opts.quick)
             except PlannerError as exc:
                 out["notes"].append(f"parallel engine probe skipped: {exc.line()}")
+    if target.kind == "cpu":
+        from planner.profiler import optimizer
+        out["optimizer"] = optimizer.measure(list(plan.block_precisions), cpu_threads(opts.procs), quick=opts.quick)
     tick("engine steps")
     backend = "nccl" if target.kind == "gpu" else "gloo"
     out["comm"] = {}

@@ -108,6 +108,11 @@ def build(raw: dict[str, Any], env: dict[str, Any], opts: ProfileOptions, *, nam
         sources["step.tp_allreduce"] = ("measured: the executor's block with its TP group minus without, / 4 "
                                         "all-reduces, per (micro-batch, sequence, precision); alpha-beta fit "
                                         "(planner.profiler.comm.in_step)")
+        if step.get("optimizer"):
+            sources["step.optimizer"] = ("measured: the executor's optimizer step alone (torch AdamW; bf16: the "
+                                         "wrapper's gradient conversion, norm, fp32 master update and copy back) on "
+                                         "flat tensors of two sizes, the slope per parameter "
+                                         "(planner.profiler.optimizer)")
         if step.get("parallel"):
             sources["step.parallel"] = ("measured: the executor's DeepSpeed engine on 2 processes, DP2 ZeRO-0 and PP2, "
                                         "steps of 1 and 4 micro-batches (planner.profiler.engine.measure_parallel), "
@@ -147,18 +152,20 @@ def step_section(raw: dict[str, Any], opts: ProfileOptions, data: dict[str, Any]
         scale, overhead = fit_line(pred, meas)
         block[prec] = {"scale": scale, "overhead_s": overhead, "points": len(rows),
                        "max_rel_error": max(abs(scale * x + overhead - y) / y for x, y in zip(pred, meas))}
-    framework = framework_section(raw.get("engine") or [], opts, data, block) if block else {}
-    parallel = parallel_section(raw.get("engine") or [], opts, data, block, framework) if framework else {}
+    from planner.profiler.optimizer import fit as optimizer_fit
+    opt = optimizer_fit(raw.get("optimizer") or [])
+    framework = framework_section(raw.get("engine") or [], opts, data, block, opt) if block else {}
+    parallel = parallel_section(raw.get("engine") or [], opts, data, block, framework, opt) if framework else {}
     links = {}
     for n, summary in raw["comm"].items():
         fit = (summary.get("in_step") or {}).get("fit")
         if fit and fit["busbw_gbps"] > 0:
             links[str(n)] = fit
-    return {"block": block, "tp_allreduce": links, "framework": framework, "parallel": parallel}
+    return {"block": block, "tp_allreduce": links, "framework": framework, "parallel": parallel, "optimizer": opt}
 
 
 def framework_section(rows: list[dict[str, Any]], opts: ProfileOptions, data: dict[str, Any],
-                      block: dict[str, Any]) -> dict[str, Any]:
+                      block: dict[str, Any], optimizer: dict[str, Any] | None = None) -> dict[str, Any]:
     """Per precision, what the engine probe's per-micro-batch and per-step seconds
     (planner.profiler.engine.split) leave beyond the cost model's terms for the same 1-process
     plan under this profile with its block probe: the micro-batch's forward + backward (blocks,
@@ -170,7 +177,7 @@ def framework_section(rows: list[dict[str, Any]], opts: ProfileOptions, data: di
     if not rows:
         return {}
     prof = profile_from_dict({**{k: v for k, v in data.items() if k != "step"},
-                              "step": {"block": block}}, data["name"])
+                              "step": {"block": block, "optimizer": optimizer or {}}}, data["name"])
     out = {}
     for prec, meas in split(rows).items():
         b, s = next((r["micro_batch"], r["seq"]) for r in rows if r["precision"] == prec)
@@ -186,7 +193,8 @@ def framework_section(rows: list[dict[str, Any]], opts: ProfileOptions, data: di
 
 
 def parallel_section(rows: list[dict[str, Any]], opts: ProfileOptions, data: dict[str, Any],
-                     block: dict[str, Any], framework: dict[str, Any]) -> dict[str, Any]:
+                     block: dict[str, Any], framework: dict[str, Any],
+                     optimizer: dict[str, Any] | None = None) -> dict[str, Any]:
     """Per precision with the 2-process engine probe (planner.profiler.engine.measure_parallel),
     what its DP2 and PP2 steps leave beyond the cost model's terms for the same plans under this
     profile with its block and framework probes (planner/specs/step.py Parallel), each kept >= 0:
@@ -207,9 +215,9 @@ def parallel_section(rows: list[dict[str, Any]], opts: ProfileOptions, data: dic
     if not dp_rows or not pp_rows:
         return {}
     prof = profile_from_dict({**{k: v for k, v in data.items() if k != "step"},
-                              "step": {"block": block, "framework": {p: {"microbatch_s": f["microbatch_s"],
-                                                                         "step_s": f["step_s"]}
-                                                                     for p, f in framework.items()}}}, data["name"])
+                              "step": {"block": block, "optimizer": optimizer or {},
+                                       "framework": {p: {"microbatch_s": f["microbatch_s"], "step_s": f["step_s"]}
+                                                     for p, f in framework.items()}}}, data["name"])
     out = {}
     for prec in dp_rows:
         if prec not in pp_rows or prec not in framework:
@@ -235,7 +243,7 @@ def parallel_section(rows: list[dict[str, Any]], opts: ProfileOptions, data: dic
             continue
         par = {k: out[prec][k] for k in ("microbatch_s", "dp_step_s", "pipe_microbatch_s", "pipe_bubble")}
         with_par = profile_from_dict({**{k: v for k, v in data.items() if k != "step"}, "step": {
-            "block": block, "framework": {p: {"microbatch_s": f["microbatch_s"], "step_s": f["step_s"]}
+            "block": block, "optimizer": optimizer or {}, "framework": {p: {"microbatch_s": f["microbatch_s"], "step_s": f["step_s"]}
                                           for p, f in framework.items()}, "parallel": {prec: par}}}, data["name"])
         b, s = next((r["micro_batch"], r["seq"]) for r in rows if r["precision"] == prec and r.get("layout") == "z3")
         t1, t4 = (estimate(opts.model, _cluster(with_par, 2), TrainSpec(global_batch=2 * b * m, seq_len=s,
@@ -271,6 +279,7 @@ def measured_section(raw: dict[str, Any], env: dict[str, Any], opts: ProfileOpti
         "gemm": [r.to_dict() for r in raw["gemm"]],
         "gemm_square": [r.to_dict() for r in raw["gemm_square"]],
         "engine": raw.get("engine") or [],
+        "optimizer": raw.get("optimizer") or [],
         "peak_gemm": {p: r.to_dict() for p, r in best.items()},
         "copy": raw["copy"],
         "layers": layer_rows,

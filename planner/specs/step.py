@@ -34,6 +34,10 @@ inside autograd, between the block's GEMMs:
   step shows (PP2); what DP2 ZeRO-3 costs per micro-batch and per step beyond the cost
   model's ZeRO-3 terms. planner/cost/probes.py framework_overheads and planner/cost/estimate.py
   compose them.
+- optimizer[precision]: the executor's optimizer step timed alone (planner/profiler/optimizer.py)
+  at two sizes: seconds per parameter updated (param_s, the slope). It replaces the memory-bound
+  ADAM_BYTES / copy-bandwidth update (planner/cost/estimate.py optimizer_time); the framework
+  probe's per-step cost is measured net of it.
 
 Absent (every built-in profile, and a measured one from before): the cost model uses its
 GEMM curves and links alone. Pure stdlib: loaded with the profile.
@@ -104,11 +108,21 @@ class Parallel:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class OptimizerProbe:
+    """The executor's optimizer step (planner/profiler/optimizer.py): seconds per parameter it
+    updates, in one precision (fp32: AdamW on the fp32 weights; bf16/fp16: the wrapper's
+    gradient conversion, norm, AdamW on the fp32 master and the copy back)."""
+    param_s: float
+    points: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StepProbes:
     block: Mapping[str, BlockProbe] = field(default_factory=dict)
     tp_allreduce: Mapping[int, InStepLink] = field(default_factory=dict)
     framework: Mapping[str, Framework] = field(default_factory=dict)
     parallel: Mapping[str, Parallel] = field(default_factory=dict)
+    optimizer: Mapping[str, OptimizerProbe] = field(default_factory=dict)
 
     def block_for(self, precision: str) -> BlockProbe | None:
         return self.block.get(precision)
@@ -123,7 +137,8 @@ class StepProbes:
 
     @property
     def empty(self) -> bool:
-        return not self.block and not self.tp_allreduce and not self.framework and not self.parallel
+        return not self.block and not self.tp_allreduce and not self.framework and not self.parallel \
+            and not self.optimizer
 
     def to_dict(self) -> dict[str, Any]:
         return {"block": {p: {"scale": b.scale, "overhead_s": b.overhead_s, "points": b.points}
@@ -134,7 +149,8 @@ class StepProbes:
                 "parallel": {p: {"microbatch_s": x.microbatch_s, "dp_step_s": x.dp_step_s,
                                  "pipe_microbatch_s": x.pipe_microbatch_s, "pipe_bubble": x.pipe_bubble,
                                  "zero3_microbatch_s": x.zero3_microbatch_s, "zero3_step_s": x.zero3_step_s}
-                             for p, x in self.parallel.items()}}
+                             for p, x in self.parallel.items()},
+                "optimizer": {p: {"param_s": o.param_s, "points": o.points} for p, o in self.optimizer.items()}}
 
 
 def _number(v: Any, where: str, positive: bool = True) -> float:
@@ -187,7 +203,14 @@ def step_from_dict(raw: Any, precisions: tuple[str, ...]) -> StepProbes:
                                      for k in ("microbatch_s", "dp_step_s", "pipe_microbatch_s", "pipe_bubble")},
                                   **{k: _number(x.get(k, 0.0), f"{where}.{k}", positive=False)
                                      for k in ("zero3_microbatch_s", "zero3_step_s")})
-    return StepProbes(block=block, tp_allreduce=links, framework=framework, parallel=parallel)
+    optimizer = {}
+    for prec, o in (raw.get("optimizer") or {}).items():
+        where = f"step.optimizer.{prec}"
+        if prec not in precisions or not isinstance(o, dict):
+            raise ProfileError(where, "must map a precision to param_s (seconds per parameter)", REGENERATE)
+        optimizer[prec] = OptimizerProbe(param_s=_number(o.get("param_s"), f"{where}.param_s"),
+                                         points=int(o.get("points", 0)))
+    return StepProbes(block=block, tp_allreduce=links, framework=framework, parallel=parallel, optimizer=optimizer)
 
 
 def fit_line(predicted: list[float], measured: list[float]) -> tuple[float, float]:

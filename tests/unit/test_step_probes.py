@@ -309,3 +309,48 @@ def test_profile_writes_the_parallel_section_from_the_two_process_probe():
     assert step_from_dict({"parallel": {"bf16": {k: par[k] for k in ("microbatch_s", "dp_step_s",
                                                                      "pipe_microbatch_s", "pipe_bubble")}}},
                           PRECISIONS).parallel["bf16"].pipe_bubble == pytest.approx(par["pipe_bubble"])
+
+
+# --- the optimizer probe (step.optimizer): seconds per parameter, replacing the memory-bound update ----
+def test_optimizer_probe_fit_is_the_slope_between_two_sizes():
+    """2 Mi parameters in 0.03 s, 16 Mi in 0.17 s: slope 0.14 / (14 x 2^20) s per parameter,
+    fixed 0.03 - 2^21 x slope = 0.03 - 0.02 = 0.01 s; a flat or falling pair gives nothing."""
+    from planner.profiler.optimizer import fit
+
+    def row(p, n, t):
+        return {"precision": p, "params": n, "time_s": {"median": t}}
+    got = fit([row("bf16", 2 << 20, 0.03), row("bf16", 16 << 20, 0.17), row("fp32", 2 << 20, 0.05),
+               row("fp32", 16 << 20, 0.05)])
+    assert got["bf16"]["param_s"] == pytest.approx(0.14 / (14 * 2 ** 20), rel=1e-12)
+    assert got["bf16"]["fixed_s"] == pytest.approx(0.01, rel=1e-9) and got["bf16"]["points"] == 2
+    assert "fp32" not in got
+
+
+def test_optimizer_time_is_the_measured_seconds_per_parameter():
+    """The memory-bound update costs n x 30 B / copy bandwidth (mixed precision); with the probe
+    it costs n x param_s: their ratio is param_s x bandwidth / 30, whatever n. ZeRO-1 over DP2
+    updates half the parameters; 4 processes of a 2-process profile stretch it 2x; the fp32
+    probe does not apply to bf16 plans; parse errors name the field."""
+    from planner.cost import estimate
+    from planner.cost.params import stage_params
+    from planner.specs.step import OptimizerProbe
+    base = find_device("cpu")[0]
+    dev = with_step(StepProbes(optimizer={"bf16": OptimizerProbe(param_s=2e-8)}))
+    plan = Plan(dp=2, micro_batch=2, grad_accum=2)
+    plain = estimate(MODEL, parse_cluster("2xcpu", base), TRAIN, plan).time.optimizer
+    got = estimate(MODEL, parse_cluster("2xcpu", dev), TRAIN, plan).time.optimizer
+    assert got / plain == pytest.approx(2e-8 * base.hbm_bandwidth_gbps * 1e9 / 30.0, rel=1e-9)
+    n = stage_params(MODEL, plan)[0]
+    assert got == pytest.approx(n * 2e-8, rel=1e-12)
+    z1 = estimate(MODEL, parse_cluster("2xcpu", dev), TRAIN, Plan(dp=2, zero=1, micro_batch=2, grad_accum=2))
+    assert z1.time.optimizer == pytest.approx(n / 2 * 2e-8, rel=1e-12)
+    four = estimate(MODEL, parse_cluster("4xcpu", dev), TRAIN, Plan(dp=4, micro_batch=1, grad_accum=2))
+    assert four.time.optimizer == pytest.approx(2 * n * 2e-8, rel=1e-12)
+    p32, t32 = Plan(dp=2, micro_batch=2, grad_accum=2, precision="fp32"), dataclasses.replace(TRAIN, precision="fp32")
+    assert estimate(MODEL, parse_cluster("2xcpu", dev), t32, p32).time.optimizer == \
+        estimate(MODEL, parse_cluster("2xcpu", base), t32, p32).time.optimizer
+    s = step_from_dict({"optimizer": {"fp32": {"param_s": 1e-8, "points": 2}}}, PRECISIONS)
+    assert s.optimizer["fp32"].param_s == 1e-8 and not s.empty and step_from_dict(s.to_dict(), PRECISIONS) == s
+    with pytest.raises(ProfileError) as exc:
+        step_from_dict({"optimizer": {"bf16": {"param_s": 0}}}, PRECISIONS)
+    assert "step.optimizer.bf16.param_s" in exc.value.line() and "planner profile" in exc.value.line()
