@@ -55,14 +55,19 @@ def dp_comm(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[int, ..
     # ZeRO-0 flattens up to FALLBACK_BUCKET elements per all-reduce; ZeRO-1/2 reduce and gather
     # reduce_bucket_size / allgather_bucket_size elements per collective
     bucket = engines.FALLBACK_BUCKET if plan.zero == 0 else plan.bucket_elements
+    rt = get_runtime(plan.runtime)
+    grad_bytes = 4.0 if rt.grad_reduce_fp32 and plan.precision in ("bf16", "fp8") else None
+    gather_in_forward = rt.param_gather_overlap and plan.overlap_comm
     worst = 0.0
     for i, n in enumerate(psi):
         nb = max(1, math.ceil(n / bucket))
         # collectives sharing one overlap window hide at most dp_overlap x that window together
         windows: dict[tuple[str, bool], float] = {}
         for c in engine.collectives if d > 1 else ():
-            t = nb * comm.ROUTE_COLLECTIVES[c.kind](n * c.bytes / nb, d, links[i], eff, ls, f.network_efficiency)
-            windows[(c.per, c.overlap)] = windows.get((c.per, c.overlap), 0.0) + t
+            nbytes = grad_bytes if grad_bytes and c.kind != "all_gather" else c.bytes
+            t = nb * comm.ROUTE_COLLECTIVES[c.kind](n * nbytes / nb, d, links[i], eff, ls, f.network_efficiency)
+            key = ("forward", True) if gather_in_forward and c.kind == "all_gather" else (c.per, c.overlap)
+            windows[key] = windows.get(key, 0.0) + t
         if offload:
             # the reduced gradient partition crosses to the host (stage 2 every micro-batch,
             # stage 1 at the boundary), asynchronously while backward still computes
@@ -70,7 +75,11 @@ def dp_comm(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[int, ..
             windows[key] = windows.get(key, 0.0) + zero.host_copy(cluster, n * activation_bytes(plan.precision) / d)
         sync = 0.0
         for (per, overlap), total in windows.items():
-            window = (mb_compute[i] if per == "micro_batch" else backward[i]) if overlap else 0.0
+            # a step's collective hides behind the last micro-batch's backward; the parameter
+            # gather of runtime.param_gather_overlap behind the next step's first forward
+            span = {"micro_batch": mb_compute[i], "step": backward[i],
+                    "forward": max(mb_compute[i] - backward[i], 0.0)}[per]
+            window = span if overlap else 0.0
             sync += max(total - hide * min(total, window), 0.0) * (m if per == "micro_batch" else 1)
         worst = max(worst, sync)
     return worst

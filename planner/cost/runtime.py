@@ -71,6 +71,14 @@ class Runtime:
     tp_comm_overlap: bool
     p2p_overlap: bool
     flat_parameters: bool
+    grad_reduce_fp32: bool = False
+    """Whether a bf16 (or fp8, whose master gradients are bf16's) plan's data-parallel gradient
+    reduction runs in fp32 whatever the weights' dtype (Megatron-LM: bf16 forces
+    accumulate_allreduce_grads_in_fp32, the DDP's grad_reduce_in_fp32): 4 bytes per element."""
+    param_gather_overlap: bool = False
+    """Whether the distributed optimizer's post-step parameter all-gather runs bucket by bucket
+    in the next step's forward (Megatron-Core --overlap-param-gather: each bucket's gather is
+    waited on in the forward pre-hook of its first module), hidden behind that forward."""
     device_factors: bool
     """Use the GPU profile's fitted factors (DeepSpeed's) rather than this file's."""
     factors: Mapping[str, float] = field(default_factory=dict)
@@ -95,6 +103,8 @@ def _load(path: Path) -> Runtime:
                    attention_kernels=tuple(data.get("attention_kernels", ("fa2",))),
                    causal_attention=bool(data.get("causal_attention", True)),
                    fused_cross_entropy=bool(data.get("fused_cross_entropy", False)),
+                   grad_reduce_fp32=bool(data.get("grad_reduce_fp32", False)),
+                   param_gather_overlap=bool(data.get("param_gather_overlap", False)),
                    factors={k: float(v) for k, v in data.get("factors", {}).items()},
                    by_device={d: {k: float(v) for k, v in fs.items()} for d, fs in data.get("by_device", {}).items()},
                    sources=data.get("sources", {}), path=str(path),
