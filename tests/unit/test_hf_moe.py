@@ -28,13 +28,13 @@ if not hasattr(transformers, "Glm4MoeForCausalLM"):
 
 from planner.hf import weights as W  # noqa: E402
 from planner.model.glm import GLMModel  # noqa: E402
+from hf_logits import assert_transformers_logits, batch as _batch  # noqa: E402
 
 SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
              n_shared_experts=1, first_k_dense_replace=1, vocab_size=256, max_position_embeddings=64,
              attention_bias=True, pad_token_id=None, num_nextn_predict_layers=0,
              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
-SEQ = 16
 
 
 def _hf_model(**kw):
@@ -50,18 +50,16 @@ def _hf_model(**kw):
     return model.eval()
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hf") / "glm4_moe"
-    model = _hf_model()
+FLAVOURS = {"air": {}, "glm-4.5": dict(use_qk_norm=True, routed_scaling_factor=2.5)}
+"""GLM-4.5-Air's options (no QK-norm, routed_scaling_factor 1.0) and GLM-4.5's (QK-norm, 2.5)."""
+
+
+@pytest.fixture(scope="module", params=sorted(FLAVOURS))
+def checkpoint(tmp_path_factory, request):
+    path = tmp_path_factory.mktemp("hf") / f"glm4_moe-{request.param}"
+    model = _hf_model(**FLAVOURS[request.param])
     model.save_pretrained(path)
     return path, model
-
-
-def _batch():
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, 256, (2, SEQ), generator=g)
-    return ids, torch.arange(SEQ).expand(2, SEQ), torch.ones_like(ids)
 
 
 def _executor(path: Path, seed: int = 0):
@@ -96,12 +94,8 @@ def test_loaded_model_gives_transformers_logits(checkpoint):
     path, ref = checkpoint
     spec, model = _executor(path)
     assert spec.moe is not None and spec.moe.router == "sigmoid" and not spec.rope_interleaved
+    want = assert_transformers_logits(model, ref)
     ids, pos, seg = _batch()
-    with torch.no_grad():
-        want = ref(input_ids=ids).logits
-        got = model(ids, pos, seg)
-    assert got.shape == want.shape
-    assert float((got - want).abs().max()) < 1e-5
     # the balancing bias was loaded and matters: without it other experts are chosen
     router = model.layers[1].mlp.moe.deepspeed_moe.gate
     assert torch.equal(router.e_score_correction_bias, torch.tensor([0.3, -0.2, 0.1, 0.0]))
@@ -166,8 +160,6 @@ def _error(path, spec, field="--init-hf") -> SpecError:
 
 
 @pytest.mark.parametrize("key, value, words", [
-    ("use_qk_norm", True, "QK-norm"),
-    ("routed_scaling_factor", 2.5, "does not scale the routed output"),
     ("n_group", 4, "group-limited routing"),
     ("norm_topk_prob", False, "always normalises"),
 ])
@@ -190,3 +182,50 @@ def test_moe_shape_mismatch_and_dense_layouts_are_refused(checkpoint):
         W.check_supported(spec, "llama")
     with pytest.raises(SpecError, match="a dense model, the glm4_moe layout is MoE"):
         W.check_supported(dataclasses.replace(spec, moe=None), "glm4_moe")
+
+
+# --- GLM-4.5: QK-norm and routed_scaling_factor -----------------------------------------------------
+
+
+def test_glm45_options_are_read_and_matter(checkpoint):
+    """GLM-4.5's use_qk_norm and routed_scaling_factor 2.5 load into the spec and the model
+    (q_norm / k_norm read from the file, the router scaling its weights); each one, undone,
+    moves the logits away from transformers' (so the parity above depends on both)."""
+    path, ref = checkpoint
+    cfg = json.loads((path / "config.json").read_text())
+    spec, model = _executor(path)
+    assert spec.qk_norm == bool(cfg.get("use_qk_norm")) and spec.moe.routed_scale == cfg["routed_scaling_factor"]
+    if not spec.qk_norm:
+        assert spec.moe.routed_scale == 1.0 and model.layers[0].self_attention.q_norm is None
+        return
+    attn = model.layers[1].self_attention
+    assert torch.equal(attn.q_norm.weight, ref.model.layers[1].self_attn.q_norm.weight)
+    assert torch.equal(attn.k_norm.weight, ref.model.layers[1].self_attn.k_norm.weight)
+    assert W.expected_tensors(spec, "glm4_moe")["model.layers.1.self_attn.q_norm.weight"] == (16,)
+    ids, pos, seg = _batch()
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+        assert float((model(ids, pos, seg) - want).abs().max()) < 1e-5
+        unscaled = _executor_with(path, dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, routed_scale=1.0)))
+        assert float((unscaled(ids, pos, seg) - want).abs().max()) > 1e-3
+        for layer in model.layers:
+            layer.self_attention.q_norm.weight.fill_(1.0)
+        assert float((model(ids, pos, seg) - want).abs().max()) > 1e-3
+
+
+def _executor_with(path: Path, spec):
+    """The executor built for `spec` (here: routed_scale 1) with the file's weights (loaded
+    against the file's own MoE fields, so the config comparison passes)."""
+    model = GLMModel(spec, [False] * spec.layers, False)
+    W.load_hf_weights(model, path, dataclasses.replace(spec, moe=load_hf_config(path).moe))
+    return model.eval()
+
+
+def test_qk_norm_params_are_counted(checkpoint):
+    """ModelSpec counts QK-norm's two head_dim weights per block, as the executor holds them."""
+    path, _ = checkpoint
+    spec, model = _executor(path)
+    held = sum(p.numel() for p in model.parameters())
+    assert held == spec.params
+    plain = dataclasses.replace(spec, qk_norm=False)
+    assert spec.params - plain.params == (2 * 16 * spec.layers if spec.qk_norm else 0)
