@@ -16,7 +16,7 @@ from planner.specs.hardware import DeviceProfile
 from planner.specs.model import ModelSpec
 
 LINEAR_CHUNK = 64
-"""Tokens per chunk of the executor's causal linear attention (planner/model/glm.py
+"""Tokens per chunk of the executor's causal linear attention (planner/model/attention.py
 linear_attention): quadratic inside a chunk, a d x d state carried across chunks."""
 
 

@@ -1,7 +1,7 @@
 """The attention of the GLM family below the projections: the additive mask and rotary angles
 a stage's blocks share (StageCache), rotary positions (Su et al. 2021), ALiBi slopes (Press et
 al. 2022), the eager softmax kernel with a 1-byte dropout mask, and causal linear attention
-(Katharopoulos et al. 2020). SelfAttention (glm.py) projects q, k, v and calls these."""
+(Katharopoulos et al. 2020). SelfAttention (block.py) projects q, k, v and calls these."""
 from __future__ import annotations
 
 import math

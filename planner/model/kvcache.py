@@ -1,6 +1,6 @@
 """The KV cache of generation, and one cached step through the training blocks.
 
-The model's own forward (GLMModel / Block / SelfAttention in glm.py) takes an optional `kv`
+The model's own forward (GLMModel in glm.py, Block / SelfAttention in block.py) takes an optional `kv`
 (a KVStep): with it, each block's attention projects q, k, v and rotates them exactly as in
 training, then appends k and v to the cache and attends over every cached token of its
 sequence instead of over the micro-batch. Everything else (norms, residuals, DeepNorm, MLP, the

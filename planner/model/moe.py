@@ -167,7 +167,7 @@ class MoEFFN(nn.Module):
 
     def __init__(self, spec: ModelSpec, layer: int, tp: TPGroup = SINGLE, ep: TPGroup = SINGLE,
                  seed: int = 0, shared: nn.Module | None = None) -> None:
-        """shared: the shared experts' tensor-parallel FFN (glm.py MLP), or None."""
+        """shared: the shared experts' tensor-parallel FFN (block.py MLP), or None."""
         super().__init__()
         from deepspeed.moe.layer import MoE
         m = spec.moe

@@ -16,14 +16,14 @@ from planner.specs.model import ModelSpec
 
 
 def executor_block(model: ModelSpec, tp: int, group: Any = None, rank: int = 0) -> tuple[Any, str] | None:
-    """One TP rank's share of planner.model.glm.Block, taking and returning [b, s, h].
+    """One TP rank's share of planner.model.block.Block, taking and returning [b, s, h].
 
     The block is built with a TP group of `tp` ranks and no process group: its parallel layers
     hold one rank's slices (heads/t, KV groups/t, ffn/t) and skip the collectives, so it times
     exactly one rank's compute. None when the executor's model is not installed.
     """
     try:
-        from planner.model.glm import Block
+        from planner.model.block import Block
         from planner.model.parallel.groups import TPGroup
     except Exception:
         return None
@@ -45,7 +45,7 @@ def executor_block(model: ModelSpec, tp: int, group: Any = None, rank: int = 0) 
             seg = torch.ones(b, s, dtype=torch.long, device=x.device)
             return self.block((x, pos, seg))[0]
 
-    return OneSequencePerRow(), "planner.model.glm.Block" + (f" (one rank of TP {tp})" if tp > 1 else "")
+    return OneSequencePerRow(), "planner.model.block.Block" + (f" (one rank of TP {tp})" if tp > 1 else "")
 
 
 def make_block(model: ModelSpec, tp: int = 1, prefer_executor: bool = True) -> tuple[Any, str]:

@@ -73,7 +73,7 @@ def _op(name: str, n: int, rank: int, numel: int, device: str) -> Callable[[], N
 
 def in_step(rank: int, n: int, block: dict[str, Any], repeats: int, sync: Callable[[], None],
             device: str) -> list[dict[str, Any]]:
-    """TP all-reduces as they run inside autograd: the executor's block (planner.model.glm.Block)
+    """TP all-reduces as they run inside autograd: the executor's block (planner.model.block.Block)
     of one rank of TP n, forward + backward, with its TP group (2 all-reduces of b s h forward,
     2 backward: planner.cost.tp.tp_block_comm) and without it (group None: the same block,
     no collectives), alternating, each timed as the slowest rank's; the difference / 4 is one

@@ -12,7 +12,7 @@ inside autograd, between the block's GEMMs:
       "tp_allreduce": {"2": {"busbw_gbps": 0.9, "latency_us": 450.0, "points": 2}}
     }
 
-- block[precision]: the executor's block (planner.model.glm.Block, one TP rank's share, no
+- block[precision]: the executor's block (planner.model.block.Block, one TP rank's share, no
   communication) forward + backward measured at the profiler's (micro-batch, sequence, TP)
   points = scale x the cost model's block compute (GEMMs + attention core + element-wise) +
   overhead_s, a weighted least-squares line through the points (relative residuals). overhead_s

@@ -188,7 +188,7 @@ def runtime_problems(plan: Plan, model: ModelSpec | None = None) -> list[Problem
 
 def pipeline_layers_problem(model: ModelSpec, plan: Plan) -> Problem | None:
     """DeepSpeed-MoE and DeepSpeed-Ulysses run in the executor's GLMModel (planner/model/moe.py,
-    glm.py SelfAttention), not in its pipeline stages (planner/model/parallel/pipeline.py)."""
+    block.py SelfAttention), not in its pipeline stages (planner/model/parallel/pipeline.py)."""
     if plan.pp == 1 or (model.moe is None and plan.cp == 1):
         return None
     what = "mixture-of-experts layers" if model.moe is not None else "Ulysses context parallelism"

@@ -71,7 +71,7 @@ CASES = [
     ("DP2 ZeRO-3 tied", "glm10b", dict(dp=2, zero=3), "flash"),
     ("TP2xPP2 ZeRO-1 padded vocab", "glm10b-v1023", dict(tp=2, pp=2, zero=1), "flash"),
     # DeepSpeed-MoE (planner/model/moe.py) against the single-process MoE model, and
-    # DeepSpeed-Ulysses (cp: glm.py SelfAttention) against the single-process dense one
+    # DeepSpeed-Ulysses (cp: block.py SelfAttention) against the single-process dense one
     ("EP2 ZeRO-0", "moe", dict(dp=2, ep=2, zero=0), "flash"),
     ("EP2xDP2 ZeRO-2", "moe", dict(dp=4, ep=2, zero=2), "flash"),
     ("EP2xTP2 ZeRO-1", "moe", dict(dp=2, ep=2, tp=2, zero=1), "flash"),

@@ -251,27 +251,29 @@ MEASURED = [(name, att, p, rc) for name in ("chatglm3-6b", "glm-10b", "glm-130b"
 
 @pytest.mark.parametrize("name,attention,p,recompute", MEASURED)
 def test_the_cost_model_charges_what_the_executor_keeps(name: str, attention: str, p: float, recompute: str) -> None:
-    """Saved-tensor hooks (planner.model.glm.saved_for_backward) on the second of two blocks
+    """Saved-tensor hooks (planner.model.recompute.saved_for_backward) on the second of two blocks
     on a CPU: its own storages equal block_activation_bytes, the storages both blocks keep equal
     shared_bytes (the kernel the CPU runs: attention dropout takes the math path)."""
     torch = pytest.importorskip("torch")
     from planner.cost.attention import attention_kernel
-    from planner.model import glm as M
+    from planner.model.attention import StageCache
+    from planner.model.block import Block
+    from planner.model.recompute import saved_for_backward, storage_bytes
     from planner.model.parallel.groups import TPGroup
     spec = dataclasses.replace(scale(preset(name), "tiny"), hidden_dropout=p, attention_dropout=p)
     b, s = 2, 24
     kernel = attention_kernel(spec, TrainSpec(global_batch=b, seq_len=s, attention=attention), "cpu")
-    cache = M.StageCache(spec, TPGroup())
-    blocks = torch.nn.ModuleList(M.Block(spec, i, recompute == "full", recompute == "selective",
+    cache = StageCache(spec, TPGroup())
+    blocks = torch.nn.ModuleList(Block(spec, i, recompute == "full", recompute == "selective",
                                          attention=attention, cache=cache) for i in range(2)).to(torch.bfloat16)
     x = torch.randn(b, s, spec.hidden, dtype=torch.bfloat16, requires_grad=True) * 1.0
     pos, seg = torch.arange(s).repeat(b, 1), torch.ones(b, s, dtype=torch.long)
-    with M.saved_for_backward(blocks.parameters()) as first:
+    with saved_for_backward(blocks.parameters()) as first:
         h = blocks[0]((x, pos, seg))
-    with M.saved_for_backward(blocks.parameters()) as second:
+    with saved_for_backward(blocks.parameters()) as second:
         blocks[1](h)
-    own = M.storage_bytes({k: v for k, v in second.items() if k not in first})
-    shared = M.storage_bytes({k: v for k, v in second.items() if k in first})
+    own = storage_bytes({k: v for k, v in second.items() if k not in first})
+    shared = storage_bytes({k: v for k, v in second.items() if k in first})
     assert own == memory.block_activation_bytes(spec, s, b, 1, sequence_parallel=False, recompute=recompute,
                                                 act_bytes=2.0, kernel=kernel)
     assert shared == memory.shared_bytes(spec, s, b, 1, act_bytes=2.0, kernel=kernel,

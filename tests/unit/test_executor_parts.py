@@ -9,7 +9,7 @@ import pytest
 
 from planner.errors import SpecError
 from planner.data.corpus import DataSpec
-from planner.data.batching import Layout, Rows, batches_for_tokens, padding_stats
+from planner.data.batching import IGNORE, Layout, Rows, batches_for_tokens, padding_stats
 from planner.calibrate.accuracy import rel_error
 from planner.runtime.observe.monitor import MonitorSettings, StabilityMonitor
 from planner.specs import preset, scale
@@ -17,9 +17,13 @@ from planner.specs import preset, scale
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
-from planner.model import glm as M  # noqa: E402
+from planner.model.attention import StageCache  # noqa: E402
+from planner.model.block import Block  # noqa: E402
+from planner.model.embedding import PositionEmbedding, WordEmbedding  # noqa: E402
 from planner.model.attention import rotary_dims  # noqa: E402
-from planner.model.glm import GLMModel, block_flags, lm_loss  # noqa: E402
+from planner.model.glm import GLMModel  # noqa: E402
+from planner.model.head import FinalNorm, LMLoss, OutputLayer, lm_loss  # noqa: E402
+from planner.model.recompute import block_flags, saved_for_backward, storage_bytes  # noqa: E402
 from planner.model.norms import RMSNorm  # noqa: E402
 from planner.model.parallel.groups import TPGroup  # noqa: E402
 from planner.model.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -123,10 +127,10 @@ def test_vocab_parallel_cross_entropy_matches_torch_and_skips_padding() -> None:
     vocab, pad = 11, 3
     logits = torch.randn(2, 5, vocab + pad, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, vocab, (2, 5))
-    labels[0, 1] = M.IGNORE
-    got = M.LMLoss(vocab)(logits, labels)
+    labels[0, 1] = IGNORE
+    got = LMLoss(vocab)(logits, labels)
     real = logits[..., :vocab].detach().clone().requires_grad_()
-    want = F.cross_entropy(real.flatten(0, 1), labels.flatten(), ignore_index=M.IGNORE)
+    want = F.cross_entropy(real.flatten(0, 1), labels.flatten(), ignore_index=IGNORE)
     assert got.item() == pytest.approx(want.item(), rel=1e-12)
     got.backward()
     want.backward()
@@ -171,7 +175,7 @@ def test_rmsnorm_matches_torch_and_keeps_input_and_rstd() -> None:
     norm = RMSNorm(16, TPGroup(), "n").double()
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
-    with M.saved_for_backward(norm.parameters()) as kept:
+    with saved_for_backward(norm.parameters()) as kept:
         y = norm(x)
     assert sorted(tuple(ts[0].shape) for ts in kept.values()) == [(2, 7, 1), (2, 7, 16)]
     w = norm.weight.detach().clone().requires_grad_()
@@ -234,19 +238,19 @@ def test_block_keeps_exactly_the_documented_tensors(name: str, attention: str, p
     blocks; what both blocks save is the stage's shared part (mask, cos/sin, ids)."""
     spec = dataclasses.replace(scale(preset(name), "tiny"), hidden_dropout=p, attention_dropout=p)
     b, s = 3, 40
-    cache = M.StageCache(spec, TPGroup())
-    blocks = torch.nn.ModuleList(M.Block(spec, i, recompute == "full", recompute == "selective",
+    cache = StageCache(spec, TPGroup())
+    blocks = torch.nn.ModuleList(Block(spec, i, recompute == "full", recompute == "selective",
                                          attention=attention, cache=cache) for i in range(2)).to(torch.bfloat16)
     x = torch.randn(b, s, spec.hidden, dtype=torch.bfloat16, requires_grad=True) * 1.0
     pos, seg = torch.arange(s).repeat(b, 1), torch.ones(b, s, dtype=torch.long)
-    with M.saved_for_backward(blocks.parameters()) as first:
+    with saved_for_backward(blocks.parameters()) as first:
         h = blocks[0]((x, pos, seg))
-    with M.saved_for_backward(blocks.parameters()) as second:
+    with saved_for_backward(blocks.parameters()) as second:
         out = blocks[1](h)
     own = {k: v for k, v in second.items() if k not in first}
     shared = {k: v for k, v in second.items() if k in first}
-    assert M.storage_bytes(own) == block_bytes(spec, b, s, attention, p, recompute)
-    assert M.storage_bytes(shared) == shared_bytes(spec, b, s, attention, p, recompute)
+    assert storage_bytes(own) == block_bytes(spec, b, s, attention, p, recompute)
+    assert storage_bytes(shared) == shared_bytes(spec, b, s, attention, p, recompute)
     out[0].float().sum().backward()
 
 
@@ -255,32 +259,34 @@ def test_embedding_and_head_keep_the_documented_tensors(name: str) -> None:
     spec = scale(preset(name), "tiny")
     b, s, act, one = 3, 40, 2, TPGroup()
     ids, pos, seg = torch.randint(0, spec.vocab, (b, s)), torch.arange(s).repeat(b, 1), torch.ones(b, s, dtype=torch.long)
-    emb = M.WordEmbedding(spec, one).to(torch.bfloat16)
-    layers = [emb] + ([M.PositionEmbedding(spec, one).to(torch.bfloat16)] if spec.position == "learned" else [])
+    emb = WordEmbedding(spec, one).to(torch.bfloat16)
+    layers = [emb] + ([PositionEmbedding(spec, one).to(torch.bfloat16)] if spec.position == "learned" else [])
     params = [p for m in layers for p in m.parameters()]
-    with M.saved_for_backward(params) as kept:
+    with saved_for_backward(params) as kept:
         h = (ids, pos, seg)
         for m in layers:
             h = m(h)
-    assert M.storage_bytes(kept) == 8 * b * s * len(layers)  # token ids (and position ids), int64
-    final, out = M.FinalNorm(spec, one).to(torch.bfloat16), M.OutputLayer(spec, one).to(torch.bfloat16)
+    assert storage_bytes(kept) == 8 * b * s * len(layers)  # token ids (and position ids), int64
+    final, out = FinalNorm(spec, one).to(torch.bfloat16), OutputLayer(spec, one).to(torch.bfloat16)
     labels = torch.randint(0, spec.vocab, (b, s))
     x = torch.randn(b, s, spec.hidden, dtype=torch.bfloat16, requires_grad=True) * 1.0
-    with M.saved_for_backward(list(final.parameters()) + list(out.parameters())) as kept:
-        loss = M.LMLoss(spec.vocab, one)(out(final((x, pos, seg))), labels)
+    with saved_for_backward(list(final.parameters()) + list(out.parameters())) as kept:
+        loss = LMLoss(spec.vocab, one)(out(final((x, pos, seg))), labels)
     stats = 4 * b * s if spec.norm == "rmsnorm" else 2 * act * b * s
     # norm input + stats, output-layer input, fp32 softmax over the (padded) vocabulary,
     # out-of-shard flags (bool) and shard-local targets (int64), real-token weights (fp32), the count
     want = act * b * s * spec.hidden + stats + act * b * s * spec.hidden + 4 * b * s * spec.padded_vocab(1) \
         + b * s + 8 * b * s + 4 * b * s + 4
-    assert M.storage_bytes(kept) == want
+    assert storage_bytes(kept) == want
     loss.backward()
 
 
 _TP_KEPT = r"""
 import dataclasses, json, sys
 import torch, torch.distributed as dist
-from planner.model import glm as M
+from planner.model.attention import StageCache
+from planner.model.block import Block
+from planner.model.recompute import saved_for_backward, storage_bytes
 from planner.model.parallel.groups import Groups
 from planner.specs import preset, scale
 store, rank, cases = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
@@ -290,16 +296,16 @@ for name, attention, p, recompute, sp in cases:
     spec = dataclasses.replace(scale(preset(name), "tiny"), hidden_dropout=p, attention_dropout=p)
     tp = Groups(1, 1, 2, sequence_parallel=sp).tp
     b, s = 3, 40
-    cache = M.StageCache(spec, tp)
-    blocks = torch.nn.ModuleList(M.Block(spec, i, recompute == "full", recompute == "selective", tp=tp,
+    cache = StageCache(spec, tp)
+    blocks = torch.nn.ModuleList(Block(spec, i, recompute == "full", recompute == "selective", tp=tp,
                                          attention=attention, cache=cache) for i in range(2)).to(torch.bfloat16)
     x = torch.randn(b, s // 2 if sp else s, spec.hidden, dtype=torch.bfloat16, requires_grad=True) * 1.0
     pos, seg = torch.arange(s).repeat(b, 1), torch.ones(b, s, dtype=torch.long)
-    with M.saved_for_backward(blocks.parameters()) as first:
+    with saved_for_backward(blocks.parameters()) as first:
         h = blocks[0]((x, pos, seg))
-    with M.saved_for_backward(blocks.parameters()) as second:
+    with saved_for_backward(blocks.parameters()) as second:
         y = blocks[1](h)
-    out.append(M.storage_bytes({k: v for k, v in second.items() if k not in first}))
+    out.append(storage_bytes({k: v for k, v in second.items() if k not in first}))
     y[0].float().sum().backward()
 dist.barrier()
 if rank == 0:

@@ -1,5 +1,5 @@
 """The executor's mixture-of-experts and Ulysses parts in one process (planner/model/moe.py,
-glm.py), and `planner run` refusing the MoE / context-parallel plans it cannot run in one line
+block.py), and `planner run` refusing the MoE / context-parallel plans it cannot run in one line
 (exit 2). The distributed behaviour (EP, EP x DP, EP x TP, Ulysses SP, SP x DP against the
 single-process model) is tests/integration/test_parity.py's."""
 from __future__ import annotations
@@ -14,7 +14,8 @@ torch = pytest.importorskip("torch")
 
 from planner.cli import main  # noqa: E402
 from planner.errors import SpecError  # noqa: E402
-from planner.model.glm import GLMModel, head_group  # noqa: E402
+from planner.model.block import head_group  # noqa: E402
+from planner.model.glm import GLMModel  # noqa: E402
 from planner.model.moe import Expert, MoEFFN, Router, capacity  # noqa: E402
 from planner.model.parallel.groups import SINGLE, TPGroup  # noqa: E402
 from planner.specs import Plan, preset, scale  # noqa: E402
@@ -102,7 +103,7 @@ def _by_hand(ffn: MoEFFN, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("router, shared", [("sigmoid", 1), ("softmax", 0)])
 def test_moe_ffn_is_the_weighted_sum_of_the_chosen_experts(router, shared) -> None:
-    from planner.model.glm import MLP
+    from planner.model.block import MLP
     spec = _spec(router, shared)
     sh = MLP(spec, 1, SINGLE, 7, ffn=spec.moe.shared_size, name="shared_experts") if shared else None
     ffn = MoEFFN(spec, 1, SINGLE, SINGLE, 7, sh)

@@ -19,7 +19,7 @@ from planner.profiler.block import make_block  # noqa: E402
 def test_profiled_block_is_one_tp_rank_of_the_executor_block(tp: int, params: int) -> None:
     model = scale(preset("chatglm3-6b"), "tiny")
     block, source = make_block(model, tp)
-    assert source.startswith("planner.model.glm.Block")
+    assert source.startswith("planner.model.block.Block")
     assert sum(p.numel() for p in block.parameters()) == params
     x = torch.randn(2, 16, model.hidden, requires_grad=True)
     block(x).sum().backward()  # runs forward and backward without a process group

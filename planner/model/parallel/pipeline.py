@@ -13,7 +13,9 @@ layer on the first stage, so the last stage holds no unused copy.
 """
 from __future__ import annotations
 
-from planner.model.glm import Block, FinalNorm, LMLoss, OutputLayer, PositionEmbedding, WordEmbedding, tied_logits
+from planner.model.block import Block
+from planner.model.embedding import PositionEmbedding, WordEmbedding
+from planner.model.head import FinalNorm, LMLoss, OutputLayer, tied_logits
 from planner.model.attention import StageCache
 from planner.model.parallel.groups import Groups
 from planner.specs.model import ModelSpec

@@ -263,7 +263,7 @@ class ActivationRecorder:
     """What each layer of this rank keeps for backward during one micro-batch's forward (and
     its loss): saved-tensor hooks, plus the inputs DeepSpeed's activation checkpointing holds
     as ctx attributes, which the hooks do not see (recorded where the executor's model calls
-    the checkpoint, as planner.model.glm.saved_for_backward does). Storages count once;
+    the checkpoint, as planner.model.recompute.saved_for_backward does). Storages count once;
     parameters are left out (also ZeRO-3's gathered weights and the Parameter objects its
     linear saves).
 
@@ -274,8 +274,11 @@ class ActivationRecorder:
     `result` after a window: {"blocks": {i: bytes}, "shared", "embedding", "head"}."""
 
     def __init__(self, module: torch.nn.Module) -> None:
-        from planner.model import glm as M
-        self._model = M
+        from planner.model import recompute
+        from planner.model.block import Block
+        from planner.model.embedding import PositionEmbedding, WordEmbedding
+        from planner.model.head import FinalNorm, OutputLayer
+        self._recompute = recompute
         self.params = list(module.parameters())
         self.result: dict | None = None
         self.active = False
@@ -285,12 +288,12 @@ class ActivationRecorder:
         self._caches: dict[int, object] = {}
         for m in module.modules():
             label = None
-            if isinstance(m, (M.WordEmbedding, M.PositionEmbedding)):
+            if isinstance(m, (WordEmbedding, PositionEmbedding)):
                 label = "embedding"
-            elif isinstance(m, M.Block):
+            elif isinstance(m, Block):
                 label = f"block{m.layer}"
                 self._caches[id(m.self_attention.cache)] = m.self_attention.cache
-            elif isinstance(m, (M.FinalNorm, M.OutputLayer)):
+            elif isinstance(m, (FinalNorm, OutputLayer)):
                 label = "head"
             if label is not None:
                 m.register_forward_pre_hook(self._enter(label))
@@ -322,9 +325,9 @@ class ActivationRecorder:
     @contextlib.contextmanager
     def window(self):
         """Record the forward (and loss) run inside: one micro-batch of this rank's stage."""
-        M = self._model
+        R = self._recompute
         self._kept, self._shared, self._label, self.active = {}, {}, "embedding", True
-        run_checkpoint = M._checkpoint
+        run_checkpoint = R.checkpoint
         gets = {}
 
         def checkpoint_keeping_inputs(fn, *args):
@@ -341,12 +344,12 @@ class ActivationRecorder:
                 self._share(out.values())
                 return out
             cache.get = recording_get
-        M._checkpoint = checkpoint_keeping_inputs
+        R.checkpoint = checkpoint_keeping_inputs
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._keep, lambda t: t):
                 yield
         finally:
-            M._checkpoint = run_checkpoint
+            R.checkpoint = run_checkpoint
             for key, cache in self._caches.items():
                 del cache.get  # the class's method again
             self.active = False

@@ -12,7 +12,9 @@ from planner import dsconfig
 from planner.errors import ExecutionError
 from planner.data.batching import Layout, Rows
 from planner.data.loader import LoaderSettings, MicroBatches
-from planner.model.glm import GLMModel, WordEmbedding, block_flags
+from planner.model.embedding import WordEmbedding
+from planner.model.glm import GLMModel
+from planner.model.recompute import block_flags
 from planner.model.parallel.groups import SINGLE, Groups
 from planner.model.parallel.pipeline import build_pipeline
 from planner.model.parallel.tensor import seed_dropout

@@ -22,7 +22,7 @@ from planner.runtime.train.hooks import dump_first_grads, record_first_forward, 
 from planner.runtime.observe.allocated import ALLOCATED_METHOD, AllocatedMeter
 from planner.runtime.observe.measure import (CPU_METHOD, GPU_METHOD, ActivationRecorder, model_states, peak_bytes,
                                              reset_peak, rss_bytes)
-from planner.model.glm import Block
+from planner.model.block import Block
 from planner.runtime.observe.monitor import StabilityMonitor
 from planner.runtime.files import CKPT_DIR, RANKS_DIR, progress
 from planner.runtime.train.settings import configure_lr
