@@ -29,6 +29,9 @@ Two more cases come from the search, not from the default spaces:
     # feasible plan of tiny GLM-4.5-Air, and of tiny ChatGLM3 with cp > 1 (its cp-free plans are
     # the sweep above), with the search offering cp at the tiny models' 128-token sequences:
     .venv/bin/python benchmarks/plans_start.py --moe-cp --lock /tmp/planner-cpu.lock
+    # the same with up to 40 plans of one world size per launch of the ranks (import and
+    # profiler start paid once per launch; planner/runtime/train/batch.py):
+    nice -n 19 .venv/bin/python -u benchmarks/plans_start.py --moe-cp --batch 40
 
 The feasible plans are started in a seeded random order (`--seed`), so `--limit N` or a time
 budget (`--budget-s S`: no new start after S seconds; the rest are counted as not tried) give
@@ -245,7 +248,27 @@ def start(case: Case, run_dir: Path, *, steps: int = 1, warmup: int = 0, timeout
         m = run_plan(run_dir, steps=steps, warmup=warmup, timeout=timeout)
     except PlannerError as exc:
         return Outcome(case=case, started=False, wall_s=time.perf_counter() - t0, cause=exc.line())
-    wall = time.perf_counter() - t0
+    return outcome(case, m, time.perf_counter() - t0, steps)
+
+
+def start_batch(cases: list[Case], run_dirs: list[Path], *, steps: int = 1, warmup: int = 0,
+                timeout: float = 300.0) -> list[Outcome]:
+    """start() for plans of one world size with one launch of the ranks for all of them
+    (planner.runtime.train.batch.run_plans: the same run directories and trainer, fresh engine,
+    groups and data per plan, DeepSpeed's process-wide state restored between plans). The wall
+    time of each is the batch's divided evenly."""
+    from planner.runtime.train.batch import run_plans
+    for c, d in zip(cases, run_dirs):
+        write_run(c, d)
+    t0 = time.perf_counter()
+    results = run_plans(run_dirs, steps=steps, warmup=warmup, timeout=timeout)
+    wall = (time.perf_counter() - t0) / max(1, len(cases))
+    return [Outcome(case=c, started=False, wall_s=wall, cause=m.line()) if isinstance(m, PlannerError)
+            else outcome(c, m, wall, steps) for c, m in zip(cases, results)]
+
+
+def outcome(case: Case, m: dict[str, Any], wall: float, steps: int) -> Outcome:
+    """A run's metrics.json as a start's outcome: started when status ok and `steps` finite losses."""
     loss = tuple(float(x) for x in m.get("loss") or ())
     if m.get("status") != "ok":
         return Outcome(case=case, started=False, wall_s=wall, loss=loss, cause=f"status {m.get('status')}: {m.get('error')}")
@@ -342,11 +365,11 @@ def shrunk_glm130b(workdir: Path) -> tuple[Case, Plan]:
 
 def row(o: Outcome) -> str:
     started = "yes" if o.started else "NO"
-    cause = "" if o.started else f"  {o.cause[:300]}"
+    cause = f"  {o.loss[0]:.6f}" if o.started else f"  {o.cause[:300]}"
     return f"{o.case.label():78s} {o.case.processes:>3d} {started:>7s} {o.wall_s:8.1f}{cause}"
 
 
-HEADER = f"{'plan':78s} {'np':>3s} {'started':>7s} {'wall s':>8s}  cause"
+HEADER = f"{'plan':78s} {'np':>3s} {'started':>7s} {'wall s':>8s}  first loss, or the cause"
 
 
 class _Lock:
@@ -370,8 +393,13 @@ class _Lock:
 
 
 def run_all(cases: list[Case], root: Path, *, budget_s: float | None = None, steps: int = 1, warmup: int = 0,
-            lock: str | None = None, echo: Callable[[str], None] = print) -> tuple[list[Outcome], int]:
-    """Start the cases in order; returns the outcomes and how many were not tried (budget)."""
+            lock: str | None = None, echo: Callable[[str], None] = print, batch: int = 1) -> tuple[list[Outcome], int]:
+    """Start the cases in order; returns the outcomes and how many were not tried (budget).
+    batch > 1: up to `batch` plans of one world size per launch (start_batch), the cases
+    grouped by world size in their order."""
+    if batch > 1:
+        return _run_batched(cases, root, budget_s=budget_s, steps=steps, warmup=warmup, lock=lock, echo=echo,
+                            batch=batch)
     outcomes: list[Outcome] = []
     t0 = time.perf_counter()
     for i, c in enumerate(cases):
@@ -383,6 +411,30 @@ def run_all(cases: list[Case], root: Path, *, budget_s: float | None = None, ste
             shutil.rmtree(root / f"plan-{i:04d}", ignore_errors=True)
         outcomes.append(o)
         echo(row(o))
+    return outcomes, 0
+
+
+def _run_batched(cases: list[Case], root: Path, *, budget_s: float | None, steps: int, warmup: int,
+                 lock: str | None, echo: Callable[[str], None], batch: int) -> tuple[list[Outcome], int]:
+    """run_all with `batch` plans per launch: per world size (in order of first appearance), the
+    cases in their order, in chunks of `batch`."""
+    by_np: dict[int, list[tuple[int, Case]]] = {}
+    for i, c in enumerate(cases):
+        by_np.setdefault(c.processes, []).append((i, c))
+    chunks = [g[j:j + batch] for g in by_np.values() for j in range(0, len(g), batch)]
+    outcomes: list[Outcome] = []
+    t0 = time.perf_counter()
+    for n, chunk in enumerate(chunks):
+        if budget_s is not None and time.perf_counter() - t0 > budget_s:
+            return outcomes, sum(len(ch) for ch in chunks[n:])
+        dirs = [root / f"plan-{i:04d}" for i, _ in chunk]
+        with _Lock(lock):
+            got = start_batch([c for _, c in chunk], dirs, steps=steps, warmup=warmup)
+        for o, d in zip(got, dirs):
+            if o.started:
+                shutil.rmtree(d, ignore_errors=True)
+            outcomes.append(o)
+            echo(row(o))
     return outcomes, 0
 
 
@@ -424,6 +476,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--moe-cp", action="store_true",
                     help=f"the issue-22 sweep: models {','.join(MOE_CP_MODELS)}, flash attention, --context-parallel "
                          "on, --no-extra, and only the plans with MoE layers or cp > 1")
+    ap.add_argument("--batch", type=int, default=1, metavar="N",
+                    help="start up to N plans of one world size per launch of the ranks (planner.runtime.train.batch; "
+                         "1: one launch per plan, as `planner run`)")
     ap.add_argument("--keep", default="", help="directory for the run directories (default: a temporary one, "
                                                "removed unless a run failed)")
     args = ap.parse_args(argv)
@@ -459,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         return 0
     print(HEADER)
-    outcomes, untried = run_all(cases, root, budget_s=args.budget_s, lock=args.lock)
+    outcomes, untried = run_all(cases, root, budget_s=args.budget_s, lock=args.lock, batch=args.batch,
+                                echo=lambda line: print(line, flush=True))
     more, _ = run_all(extra, root / "partial", lock=args.lock)
     shrunk_line = ""
     if not args.no_extra and "glm-130b" in models:

@@ -61,6 +61,8 @@ def block_tensors(model: ModelSpec, t: int) -> Tensors:
     out.append(h * (q + 2 * kv) // t)                           # QKV weight (column)
     if model.qkv_bias:
         out.append((q + 2 * kv) // t)                           # QKV bias (split with it)
+    if model.qk_norm:
+        out += [model.dim_per_head] * 2                         # QK-norm weights (replicated)
     out.append(q * h // t)                                      # attention output weight (row)
     if model.linear_bias:
         out.append(h)                                           # its bias (replicated)

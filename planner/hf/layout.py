@@ -20,8 +20,10 @@ Layouts (parameter names of the families' public modeling code):
   conversion_mapping.py "qwen2_moe"), the shared experts mlp.shared_experts.{gate,up,down}_proj
   (n_shared_experts x moe_intermediate_size columns). The executor's names: layers.N.mlp.router,
   layers.N.mlp.experts.E.dense_{h_to_4h,4h_to_h}, layers.N.mlp.shared_experts.dense_*.
-  Glm4Moe's routing options the executor's router does not have are refused on load
-  (moe_config_problem): QK-norm, routed_scaling_factor != 1, n_group > 1, norm_topk_prob false.
+  GLM-4.5's QK-norm (use_qk_norm) is model.layers.N.self_attn.{q,k}_norm.weight [head_dim]
+  (the executor's layers.N.self_attention.{q,k}_norm.weight) and its routed_scaling_factor is
+  MoESpec.routed_scale. Glm4Moe's routing options the executor's router does not have are
+  refused on load (moe_config_problem): n_group > 1, norm_topk_prob false.
 
 The executor fuses [q | k | v] and [gate | up] along the output rows, and the query heads of
 one KV group are consecutive (head i reads KV group i // (heads / kv), as transformers'
@@ -54,7 +56,7 @@ FIELD = "--init-hf"
 INDEX = "model.safetensors.index.json"
 COMPARED = ("hidden", "layers", "heads", "kv_heads", "dim_per_head", "ffn_hidden", "activation", "vocab", "norm",
             "norm_position", "position", "qkv_bias", "linear_bias", "tied_embeddings", "norm_eps", "rope_theta",
-            "rotary_fraction", "rope_interleaved")
+            "rotary_fraction", "rope_interleaved", "qk_norm")
 """ModelSpec fields a checkpoint's config.json must agree on with the plan's model (shape and math)."""
 
 
@@ -83,6 +85,9 @@ def check_supported(spec: ModelSpec, layout: str, where: str = FIELD) -> None:
                         f"the {layout} layout is {'MoE' if layout == 'glm4_moe' else 'dense'}",
                         "use a glm4_moe checkpoint for a MoE model" if spec.moe else
                         "use a llama, glm or chatglm checkpoint for a dense model")
+    if spec.qk_norm and layout != "glm4_moe":
+        raise SpecError(where, f"{spec.name} has QK-norm, which the {layout} layout has no tensors for",
+                        "use a glm4_moe checkpoint (GLM-4.5) or a model without QK-norm")
     if layout == "llama" and spec.qkv_bias != spec.linear_bias:
         raise SpecError(where, "llama with attention_bias != mlp_bias: the executor's attention output bias follows "
                         "the MLP's", "use a checkpoint with both biases or neither")
@@ -95,17 +100,17 @@ def check_supported(spec: ModelSpec, layout: str, where: str = FIELD) -> None:
                         "re-plan with the checkpoint's config.json")
 
 
-MOE_COMPARED = ("experts", "top_k", "expert_ffn", "shared_experts", "shared_size", "first_dense", "router")
+MOE_COMPARED = ("experts", "top_k", "expert_ffn", "shared_experts", "shared_size", "first_dense", "router",
+                "routed_scale")
 """MoESpec fields a glm4_moe checkpoint's config.json must agree on with the plan's model."""
 
 
 def moe_config_problem(config: dict[str, Any]) -> tuple[str, str, str] | None:
     """(key, what is wrong, fix) for a Glm4MoeConfig option the executor's block does not compute
-    (planner/model/moe.py Router: top-k of sigmoid + bias over all experts, weights normalised;
-    no QK-norm in its attention), else None. Defaults are transformers 5.24's Glm4MoeConfig."""
-    checks = (("use_qk_norm", False, "QK-norm (GLM-4.5) is not built by the executor's attention"),
-              ("routed_scaling_factor", 1.0, "the executor's router does not scale the routed output"),
-              ("n_group", 1, "group-limited routing is not built by the executor's router"),
+    (planner/model/moe.py Router: top-k of sigmoid + bias over all experts, weights normalised
+    then scaled by routed_scaling_factor), else None. Defaults are transformers 5.24's
+    Glm4MoeConfig."""
+    checks = (("n_group", 1, "group-limited routing is not built by the executor's router"),
               ("norm_topk_prob", True, "the executor's router always normalises the top-k weights"))
     for key, want, why in checks:
         got = config.get(key, want)
@@ -127,6 +132,8 @@ def sources(canonical: str, spec: ModelSpec, layout: str) -> list[tuple[str, int
         if parts[-2] == "dense_h_to_4h":
             return [(f"{pre}.gate_proj.{parts[-1]}", rows // 2), (f"{pre}.up_proj.{parts[-1]}", rows // 2)]
         return [(f"{pre}.down_proj.{parts[-1]}", rows)]
+    if ".self_attention.q_norm." in canonical or ".self_attention.k_norm." in canonical:  # QK-norm (glm4_moe)
+        return [(f"model.layers.{parts[1]}.self_attn.{parts[-2]}.{parts[-1]}", spec.dim_per_head)]
     if layout == "chatglm":
         if parts[0] == "layers":
             name = "transformer.encoder." + canonical
@@ -167,6 +174,8 @@ def full_shape(canonical: str, spec: ModelSpec) -> tuple[int, ...]:
         return spec.vocab, h
     if ".mlp.router." in canonical:
         return (spec.moe.experts,) + ((h,) if canonical.endswith(".weight") else ())
+    if canonical.split(".")[-2] in ("q_norm", "k_norm"):
+        return (spec.dim_per_head,)
     if ".mlp.experts." in canonical:
         f = spec.moe.expert_ffn
     elif ".mlp.shared_experts." in canonical:
@@ -188,6 +197,7 @@ def canonical_names(spec: ModelSpec) -> list[str]:
         p = f"layers.{i}."
         names += [p + "input_layernorm.weight", p + "self_attention.query_key_value.weight"]
         names += [p + "self_attention.query_key_value.bias"] if spec.qkv_bias else []
+        names += [p + "self_attention.q_norm.weight", p + "self_attention.k_norm.weight"] if spec.qk_norm else []
         names += [p + "self_attention.dense.weight"] + ([p + "self_attention.dense.bias"] if spec.linear_bias else [])
         names.append(p + "post_attention_layernorm.weight")
         ffns = [p + "mlp."]
@@ -363,8 +373,8 @@ def hf_config(spec: ModelSpec, layout: str) -> dict[str, Any]:
         cfg = transformers.Glm4MoeConfig(
             **common, architectures=["Glm4MoeForCausalLM"], moe_intermediate_size=m.expert_ffn,
             n_routed_experts=m.experts, num_experts_per_tok=m.top_k, n_shared_experts=m.shared_experts,
-            first_k_dense_replace=m.first_dense, routed_scaling_factor=1.0, n_group=1, topk_group=1,
-            norm_topk_prob=True, use_qk_norm=False, num_nextn_predict_layers=0,
+            first_k_dense_replace=m.first_dense, routed_scaling_factor=m.routed_scale, n_group=1, topk_group=1,
+            norm_topk_prob=True, use_qk_norm=spec.qk_norm, num_nextn_predict_layers=0,
             rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta,
                              "partial_rotary_factor": spec.rotary_fraction})
         return cfg.to_dict()

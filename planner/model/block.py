@@ -16,7 +16,7 @@ from planner.model import recompute
 from planner.model.attention import ATTENTION, StageCache, _LinearAttention, dropout, eager_attention, rotary
 from planner.model.kvcache import KVStep
 from planner.model.moe import MoEFFN
-from planner.model.norms import make_norm
+from planner.model.norms import HeadRMSNorm, make_norm
 from planner.model.parallel.groups import SINGLE, TPGroup
 from planner.model.parallel.tensor import ColumnParallelLinear, RowParallelLinear, scaled_std, tp_rng
 from planner.specs.model import ModelSpec
@@ -47,6 +47,10 @@ class SelfAttention(nn.Module):
                                                     spec.qkv_bias, tp, f"{name}.query_key_value", seed)
         self.dense = RowParallelLinear(spec.q_size, spec.hidden, spec.linear_bias, tp, f"{name}.dense", seed,
                                        std=scaled_std(spec.layers))
+        self.q_norm = self.k_norm = None
+        if spec.qk_norm:  # GLM-4.5: RMSNorm of each head's query and key before rotary (norms.py)
+            self.q_norm = HeadRMSNorm(spec.dim_per_head, tp, f"{name}.q_norm", eps=spec.norm_eps)
+            self.k_norm = HeadRMSNorm(spec.dim_per_head, tp, f"{name}.k_norm", eps=spec.norm_eps)
         self.checkpoint_core = False
         """Selective recompute: recompute the attention core in backward (Korthikanti et al. 2022)."""
 
@@ -81,6 +85,8 @@ class SelfAttention(nn.Module):
         b, s = qkv.shape[:2]
         d = spec.dim_per_head
         q, k, v = q.reshape(b, s, -1, d), k.reshape(b, s, -1, d), v.reshape(b, s, -1, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if kv is not None:  # generation: the new tokens over the KV cache (kvcache.py)
             if kv.angles is not None:
                 il = spec.rope_interleaved

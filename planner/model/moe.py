@@ -77,7 +77,8 @@ class Router(nn.Module):
         self.ep_group = group
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(expert indices [T, k], weights [T, k] fp32) of tokens x [T, h]."""
+        """(expert indices [T, k], weights [T, k] fp32) of tokens x [T, h]: the top-k weights
+        normalised to sum 1, times MoESpec.routed_scale (transformers' Glm4MoeTopkRouter)."""
         m = self.spec.moe
         logits = F.linear(x.float(), self.weight.float())
         if m.router == "sigmoid":
@@ -87,7 +88,7 @@ class Router(nn.Module):
             scores = torch.softmax(logits, dim=-1)
             idx = torch.topk(scores.detach(), m.top_k, dim=-1).indices
         w = scores.gather(-1, idx)
-        return idx, w / w.sum(-1, keepdim=True)
+        return idx, w / w.sum(-1, keepdim=True) * m.routed_scale  # GLM-4.5: routed_scaling_factor 2.5
 
     def forward(self, x: torch.Tensor, used_token=None, sparse_routes: bool = True, use_tutel: bool = False):
         """MOELayer's gate call: (l_aux, capacity, E, indices [k, T], locations [k, T], gates

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from planner.model.parallel.groups import TPGroup
-from planner.model.parallel.tensor import mark_replicated, replicated
+from planner.model.parallel.tensor import copy_to_tp, mark_replicated, replicated
 from planner.specs.model import ModelSpec
 
 
@@ -45,6 +45,16 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _RMSNormFn.apply(x, replicated(self.weight, self.tp), self.eps)
+
+
+class HeadRMSNorm(RMSNorm):
+    """QK-norm (GLM-4.5's use_qk_norm; transformers' Glm4MoeAttention q_norm / k_norm): an RMSNorm
+    over each head's head_dim values, one weight shared by the heads. A TP rank normalises its
+    own heads only, so the weight's gradient is partial on each TP rank and is all-reduced over
+    TP in backward (copy_to_tp), sequence parallelism or not."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RMSNormFn.apply(x, copy_to_tp(self.weight, self.tp), self.eps)
 
 
 class LayerNorm(nn.Module):

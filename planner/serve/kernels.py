@@ -3,9 +3,11 @@
 A weight-only int4/int8 GEMM of `rows` tokens runs at its roofline (the quantized weight bytes
 at the bandwidth, the FLOPs at the fp16 tensor rate: planner/serve/cost.py step_terms) divided
 by the kernel's measured efficiency at that row count: Marlin's speedup over FP16 divided by
-the ideal speedup, both read off its README's figure (source in the file). 1 up to 32 rows,
-0.945 at 64-128, held beyond 128 (an extrapolation: the file says so). int8 uses the int4
-curve (no 8-bit curve published). fp8 (W8A8): vLLM's FP8-vs-BF16 GEMM benchmark on H100
+the ideal speedup (sources in the file): 1 up to 32 rows, 0.945 at 64-128 (its README's figure,
+A10); 0.74 at 256 falling to 0.60-0.61 at 2048-4000 rows (Marlin's bench.py on an A100, vLLM
+PR #2497: beyond 64 rows Marlin repeats its 64-row tile and stays at ~141 TFLOP/s while FP16
+GEMMs run faster, so a 4-bit prefill is slower than a bf16 one), held beyond 4000. int8 uses
+the int4 curve (no 8-bit curve published). fp8 (W8A8): vLLM's FP8-vs-BF16 GEMM benchmark on H100
 (PR #49363), the FP8 speedup over BF16 divided by the ideal 2x: 0.88 at 1 row, 0.78 at 128,
 held beyond; bf16: 1.
 """

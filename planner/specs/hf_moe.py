@@ -42,11 +42,16 @@ def _glm4_moe(cfg: _Config, name: str, family: str) -> ModelSpec:
     experts of the routed size, the first first_k_dense_replace blocks dense; rotary on
     partial_rotary_factor (0.5) of each head with rotate_half pairs."""
     base = dataclasses.replace(_llama_like(cfg, name, family), rope_interleaved=False,
-                               qkv_bias=cfg.bool("attention_bias", False))
+                               qkv_bias=cfg.bool("attention_bias", False), qk_norm=cfg.bool("use_qk_norm", False))
+    scale = cfg.data.get("routed_scaling_factor", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise SpecError(f"{cfg.where}: routed_scaling_factor", f"must be a number, got {scale!r}",
+                        "fix the config.json (GLM-4.5: 2.5, GLM-4.5-Air: 1.0)")
     return _moe(cfg, base, experts=cfg.int("n_routed_experts", "num_local_experts"),
                 top_k=cfg.int("num_experts_per_tok"), expert_ffn=cfg.int("moe_intermediate_size"),
                 shared_experts=cfg.data.get("n_shared_experts") or 0,
-                first_dense=cfg.data.get("first_k_dense_replace") or 0, router="sigmoid")
+                first_dense=cfg.data.get("first_k_dense_replace") or 0, router="sigmoid",
+                routed_scale=float(scale))
 
 
 def _qwen3_moe(cfg: _Config, name: str, family: str) -> ModelSpec:

@@ -88,6 +88,9 @@ class ModelSpec:
     rope_interleaved: bool = True
     """Rotated pairs: (2i, 2i+1) (ChatGLM, transformers' GlmForCausalLM) or, False, (i, i + r/2)
     (llama's rotate_half)."""
+    qk_norm: bool = False
+    """RMSNorm over each head's query and key (head_dim weights each, shared by the heads),
+    before rotary (GLM-4.5: use_qk_norm; transformers' Glm4MoeAttention q_norm / k_norm)."""
     # --- model-variant what-ifs (docs/variants.md); the defaults are the model as published ---
     attention_kind: str = "softmax"
     """softmax, or linear: causal linear attention with the elu(x) + 1 feature map (Katharopoulos
@@ -137,6 +140,9 @@ class ModelSpec:
                 or not 0.0 < self.rotary_fraction <= 1.0):
             raise SpecError("model.rotary_fraction", f"must be in (0, 1], got {self.rotary_fraction!r}",
                             "use 0.5 (ChatGLM, GLM) or 1 (llama)")
+        if not isinstance(self.qk_norm, bool):
+            raise SpecError("model.qk_norm", f"must be true or false, got {self.qk_norm!r}",
+                            "use true (GLM-4.5) or false")
         if not isinstance(self.rope_interleaved, bool):
             raise SpecError("model.rope_interleaved", f"must be true or false, got {self.rope_interleaved!r}",
                             "use true (ChatGLM, GLM) or false (llama)")
@@ -261,7 +267,7 @@ class ModelSpec:
         h = self.hidden
         weights = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         biases = (self.q_size + 2 * self.kv_size if self.qkv_bias else 0) + (h if self.linear_bias else 0)
-        return weights + biases
+        return weights + biases + (2 * self.dim_per_head if self.qk_norm else 0)  # QK-norm: q and k weights
 
     @property
     def ffn_params(self) -> int:

@@ -44,6 +44,10 @@ class MoESpec:
     router: str = "softmax"
     """softmax (Mixtral, Qwen3-MoE) or sigmoid with a per-expert bias for balancing
     (DeepSeek-V3, GLM-4.5: scoring_func sigmoid, e_score_correction_bias)."""
+    routed_scale: float = 1.0
+    """Factor on the routed experts' normalised top-k weights (GLM-4.5 and DeepSeek-V3:
+    routed_scaling_factor 2.5; transformers' Glm4MoeTopkRouter). Scales the routed output, not
+    its cost."""
     capacity_factor: float = 0.0
     """Tokens an expert takes, over the mean k T / E (GShard's capacity; the rest are dropped,
     shortfalls padded); 0 = dropless (every routed token runs: Megatron-Core's default)."""
@@ -65,6 +69,10 @@ class MoESpec:
                             f"use a top-k of at most {self.experts}")
         if self.router not in ROUTERS:
             raise SpecError("model.moe.router", f"unknown value {self.router!r}", f"use one of {', '.join(ROUTERS)}")
+        rs = self.routed_scale
+        if isinstance(rs, bool) or not isinstance(rs, (int, float)) or not rs > 0:
+            raise SpecError("model.moe.routed_scale", f"must be a positive number, got {rs!r}",
+                            "use the config's routed_scaling_factor (1 for GLM-4.5-Air, 2.5 for GLM-4.5)")
         cf, imb = self.capacity_factor, self.imbalance
         if isinstance(cf, bool) or not isinstance(cf, (int, float)) or cf < 0:
             raise SpecError("model.moe.capacity_factor", f"must be >= 0, got {cf!r}", "use 0 (dropless) or e.g. 1.25")

@@ -41,15 +41,19 @@ PRESETS: dict[str, ModelSpec] = {
     # Air's shape is also transformers 5.24's Glm4MoeConfig default. Rotary on half of each
     # head with rotate_half pairs (transformers glm4_moe apply_rotary_pos_emb), theta 1e6; a QKV
     # bias (--add-qkv-bias), no other bias; sigmoid router with a balancing bias, one shared
-    # expert of the routed size, dropless. Left out: GLM-4.5's QK-norm (2 x 128 weights per
-    # layer) and the multi-token-prediction layer (num_nextn_predict_layers 1), which is why the
-    # totals here (352.8B, 106.9B; active without embeddings 32.1B, 12.2B, published 32B and
-    # 12B: tests/unit/test_moe_spec.py) sit under the published 355B / 106B totals.
+    # expert of the routed size, dropless. GLM-4.5 only: QK-norm (use_qk_norm; slime's
+    # --qk-layernorm: 2 x 128 weights per layer) and routed_scaling_factor 2.5 (slime's
+    # --moe-router-topk-scaling-factor 2.5); GLM-4.5-Air has neither (factor 1.0, no QK-norm:
+    # NVIDIA-NeMo/Megatron-Bridge docs/models/llm/glm45.md). Left out: the multi-token-prediction
+    # layer (num_nextn_predict_layers 1), which is why the totals here (352.8B, 106.9B; active
+    # without embeddings 32.1B, 12.2B, published 32B and 12B: tests/unit/test_moe_spec.py) sit
+    # under the published 355B / 106B totals.
     "glm-4.5": ModelSpec(
         name="glm-4.5", model_type="glm4_moe", hidden=5120, layers=92, heads=96, kv_groups=8, head_dim=128,
         ffn_hidden=12288, activation="swiglu", vocab=151552, max_seq=131072, norm="rmsnorm", norm_position="pre",
-        position="rotary", qkv_bias=True, linear_bias=False, rope_theta=1e6, rope_interleaved=False,
-        moe=MoESpec(experts=160, top_k=8, expert_ffn=1536, shared_experts=1, first_dense=3, router="sigmoid")),
+        position="rotary", qkv_bias=True, linear_bias=False, rope_theta=1e6, rope_interleaved=False, qk_norm=True,
+        moe=MoESpec(experts=160, top_k=8, expert_ffn=1536, shared_experts=1, first_dense=3, router="sigmoid",
+                    routed_scale=2.5)),
     "glm-4.5-air": ModelSpec(
         name="glm-4.5-air", model_type="glm4_moe", hidden=4096, layers=46, heads=96, kv_groups=8, head_dim=128,
         ffn_hidden=10944, activation="swiglu", vocab=151552, max_seq=131072, norm="rmsnorm", norm_position="pre",

@@ -49,7 +49,7 @@ def _source(root: Path, kind: str, **kw):
     if kind == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE, **kw))
     elif kind == "glm4_moe":
-        model = transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(**SHAPE, **MOE))
+        model = transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(**SHAPE, **MOE, **kw))
     else:
         model = transformers.GlmForCausalLM(transformers.GlmConfig(**SHAPE))
     with torch.no_grad():  # norms and biases away from 1 / 0, so a misplaced one shows
@@ -171,12 +171,18 @@ def test_tied_llama_through_dp2_zero3(tmp_path: Path) -> None:
     assert same < 1e-5
 
 
+GLM45 = {"air": {}, "glm-4.5": dict(use_qk_norm=True, routed_scaling_factor=2.5)}
+"""GLM-4.5-Air's routing and attention options, and GLM-4.5's (QK-norm, routed scaling 2.5)."""
+
+
 @pytest.mark.skipif(not hasattr(transformers, "Glm4MoeForCausalLM"), reason="no Glm4MoeForCausalLM here")
-def test_glm4_moe_through_ep2(tmp_path: Path) -> None:
+@pytest.mark.parametrize("flavour", sorted(GLM45))
+def test_glm4_moe_through_ep2(tmp_path: Path, flavour: str) -> None:
     """DeepSpeed-MoE with EP 2 over DP 2 (2 processes, ZeRO-1, fp32): each rank loads its two
     experts, the step-0 loss is transformers' on the same batches, and the checkpoint saved after
-    a step at learning rate 1e-12 (experts gathered over the EP group) gives transformers' logits."""
-    src, ref = _source(tmp_path, "glm4_moe")
+    a step at learning rate 1e-12 (experts gathered over the EP group) gives transformers' logits.
+    For GLM-4.5's options too (QK-norm weights loaded and saved, the router's 2.5)."""
+    src, ref = _source(tmp_path, "glm4_moe", **GLM45[flavour])
     data = _corpus(tmp_path)
     probe = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(9))
     metrics, out = _run(tmp_path, "ep2", src, data, layout=dict(dp=2, ep=2, zero=1), steps=1, lr=1e-12)
@@ -185,7 +191,7 @@ def test_glm4_moe_through_ep2(tmp_path: Path) -> None:
     back = type(ref).from_pretrained(out).eval()
     with torch.no_grad():
         same = float((back(input_ids=probe).logits - ref(input_ids=probe).logits).abs().max())
-    print(f"\nHF WEIGHTS | glm4_moe EP2xDP2 ZeRO-1 fp32 | step-0 loss {metrics['loss'][0]:.6f} vs transformers "
+    print(f"\nHF WEIGHTS | glm4_moe ({flavour}) EP2xDP2 ZeRO-1 fp32 | step-0 loss {metrics['loss'][0]:.6f} vs transformers "
           f"{want:.6f} (rel {err:.1e}) | saved after lr 1e-12: max |dlogit| {same:.1e}")
     for k, v in ref.state_dict().items():
         assert torch.allclose(back.state_dict()[k], v, rtol=0, atol=1e-9), k

@@ -50,10 +50,14 @@ def _hf_model(**kw):
     return model.eval()
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hf") / "glm4_moe"
-    model = _hf_model()
+FLAVOURS = {"air": {}, "glm-4.5": dict(use_qk_norm=True, routed_scaling_factor=2.5)}
+"""GLM-4.5-Air's options (no QK-norm, routed_scaling_factor 1.0) and GLM-4.5's (QK-norm, 2.5)."""
+
+
+@pytest.fixture(scope="module", params=sorted(FLAVOURS))
+def checkpoint(tmp_path_factory, request):
+    path = tmp_path_factory.mktemp("hf") / f"glm4_moe-{request.param}"
+    model = _hf_model(**FLAVOURS[request.param])
     model.save_pretrained(path)
     return path, model
 
@@ -166,8 +170,6 @@ def _error(path, spec, field="--init-hf") -> SpecError:
 
 
 @pytest.mark.parametrize("key, value, words", [
-    ("use_qk_norm", True, "QK-norm"),
-    ("routed_scaling_factor", 2.5, "does not scale the routed output"),
     ("n_group", 4, "group-limited routing"),
     ("norm_topk_prob", False, "always normalises"),
 ])
@@ -190,3 +192,50 @@ def test_moe_shape_mismatch_and_dense_layouts_are_refused(checkpoint):
         W.check_supported(spec, "llama")
     with pytest.raises(SpecError, match="a dense model, the glm4_moe layout is MoE"):
         W.check_supported(dataclasses.replace(spec, moe=None), "glm4_moe")
+
+
+# --- GLM-4.5: QK-norm and routed_scaling_factor -----------------------------------------------------
+
+
+def test_glm45_options_are_read_and_matter(checkpoint):
+    """GLM-4.5's use_qk_norm and routed_scaling_factor 2.5 load into the spec and the model
+    (q_norm / k_norm read from the file, the router scaling its weights); each one, undone,
+    moves the logits away from transformers' (so the parity above depends on both)."""
+    path, ref = checkpoint
+    cfg = json.loads((path / "config.json").read_text())
+    spec, model = _executor(path)
+    assert spec.qk_norm == bool(cfg.get("use_qk_norm")) and spec.moe.routed_scale == cfg["routed_scaling_factor"]
+    if not spec.qk_norm:
+        assert spec.moe.routed_scale == 1.0 and model.layers[0].self_attention.q_norm is None
+        return
+    attn = model.layers[1].self_attention
+    assert torch.equal(attn.q_norm.weight, ref.model.layers[1].self_attn.q_norm.weight)
+    assert torch.equal(attn.k_norm.weight, ref.model.layers[1].self_attn.k_norm.weight)
+    assert W.expected_tensors(spec, "glm4_moe")["model.layers.1.self_attn.q_norm.weight"] == (16,)
+    ids, pos, seg = _batch()
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+        assert float((model(ids, pos, seg) - want).abs().max()) < 1e-5
+        unscaled = _executor_with(path, dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, routed_scale=1.0)))
+        assert float((unscaled(ids, pos, seg) - want).abs().max()) > 1e-3
+        for layer in model.layers:
+            layer.self_attention.q_norm.weight.fill_(1.0)
+        assert float((model(ids, pos, seg) - want).abs().max()) > 1e-3
+
+
+def _executor_with(path: Path, spec):
+    """The executor built for `spec` (here: routed_scale 1) with the file's weights (loaded
+    against the file's own MoE fields, so the config comparison passes)."""
+    model = GLMModel(spec, [False] * spec.layers, False)
+    W.load_hf_weights(model, path, dataclasses.replace(spec, moe=load_hf_config(path).moe))
+    return model.eval()
+
+
+def test_qk_norm_params_are_counted(checkpoint):
+    """ModelSpec counts QK-norm's two head_dim weights per block, as the executor holds them."""
+    path, _ = checkpoint
+    spec, model = _executor(path)
+    held = sum(p.numel() for p in model.parameters())
+    assert held == spec.params
+    plain = dataclasses.replace(spec, qk_norm=False)
+    assert spec.params - plain.params == (2 * 16 * spec.layers if spec.qk_norm else 0)

@@ -89,6 +89,39 @@ def run_plan(run_dir: str | Path, *, timeout: float = 600.0, ignore_host_checks:
     train, rank 0's progress lines (DIR/.ranks/progress.jsonl) go to `echo`; rank 0 writes
     metrics.json at the end (the launcher rebuilds it from result.json if it did not).
     `step_sleep` and `save_sleep` are test hooks (a pause after each step / checkpoint file)."""
+    prep = prepare_run(run_dir, timeout=timeout, ignore_host_checks=ignore_host_checks,
+                       resume_if_present=resume_if_present, echo=echo, **options)
+    run, plan, world, opts = prep.run, prep.plan, prep.plan.world_size, prep.opts
+    cmd = [sys.executable, "-m", dsconfig.ENTRY_MODULE, "--run-dir", str(run), *opts.absolute().to_argv()]
+    echo(f"launching {world} rank(s): {plan.describe()}")
+    if opts.metrics_port:
+        echo(f"metrics: http://{opts.metrics_host}:{opts.metrics_port}/metrics (rules {ALERTS_FILE}, "
+             f"dashboard {DASHBOARD_FILE})")
+    failure = _launch(run, cmd, rank_environment(prep, timeout), world, timeout,
+                      _Follower(prep.progress_file, echo, prep.shown))
+    if failure is not None:
+        raise record_failure(prep, *failure)
+    return collect_metrics(prep)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Prepared:
+    """A run directory checked and cleared for its ranks (prepare_run)."""
+
+    run: Path
+    plan: Any
+    model: Any
+    cluster: Any
+    opts: TrainerOptions
+    progress_file: Path
+    shown: int
+
+
+def prepare_run(run_dir: str | Path, *, timeout: float = 600.0, ignore_host_checks: bool = False,
+                resume_if_present: bool = False, echo: Callable[[str], None] = lambda s: None,
+                **options: Any) -> Prepared:
+    """run_plan up to the launch: every refusal (ExecutionError), then the run directory cleared
+    of what a previous run left."""
     opts = TrainerOptions(**options)
     run = Path(run_dir).resolve()
     check_counts(opts.steps, opts.warmup, timeout)
@@ -105,29 +138,39 @@ def run_plan(run_dir: str | Path, *, timeout: float = 600.0, ignore_host_checks:
         atomic_write_json(run / "ds_config.json", missing_cfg)
         echo("ds_config.json was missing: written from plan.json")
     progress_file, shown = _prepare_run_dir(run, opts.resume)
-    world = plan.world_size
+    return Prepared(run, plan, model, cluster, opts, progress_file, shown)
+
+
+def rank_environment(prep: Prepared, timeout: float) -> dict[str, str]:
+    """The ranks' environment: torchrun's standalone rendezvous, DeepSpeed's collective timeout,
+    OMP threads split between the ranks, the CPU accelerator on a CPU cluster."""
+    world = prep.plan.world_size
     env = rank_env(world, LOCAL_WORLD_SIZE=str(world), DEEPSPEED_TIMEOUT=str(max(1, int(timeout // 60) + 1)))
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
-    if cluster.device.kind == "cpu":
+    if prep.cluster.device.kind == "cpu":
         env.update(DS_ACCELERATOR="cpu", MALLOC_MMAP_THRESHOLD_="65536")
-    cmd = [sys.executable, "-m", dsconfig.ENTRY_MODULE, "--run-dir", str(run), *opts.absolute().to_argv()]
-    echo(f"launching {world} rank(s): {plan.describe()}")
-    if opts.metrics_port:
-        echo(f"metrics: http://{opts.metrics_host}:{opts.metrics_port}/metrics (rules {ALERTS_FILE}, "
-             f"dashboard {DASHBOARD_FILE})")
-    failure = _launch(run, cmd, env, world, timeout, _Follower(progress_file, echo, shown))
-    if failure is not None:
-        rank, cause = failure
-        metrics = failure_metrics(run, plan, model, world, cluster, opts.warmup, opts.steps, opts.batching, rank,
-                                  cause)
-        atomic_write_json(run / "metrics.json", metrics)
-        raise ExecutionError(f"rank {rank}" if rank is not None else "run", cause,
-                             f"see {run / RANKS_DIR}/rank{rank if rank is not None else 0}.log; metrics.json records "
-                             "the failure")
+    return env
+
+
+def record_failure(prep: Prepared, rank: int | None, cause: str) -> ExecutionError:
+    """metrics.json for a failed run; the error to raise."""
+    run, opts = prep.run, prep.opts
+    metrics = failure_metrics(run, prep.plan, prep.model, prep.plan.world_size, prep.cluster, opts.warmup,
+                              opts.steps, opts.batching, rank, cause)
+    atomic_write_json(run / "metrics.json", metrics)
+    return ExecutionError(f"rank {rank}" if rank is not None else "run", cause,
+                          f"see {run / RANKS_DIR}/rank{rank if rank is not None else 0}.log; metrics.json records "
+                          "the failure")
+
+
+def collect_metrics(prep: Prepared) -> dict[str, Any]:
+    """metrics.json of a run whose ranks all finished."""
+    run = prep.run
     if (run / "metrics.json").exists():  # written by rank 0 (planner/runtime/train/loop.py)
         return read_json(run / "metrics.json", "metrics.json")
     result = read_json(run / RANKS_DIR / "result.json", "result.json")
-    metrics = build_metrics(result, plan, model, opts.warmup, opts.steps, _read(run / "estimate.json"), run)
+    metrics = build_metrics(result, prep.plan, prep.model, prep.opts.warmup, prep.opts.steps,
+                            _read(run / "estimate.json"), run)
     atomic_write_json(run / "metrics.json", metrics)
     return metrics
 
