@@ -128,10 +128,13 @@ def p2p_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pl
     e = activation_bytes(plan.precision)
     nbytes = train.seq_len * plan.micro_batch * model.hidden * e / (plan.tp if plan.sequence_parallel else 1)
     cross = comm.cross_node_boundaries(cluster.gpus_per_node, plan.dp, plan.tp, plan.pp)
-    # a profiled CPU's pipe probe counts the sends inside a node in its per-micro-batch cost
-    inside = 0.0 if parallel_probe(cluster, plan) is not None else None
-    return tuple(inside if inside is not None and not x else
-                 2.0 * comm.p2p_time(nbytes, cluster, x, f.comm_efficiency, f.network_efficiency) for x in cross)
+    probed = parallel_probe(cluster, plan) is not None
+
+    def boundary(crosses: bool) -> float:
+        if probed and not crosses:  # in the pipe probe's per-micro-batch cost
+            return 0.0
+        return 2.0 * comm.p2p_time(nbytes, cluster, crosses, f.comm_efficiency, f.network_efficiency)
+    return tuple(boundary(x) for x in cross)
 
 
 def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan) -> Estimate:

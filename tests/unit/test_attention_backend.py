@@ -10,24 +10,14 @@ from planner.cost.block import attention_kernel_of
 from planner.cost.runtime import get_runtime
 from planner.errors import SpecError
 from planner.specs import ModelSpec
-from planner.specs.hardware import DeviceProfile, Link, TRAIN_PRECISIONS
-from planner.specs.kernels import KernelCurves, kernels_from_dict
 from planner.specs.train import TrainSpec
+from toy_gpu import MODEL, toy_device
 
-LINK = Link(name="l", busbw_gbps=100, latency_us=1)
-ATTENTION = kernels_from_dict({"attention": {
+DEV = toy_device({
     "fa2": [{"pass": "fwd", "head_dim": 64, "causal": True, "seq": [1024], "tflops": [200]},
             {"pass": "bwd", "head_dim": 64, "causal": True, "seq": [1024], "tflops": [100]}],
     "cudnn": [{"pass": "fwd", "head_dim": 64, "causal": True, "seq": [1024], "tflops": [400]},
-              {"pass": "bwd", "head_dim": 64, "causal": True, "seq": [1024], "tflops": [320]}]}},
-    TRAIN_PRECISIONS).attention
-DEV = DeviceProfile(name="toy", kind="gpu", memory_gb=80, peak_tflops={"bf16": 10, "fp16": 10, "fp32": 1},
-                    hbm_bandwidth_gbps=1000, gemm_efficiency=((1.0, 0.25), (1e30, 0.25)), gpus_per_node=4,
-                    intra_node=LINK, inter_node=LINK,
-                    kernels=KernelCurves(sms=4, gemm_tiles=((128, 128),), gemm_ceiling={"bf16": 0.5},
-                                         hbm_efficiency=0.5, attention=ATTENTION))
-MODEL = ModelSpec(name="m", hidden=128, layers=2, heads=2, ffn_hidden=256, activation="gelu", vocab=512,
-                  max_seq=1024, norm="layernorm", position="rotary", qkv_bias=False, linear_bias=False)
+              {"pass": "bwd", "head_dim": 64, "causal": True, "seq": [1024], "tflops": [320]}]})
 
 
 def _core(train: TrainSpec) -> tuple[float, float]:

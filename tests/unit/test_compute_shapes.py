@@ -10,29 +10,15 @@ import pytest
 from planner.cost import compute
 from planner.cost.factors import Factors
 from planner.cost.block import block_times
-from planner.specs import ModelSpec
-from planner.specs.hardware import DeviceProfile, Link
 from planner.specs.cluster import ClusterSpec
-from planner.specs.kernels import KernelCurves, kernels_from_dict
-from planner.specs.hardware import TRAIN_PRECISIONS
 from planner.specs.plan import Plan
 from planner.specs.train import TrainSpec
+from toy_gpu import LINK, MODEL, toy_device
 
-LINK = Link(name="l", busbw_gbps=100, latency_us=1)
-ATTENTION = kernels_from_dict({"attention": {"fa2": [
+DEV = toy_device({"fa2": [
     {"pass": "fwd", "head_dim": 64, "causal": True, "seq": [1024], "tflops": [200]},
     {"pass": "fwd", "head_dim": 64, "causal": False, "seq": [1024], "tflops": [300]},
-    {"pass": "bwd", "head_dim": 64, "causal": True, "seq": [1024], "tflops": [100]}]}}, TRAIN_PRECISIONS).attention
-# 10 TFLOP/s bf16, 4 SMs, one 128 x 128 tile, a full wave at half the peak; 1000 GB/s at 50%
-DEV = DeviceProfile(name="toy", kind="gpu", memory_gb=80, peak_tflops={"bf16": 10, "fp16": 10, "fp32": 1},
-                    hbm_bandwidth_gbps=1000, gemm_efficiency=((1.0, 0.25), (1e30, 0.25)), gpus_per_node=4,
-                    intra_node=LINK, inter_node=LINK,
-                    kernels=KernelCurves(sms=4, gemm_tiles=((128, 128),), gemm_ceiling={"bf16": 0.5},
-                                         hbm_efficiency=0.5, attention=ATTENTION))
-# hidden 128, 2 heads of 64, GELU FFN 256, no biases: weight GEMMs (K, N) = QKV (128, 384),
-# out (128, 128), FFN in (128, 256), FFN out (256, 128)
-MODEL = ModelSpec(name="m", hidden=128, layers=2, heads=2, ffn_hidden=256, activation="gelu", vocab=512,
-                  max_seq=1024, norm="layernorm", position="rotary", qkv_bias=False, linear_bias=False)
+    {"pass": "bwd", "head_dim": 64, "causal": True, "seq": [1024], "tflops": [100]}]})
 FULL = 5e12  # FLOP/s of a full wave: 10 TFLOP/s x ceiling 0.5
 
 

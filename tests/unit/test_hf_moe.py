@@ -28,13 +28,13 @@ if not hasattr(transformers, "Glm4MoeForCausalLM"):
 
 from planner.hf import weights as W  # noqa: E402
 from planner.model.glm import GLMModel  # noqa: E402
+from hf_logits import assert_transformers_logits, batch as _batch  # noqa: E402
 
 SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
              n_shared_experts=1, first_k_dense_replace=1, vocab_size=256, max_position_embeddings=64,
              attention_bias=True, pad_token_id=None, num_nextn_predict_layers=0,
              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
-SEQ = 16
 
 
 def _hf_model(**kw):
@@ -60,12 +60,6 @@ def checkpoint(tmp_path_factory, request):
     model = _hf_model(**FLAVOURS[request.param])
     model.save_pretrained(path)
     return path, model
-
-
-def _batch():
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, 256, (2, SEQ), generator=g)
-    return ids, torch.arange(SEQ).expand(2, SEQ), torch.ones_like(ids)
 
 
 def _executor(path: Path, seed: int = 0):
@@ -100,12 +94,8 @@ def test_loaded_model_gives_transformers_logits(checkpoint):
     path, ref = checkpoint
     spec, model = _executor(path)
     assert spec.moe is not None and spec.moe.router == "sigmoid" and not spec.rope_interleaved
+    want = assert_transformers_logits(model, ref)
     ids, pos, seg = _batch()
-    with torch.no_grad():
-        want = ref(input_ids=ids).logits
-        got = model(ids, pos, seg)
-    assert got.shape == want.shape
-    assert float((got - want).abs().max()) < 1e-5
     # the balancing bias was loaded and matters: without it other experts are chosen
     router = model.layers[1].mlp.moe.deepspeed_moe.gate
     assert torch.equal(router.e_score_correction_bias, torch.tensor([0.3, -0.2, 0.1, 0.0]))

@@ -174,41 +174,40 @@ def test_a_plan_too_big_for_the_device_names_memory_and_the_largest_part():
     assert p.message.startswith("stage 0 needs ")
 
 
+def _offloaded(where: str, code: str | None = None, **host):
+    """glm-10b ZeRO-3 on 8xA100-80GB with the optimizer and parameters offloaded to `where`, the
+    node's host fields replaced by `host`: the Estimate, or with `code` its problems of that code."""
+    c, tr = parse_cluster("8xA100-80GB"), TrainSpec(global_batch=8, seq_len=2048)
+    if host:
+        c = dataclasses.replace(c, host=dataclasses.replace(c.device.host, **host))
+    p = Plan(dp=8, zero=3, offload_optimizer=where, offload_params=where, micro_batch=1, grad_accum=1)
+    est = estimate(preset("glm-10b"), c, tr, p)
+    return est if code is None else [x for x in est.problems if x.code == code]
+
+
 def test_offloaded_states_beyond_host_memory_name_cpu_mem_gb_at_the_exact_bound():
     """glm-10b ZeRO-3 with optimizer and parameters on the CPU: the node's 8 ranks' host bytes
     against 90% of --cpu-mem-gb; a node with 0.5 ppb less than they need is refused."""
     from planner.cost.estimate import HOST_USABLE
-    c, tr = parse_cluster("8xA100-80GB"), TrainSpec(global_batch=8, seq_len=2048)
-    p = Plan(dp=8, zero=3, offload_optimizer="cpu", offload_params="cpu", micro_batch=1, grad_accum=1)
-    need = estimate(preset("glm-10b"), c, tr, p).host_memory_bytes * 8
+    need = _offloaded("cpu").host_memory_bytes * 8
     assert need > 0
-
-    def with_host_gb(gb):
-        return dataclasses.replace(c, host=dataclasses.replace(c.device.host, cpu_memory_gb=gb))
     tight = need / (1e9 * HOST_USABLE) * (1 - 5e-10)
-    (prob,) = [x for x in estimate(preset("glm-10b"), with_host_gb(tight), tr, p).problems if x.code == "host-memory"]
+    (prob,) = _offloaded("cpu", "host-memory", cpu_memory_gb=tight)
     assert (prob.field, prob.code, prob.fix, prob.detail) == (
         "--cpu-mem-gb", "host-memory", "offload less, use NVMe, or more nodes", "--cpu-mem-gb")
-    roomy = need / (1e9 * HOST_USABLE) * (1 + 5e-10)
-    assert not [x for x in estimate(preset("glm-10b"), with_host_gb(roomy), tr, p).problems if x.code == "host-memory"]
+    assert not _offloaded("cpu", "host-memory", cpu_memory_gb=need / (1e9 * HOST_USABLE) * (1 + 5e-10))
 
 
 def test_offloaded_states_beyond_the_nodes_nvme_name_nvme_gb_at_the_exact_bound():
     GB = 1e9                                                       # decimal, as the message prints
-    c, tr = parse_cluster("8xA100-80GB"), TrainSpec(global_batch=8, seq_len=2048)
-    p = Plan(dp=8, zero=3, offload_optimizer="nvme", offload_params="nvme", micro_batch=1, grad_accum=1)
-    need = estimate(preset("glm-10b"), c, tr, p).nvme_bytes * 8
+    need = _offloaded("nvme").nvme_bytes * 8
     assert need > 0
-
-    def with_nvme_gb(gb):
-        return dataclasses.replace(c, host=dataclasses.replace(c.device.host, nvme_gb=gb))
     tight = need / 1e9 * (1 - 5e-10)
-    (prob,) = [x for x in estimate(preset("glm-10b"), with_nvme_gb(tight), tr, p).problems if x.code == "nvme-capacity"]
+    (prob,) = _offloaded("nvme", "nvme-capacity", nvme_gb=tight)
     assert (prob.field, prob.code, prob.fix, prob.detail) == ("--nvme-gb", "nvme-capacity", "offload less, or more nodes",
                                                               "--nvme-gb")
     assert prob.message == f"offloaded states need {need / GB:,.0f} GB of NVMe per node > {tight:,.0f} GB"
-    assert not [x for x in estimate(preset("glm-10b"), with_nvme_gb(need / 1e9 * (1 + 5e-10)), tr, p).problems
-                if x.code == "nvme-capacity"]
+    assert not _offloaded("nvme", "nvme-capacity", nvme_gb=need / 1e9 * (1 + 5e-10))
 
 
 def test_layer_costs_take_the_runtime_and_the_context_parallel_core():

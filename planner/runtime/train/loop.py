@@ -1,12 +1,13 @@
 """The training loop of one rank: steps, measurement, stability monitor, checkpoints, rollback.
 
-Its parts: settings.py (learning-rate schedule; the data spec and DataLoader settings are planner/data), checkpoints.py
-(save with an atomic `latest`, resume, rollback), evaluate.py (held-out loss) and hooks.py (what
-is patched into the engine for tests and --measure-activations)."""
+Its parts: settings.py (learning-rate schedule; the data spec and DataLoader settings are planner/data),
+checkpoints.py (save with an atomic `latest`, resume, rollback), evaluate.py (held-out loss),
+hooks.py (what is patched into the engine for tests and --measure-activations), stepsync.py
+(the one collective per step) and result.py (each rank's measurements, result.json and
+metrics.json)."""
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from pathlib import Path
@@ -19,13 +20,13 @@ from planner.runtime.train.checkpoints import latest_tag
 from planner.data.batching import Layout, Rows
 from planner.runtime.train.evaluate import evaluate
 from planner.runtime.train.hooks import dump_first_grads, record_first_forward, slow_saves
-from planner.runtime.observe.allocated import ALLOCATED_METHOD, AllocatedMeter
-from planner.runtime.observe.measure import (CPU_METHOD, GPU_METHOD, ActivationRecorder, model_states, peak_bytes,
-                                             reset_peak, rss_bytes)
-from planner.model.block import Block
+from planner.runtime.observe.allocated import AllocatedMeter
+from planner.runtime.observe.measure import ActivationRecorder, model_states, peak_bytes, reset_peak, rss_bytes
 from planner.runtime.observe.monitor import StabilityMonitor
-from planner.runtime.files import CKPT_DIR, RANKS_DIR, progress
+from planner.runtime.files import CKPT_DIR, progress
+from planner.runtime.train.result import rank_measurements, write_result
 from planner.runtime.train.settings import configure_lr
+from planner.runtime.train.stepsync import gather_step, grad_norm
 from planner.data.corpus import data_spec
 from planner.data.loader import loader_settings
 from planner.rundir import atomic_write_json, load_run, read_json
@@ -35,16 +36,6 @@ def _next_batch(cursor: int, skip: set[int]) -> int:
     while cursor in skip:
         cursor += 1
     return cursor
-
-
-def _grad_norm(engine) -> float | None:
-    try:
-        g = engine.get_global_grad_norm()
-    except Exception:  # some optimizer wrappers do not track it
-        return None
-    if g is None:
-        return None
-    return float(g.item() if isinstance(g, torch.Tensor) else g)
 
 
 def train(opts, run_dir: Path, rank: int, status) -> None:
@@ -186,7 +177,7 @@ class Training:
             b, micro = self._next_micro_batches(step)
             lr, loss, dt, gnorm = self._train_step(step, b, micro)
             ar_s, ar_n = self.timer.take() if self.timer is not None else (0.0, 0)
-            step_loss, bad, real, total, per_rank = self._gather_step(b, loss, gnorm, dt, ar_s, ar_n)
+            step_loss, bad, real, total, per_rank = gather_step(self, b, loss, gnorm, dt, ar_s, ar_n)
             if bad:
                 rollbacks += 1
                 if rollbacks > 3:
@@ -243,38 +234,9 @@ class Training:
                 losses.append(float(l.detach()))
             loss = sum(losses) / len(losses)
         dt = time.perf_counter() - t0
-        gnorm = _grad_norm(engine)
+        gnorm = grad_norm(engine)
         set_poison(engine, False)
         return lr, loss, dt, gnorm
-
-    def _gather_step(self, b: int, loss: float, gnorm: float | None, dt: float, ar_s: float,
-                     ar_n: int) -> tuple[float, bool, int, int, list[dict]]:
-        """One collective per step: loss (from ranks holding it), bad flag, real/padded tokens, and
-        each rank's own slot: step time, peak memory, time and calls in all-reduce, GPU
-        utilisation. Returns (step loss, any rank bad, real tokens, tokens, per-rank figures)."""
-        plan, world, rank = self.plan, self.world, self.rank
-        self.holds_loss = (self.last_stage or not self.pipe) and self.tp_i == 0
-        reads = self.pp_i == 0 and self.tp_i == 0 and self.cp_i == 0  # one reader per micro-batch
-        real = sum(self.rows.real_tokens(i) for m in range(plan.grad_accum)
-                   for i in self.layout.rows(b, m, self.dp_i)) if reads else 0
-        total = plan.grad_accum * plan.micro_batch * self.trainspec.seq_len if reads else 0
-        bad = 0.0 if (math.isfinite(loss) and (gnorm is None or math.isfinite(gnorm))) else 1.0
-        vec = torch.zeros(5 + PER_RANK * world, dtype=torch.float64)
-        vec[:5] = torch.tensor([loss if (self.holds_loss and not bad) else 0.0, 1.0 if self.holds_loss else 0.0, bad,
-                                float(real), float(total)], dtype=torch.float64)
-        vec[5 + PER_RANK * rank:5 + PER_RANK * (rank + 1)] = torch.tensor(
-            [dt, float(peak_bytes(self.device)), ar_s, float(ar_n), _gpu_util(self.device)], dtype=torch.float64)
-        self.dist.all_reduce(vec)
-        if self.timer is not None:
-            self.timer.take()  # not the step's own traffic
-        per_rank = [dict(zip(("time_s", "peak_memory_bytes", "allreduce_seconds", "allreduce_calls",
-                              "gpu_utilization_percent"), vec[5 + PER_RANK * r:5 + PER_RANK * (r + 1)].tolist()))
-                    for r in range(world)]
-        for m in per_rank:
-            if m["gpu_utilization_percent"] < 0:
-                m["gpu_utilization_percent"] = None
-        return (vec[0].item() / max(vec[1].item(), 1.0), vec[2].item() > 0, int(vec[3].item()), int(vec[4].item()),
-                per_rank)
 
     def _record_step(self, step: int, b: int, lr: float, dt: float, gnorm: float | None, step_loss: float,
                      step_tokens: int, total: int, per_rank: list[dict]) -> None:
@@ -362,72 +324,17 @@ class Training:
         if self.meter is not None and self.meter.running:  # a run too short for the window
             self.allocated, self.allocated_steps = self.meter.stop(), state["step"] - self.resumed_at
         gathered = [None] * self.dist.get_world_size()
-        self.dist.all_gather_object(gathered, self._mine())
+        self.dist.all_gather_object(gathered, rank_measurements(self))
         if self.rank == 0:
-            self._write_result(gathered)
+            write_result(self, gathered)
         self.dist.barrier()
         if self.exporter is not None:
             self.exporter.close()
-
-    def _mine(self) -> dict:
-        """This rank's measurements."""
-        engine, device, states = self.engine, self.device, self.states
-        blocks = [m for m in engine.module.modules() if isinstance(m, Block)]
-        mine = {"rank": self.rank, "coords": [self.pp_i, self.dp_i, self.tp_i], "peak_bytes": peak_bytes(device),
-                "allocated_peak_bytes": peak_bytes(device) if device == "cuda" else self.allocated,
-                "allocated_steps": self.allocated_steps,
-                "rss_before_model_bytes": self.rss_before, "model_state": states["device"],
-                "host_model_state": states["host"], "model_state_buffers": states["buffers"],
-                "checkpointed_blocks": [bool(m.checkpoint) for m in blocks],
-                "selective_blocks": [bool(m.self_attention.checkpoint_core) for m in blocks],
-                "local_params": sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters()),
-                "param_shapes": {p.canonical: list(getattr(p, "ds_shape", p.shape)) for p in engine.module.parameters()},
-                "step_times_s": [self.times.get(s) for s in range(self.opts.steps)]}
-        if self.recorder is not None:
-            mine["activations"] = self.recorder.result
-        return mine
-
-    def _write_result(self, gathered: list) -> None:
-        """Rank 0: result.json (every rank's measurements) and metrics.json, so a launch.sh
-        (deepspeed launcher) run has one too."""
-        from planner.runtime.observe.metrics import build_metrics
-        opts, state, run_dir = self.opts, self.state, self.run_dir
-        result = {
-            "device": self.device, "world_size": self.world, "resumed_at": self.resumed_at, "batching": opts.batching,
-            "memory_method": GPU_METHOD if self.device == "cuda" else CPU_METHOD,
-            "allocated_method": ALLOCATED_METHOD[self.device],
-            "loss": state["loss"], "events": state["events"], "skipped_batches": state["skip"],
-            "real_tokens": state["tokens"], "padding_tokens": state["padding"],
-            "step_tokens": state.get("step_tokens", []),
-            "lr": state.get("lr", []), "lr_schedule": self.lr_info, "eval_loss": state.get("eval", []),
-            "allreduce_s": state.get("allreduce_s", []) if self.timer is not None else None,
-            "loader": self.loading.to_dict(),
-            "data": {"corpus": opts.data or "synthetic", "tokenizer": opts.tokenizer or None, "seed": opts.seed},
-            "ranks": gathered}
-        atomic_write_json(run_dir / RANKS_DIR / "result.json", result)
-        estimate = (read_json(run_dir / "estimate.json", "estimate.json")
-                    if (run_dir / "estimate.json").exists() else {})
-        atomic_write_json(run_dir / "metrics.json",
-                          build_metrics(result, self.plan, self.spec, opts.warmup, opts.steps, estimate, run_dir))
-
-
-PER_RANK = 5
-"""Values each rank contributes to the per-step collective (see the step loop)."""
 
 ALLOCATED_STEPS = 2
 """Steps the CPU allocated-bytes profiler covers at least (planner.runtime.observe.allocated.AllocatedMeter):
 the first allocates the optimizer's states, the second is a steady-state step. Steps past the
 warm-up that it covers are timed with its overhead (metrics.json allocated_steps says how many)."""
-
-
-def _gpu_util(device: str) -> float:
-    """torch.cuda.utilization() (needs pynvml / amdsmi); -1 where unavailable (CPU runs)."""
-    if device != "cuda":
-        return -1.0
-    try:
-        return float(torch.cuda.utilization())
-    except Exception:  # no NVML in this environment
-        return -1.0
 
 
 def _init_from_hf(path: Path, spec, plan):
