@@ -32,7 +32,6 @@ batch, precision and attention kernel.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import fcntl
 import json
 import math
@@ -183,13 +182,29 @@ def check(s: Setup, m: dict[str, Any]) -> dict[str, Any]:
 
 
 # --- running -----------------------------------------------------------------------------------
-def locked_runner(lock: str | None):
+def locked_runner(lock: str | None, hold_s: float = 0.0):
+    """Each run under `lock`; with hold_s > 0 the lock is kept across consecutive runs until it
+    has been held hold_s seconds (then released, so others' turns come between batches), not
+    taken again for every run: one waiter among several gets few turns."""
+    state: dict[str, Any] = {"fh": None, "since": 0.0}
+
     def run(run_dir: Path, steps: int, warmup: int) -> dict[str, Any]:
         from planner.runtime.train.launch import run_plan
-        with open(lock, "w") if lock else contextlib.nullcontext() as fh:
-            if fh is not None:
-                fcntl.flock(fh, fcntl.LOCK_EX)
+        if not lock:
             return run_plan(run_dir, steps=steps, warmup=warmup)
+        if state["fh"] is not None and time.monotonic() - state["since"] > hold_s:
+            state["fh"].close()  # closing releases the flock
+            state["fh"] = None
+        if state["fh"] is None:
+            fh = open(lock, "w")
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            state["fh"], state["since"] = fh, time.monotonic()
+        try:
+            return run_plan(run_dir, steps=steps, warmup=warmup)
+        finally:
+            if hold_s <= 0:
+                state["fh"].close()
+                state["fh"] = None
     return run
 
 
@@ -217,6 +232,10 @@ def main() -> int:
     ap.add_argument("--only", default="", help="run only layouts whose name contains this")
     ap.add_argument("--out-dir", default="reports/bench-agreement")
     ap.add_argument("--lock", default=None, help="take this lock around each run (instead of around the whole)")
+    ap.add_argument("--lock-hold", type=float, default=0.0,
+                    help="with --lock: keep it across runs for up to this many seconds (batches), not per run")
+    ap.add_argument("--runs-only", action="store_true",
+                    help="run the layouts without saved rounds and stop (analyse later with --reuse, e.g. niced)")
     ap.add_argument("--reuse", action="store_true", help="reuse the saved rounds of a previous invocation")
     ap.add_argument("--skip-regret", action="store_true", help="leave the search's regret out (it may run its pick)")
     ap.add_argument("--measured-only", action="store_true",
@@ -232,7 +251,7 @@ def main() -> int:
     check_profile(profile_path, ("bf16", "fp32"), "--profile")
     device = load_profile(profile_path)
     os.environ["PLANNER_MEASURE_ACTIVATIONS"] = "1"
-    runner = locked_runner(args.lock)
+    runner = locked_runner(args.lock, args.lock_hold)
     cases = setups(out, device, [x for x in args.scales.split(",") if x], args.only)
     measured: dict[str, list[dict[str, Any]]] = {}
     todo = []
@@ -246,6 +265,9 @@ def main() -> int:
     measured.update(round_robin(todo, rounds=args.rounds, steps=args.steps, warmup=args.warmup, runner=runner,
                                 echo=lambda line: print(line, flush=True)))
     ok = [s for s in cases if measured.get(s.name)]
+    if args.runs_only:
+        print(f"measured {len(ok)}/{len(cases)} layouts in {time.perf_counter() - t_start:.0f} s; runs in {out}")
+        return 0
     checks = {s.name: check(s, measured[s.name][0]) for s in ok}
 
     # --- calibration, held out ---

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from planner.cost import compute, longctx, moe
 from planner.cost.attention import attention_kernel
-from planner.cost.factors import Factors, cluster_factors
+from planner.cost.factors import Factors, cluster_factors, concurrency
 from planner.cost.probes import block_probe
 from planner.cost.runtime import get_runtime
 from planner.cost.tp import overlapped_tp, tp_block_comm, tp_link
@@ -49,7 +49,9 @@ def block_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: 
     On a profiled CPU (`probe`, planner/specs/step.py) the compute terms compose as the
     executor's block measured: scale x (GEMMs + core + element-wise) + overhead_s per block
     forward + backward, 1/3 of it forward and 2/3 backward (its operators run once forward and
-    twice backward), the overhead stretched by the oversubscription like the rest."""
+    twice backward), the overhead stretched by the oversubscription like the rest. A probe with
+    per-class scales (BlockProbe.classes) weighs GEMMs, core and element-wise work each by its
+    own measured multiplier."""
     dev = cluster.device
     prec = plan.precision if dev.supports(plan.precision) else "fp32"
     s, b, t, e = train.seq_len, plan.micro_batch, plan.tp, activation_bytes(plan.precision)
@@ -92,9 +94,11 @@ def block_times(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: 
     selective = core_f + scores_f
     bp = block_probe(cluster, plan) if probe else None
     if bp is not None:
-        over = bp.overhead_s * dev.oversubscription(cluster.gpus_per_node)
-        fwd, bwd = bp.scale * fwd + over / 3.0, bp.scale * bwd + 2.0 * over / 3.0
-        selective *= bp.scale
+        over = bp.overhead_s * dev.oversubscription(cluster.gpus_per_node) * concurrency(cluster, plan)
+        gs, cs, es = bp.classes  # per term class (one scale for all in older profiles)
+        fwd = gs * gemm_f + cs * core_f + es * elem_f + over / 3.0
+        bwd = gs * gemm_b + cs * (2.0 * core_f + rec_f) + es * 2.0 * elem_f + 2.0 * over / 3.0
+        selective = cs * core_f + es * scores_f
     return BlockTimes(forward=fwd, backward=bwd, tp_fwd=tp_fwd + a2a_f,
                        tp_bwd=tp_bwd + a2a_b, selective=selective, a2a_fwd=a2a_f, a2a_bwd=a2a_b)
 
@@ -119,6 +123,22 @@ def block_compute_time(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
     plan, train = longctx.local(plan, train)
     bt = block_times(model, cluster, train, plan, f, probe=False)
     return bt.forward + bt.backward
+
+
+def block_compute_parts(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan) -> tuple[float, float, float]:
+    """(GEMMs, attention core, element-wise) forward + backward seconds of block_compute_time,
+    each class alone (the other classes' factors set to 0): what the profiler's block probe
+    attributes the measured block to, class by class."""
+    train = runtime_train(train, plan)
+    f = cluster_factors(cluster, plan.runtime)
+    plan, train = longctx.local(plan, train)
+    out = []
+    for keep in ("compute_scale", "attention_scale", "elementwise_scale"):
+        g = f.replace(**{k: (getattr(f, k) if k == keep else 0.0)
+                         for k in ("compute_scale", "attention_scale", "elementwise_scale")})
+        bt = block_times(model, cluster, train, plan, g, probe=False)
+        out.append(bt.forward + bt.backward)
+    return out[0], out[1], out[2]
 
 
 def runtime_train(train: TrainSpec, plan: Plan) -> TrainSpec:

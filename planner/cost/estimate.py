@@ -143,7 +143,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
     train = runtime_train(train, plan)
     rt = get_runtime(plan.runtime)
     reasons = plan_problems(model, cluster, train, plan) + runtime.problems(rt, plan)
-    f = cluster_factors(cluster, plan.runtime)
+    f = cluster_factors(cluster, plan.runtime, plan)
     # context parallelism: every term below for the cp-free equivalent (planner.cost.longctx),
     # the FLOPs and tokens for the plan as given
     full_plan, full_train = plan, train

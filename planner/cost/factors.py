@@ -18,6 +18,7 @@ from typing import Mapping
 from planner.cost.runtime import DEFAULT as DEFAULT_RUNTIME, get_runtime, runtime_factors
 from planner.specs.hardware import DeviceProfile
 from planner.specs.cluster import ClusterSpec
+from planner.specs.plan import Plan
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -96,15 +97,29 @@ def oversubscription(cluster: ClusterSpec) -> float:
     return cluster.device.oversubscription(cluster.gpus_per_node)
 
 
-def cluster_factors(cluster: ClusterSpec, runtime: str = DEFAULT_RUNTIME) -> Factors:
+def concurrency(cluster: ClusterSpec, plan: Plan | None) -> float:
+    """A profiled CPU's measured slow-down of a rank while another computes beside it
+    (planner/specs/step.py Parallel.concurrency, of the plan's precision) for a plan of 2 or
+    more processes; 1 for GPUs, one process, or no measurement (plan None: the probes' own
+    one-process reference)."""
+    dev = cluster.device
+    if plan is None or dev.kind != "cpu" or plan.world_size < 2:
+        return 1.0
+    par = dev.step.parallel.get(plan.precision)
+    return par.concurrency if par is not None else 1.0
+
+
+def cluster_factors(cluster: ClusterSpec, runtime: str = DEFAULT_RUNTIME, plan: Plan | None = None) -> Factors:
     """The factors a plan on `runtime` is costed with (planner.cost.runtime.runtime_factors:
     DeepSpeed takes the device's, the others their own file's), with CPU oversubscription applied
-    to compute and memory-bound work, and the cluster's --memory-headroom as the fixed allowance."""
+    to compute and memory-bound work (times a profiled CPU's measured concurrency slow-down for
+    `plan`'s precision when it runs 2 or more processes), and the cluster's --memory-headroom as
+    the fixed allowance."""
     dev = cluster.device
     f = Factors.from_mapping(runtime_factors(get_runtime(runtime), dev.name, dev.factors, DEFAULTS))
     if cluster.memory_headroom is not None:
         f = f.replace(memory_overhead_gb=float(cluster.memory_headroom))  # --memory-headroom
-    k = oversubscription(cluster)
+    k = oversubscription(cluster) * concurrency(cluster, plan)
     if k != 1.0:
         f = f.replace(compute_scale=f.compute_scale * k, attention_scale=f.attention_scale * k,
                       elementwise_scale=f.elementwise_scale * k, optimizer_scale=f.optimizer_scale * k)

@@ -28,7 +28,7 @@ from planner.specs.dtypes import activation_bytes
 def layer_costs(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Plan) -> LayerCosts:
     """Per-block costs of `plan`, computed for its cp-free equivalent (planner.cost.longctx.local)."""
     train = runtime_train(train, plan)
-    f = cluster_factors(cluster, plan.runtime)
+    f = cluster_factors(cluster, plan.runtime, plan)
     ctx = (plan.cp, plan.cp_kind)
     plan, train = longctx.local(plan, train)
     return layer_costs_of(model, cluster, train, plan, f, block_times(model, cluster, train, plan, f, ctx))
@@ -51,11 +51,13 @@ def layer_costs_of(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, pla
     # first stage: embedding lookup and its gradient (memory-bound)
     first = 3.0 * 2.0 * sbh * e / hbm * f.elementwise_scale
     # last stage: final norm, output GEMM (2 b s h V_pad / t, backward 2x), cross-entropy in fp32
-    last = compute.logits_times(model, dev, s, b, t, compute.bf16_part(prec), f.compute_scale)
-    last += (3.0 * s * b * v_local * (e + 8.0) + 6.0 * sbh * e) / hbm * f.elementwise_scale
+    logits = compute.logits_times(model, dev, s, b, t, compute.bf16_part(prec), f.compute_scale)
+    ce = (3.0 * s * b * v_local * (e + 8.0) + 6.0 * sbh * e) / hbm * f.elementwise_scale
     bp = block_probe(cluster, plan)
-    if bp is not None:  # the same operators as the block's, in the same precision
-        first, last = bp.scale * first, bp.scale * last
+    if bp is not None:  # the same operators as the block's, in the same precision, class by class
+        gs, _, es = bp.classes
+        first, logits, ce = es * first, gs * logits, es * ce
+    last = logits + ce
     act_mode = "selective" if plan.recompute == "selective" else "none"
     kw = dict(sequence_parallel=plan.sequence_parallel, act_bytes=e, kernel=kernel)
     act = memory.block_activation_bytes(model, s, b, t, recompute=act_mode, **kw) * f.activation_scale

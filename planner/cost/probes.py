@@ -6,7 +6,7 @@ Pure Python (no torch, deepspeed or optuna).
 """
 from __future__ import annotations
 
-from planner.cost.factors import Factors
+from planner.cost.factors import Factors, concurrency
 from planner.specs.cluster import ClusterSpec
 from planner.specs.plan import Plan
 
@@ -22,7 +22,7 @@ def framework_overheads(cluster: ClusterSpec, plan: Plan, f: Factors) -> tuple[f
     fw = cluster.device.step.framework.get(plan.precision)
     if fw is None:
         return f.microbatch_overhead_s, f.step_overhead_s
-    k = cluster.device.oversubscription(cluster.gpus_per_node)
+    k = cluster.device.oversubscription(cluster.gpus_per_node) * concurrency(cluster, plan)
     mb, step = fw.microbatch_s, fw.step_s
     par = parallel_probe(cluster, plan)
     if par is not None:

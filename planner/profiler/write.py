@@ -135,7 +135,7 @@ def step_section(raw: dict[str, Any], opts: ProfileOptions, data: dict[str, Any]
     """The "step" section (planner/specs/step.py) from the block points and the in-step
     all-reduces: per precision, the line measured block time = scale x the cost model's block
     compute + overhead_s over the points; per group size, the in-step all-reduce's fit."""
-    from planner.cost.block import block_compute_time
+    from planner.cost.block import block_compute_parts, block_compute_time
     from planner.specs.plan import Plan
     from planner.specs.step import fit_line
     from planner.specs.train import TrainSpec
@@ -152,6 +152,15 @@ def step_section(raw: dict[str, Any], opts: ProfileOptions, data: dict[str, Any]
         scale, overhead = fit_line(pred, meas)
         block[prec] = {"scale": scale, "overhead_s": overhead, "points": len(rows),
                        "max_rel_error": max(abs(scale * x + overhead - y) / y for x, y in zip(pred, meas))}
+        parts = [block_compute_parts(p.model_spec or opts.model, _cluster(prof, p.tp),
+                                     TrainSpec(global_batch=p.micro_batch, seq_len=p.seq, precision=prec),
+                                     Plan(tp=p.tp, micro_batch=p.micro_batch, precision=prec)) for p in rows]
+        cls = fit_classes(parts, meas)
+        if cls is not None:
+            (gs, cs, es, over), worst = cls
+            block[prec].update(gemm_scale=gs, core_scale=cs, elementwise_scale=es, overhead_s=over,
+                               line_overhead_s=overhead, line_max_rel_error=block[prec]["max_rel_error"],
+                               max_rel_error=worst)
     from planner.profiler.optimizer import fit as optimizer_fit
     opt = optimizer_fit(raw.get("optimizer") or [])
     framework = framework_section(raw.get("engine") or [], opts, data, block, opt) if block else {}
@@ -162,6 +171,36 @@ def step_section(raw: dict[str, Any], opts: ProfileOptions, data: dict[str, Any]
         if fit and fit["busbw_gbps"] > 0:
             links[str(n)] = fit
     return {"block": block, "tp_allreduce": links, "framework": framework, "parallel": parallel, "optimizer": opt}
+
+
+def fit_classes(parts: list[tuple[float, float, float]], measured: list[float]) -> tuple[tuple, float] | None:
+    """measured = gemm_scale x G + core_scale x C + elementwise_scale x E + overhead over the
+    block points, least squares on relative residuals with every coefficient >= 0 (the best
+    non-negative solution over the subsets of the four columns: an exact small NNLS); None
+    with fewer than 6 points or no GEMMs. Returns ((gs, cs, es, overhead), worst relative error)."""
+    import itertools
+
+    import numpy as np
+    if len(parts) < 6:
+        return None
+    X = np.array([[g, c, e, 1.0] for g, c, e in parts])
+    y = np.array(measured)
+    w = 1.0 / y
+    best = None
+    for k in range(1, 5):
+        for sub in itertools.combinations(range(4), k):
+            coef, *_ = np.linalg.lstsq(X[:, sub] * w[:, None], y * w, rcond=None)
+            if (coef < 0).any():
+                continue
+            full = np.zeros(4)
+            full[list(sub)] = coef
+            r = (X @ full - y) * w
+            if best is None or r @ r < best[0]:
+                best = (float(r @ r), full)
+    if best is None or best[1][0] <= 0:
+        return None
+    full = best[1]
+    return tuple(float(v) for v in full), float(np.max(np.abs((X @ full - y) / y)))
 
 
 def framework_section(rows: list[dict[str, Any]], opts: ProfileOptions, data: dict[str, Any],
@@ -199,6 +238,9 @@ def parallel_section(rows: list[dict[str, Any]], opts: ProfileOptions, data: dic
     what its DP2 and PP2 steps leave beyond the cost model's terms for the same plans under this
     profile with its block and framework probes (planner/specs/step.py Parallel), each kept >= 0:
 
+    - concurrency = DP2's per micro-batch / the one-process engine's (same micro-batch and
+      sequence; >= 1): how much two ranks computing at once slow each other; the terms below
+      are computed with it (every CPU-bound term of a 2-process plan stretches by it);
     - microbatch_s = DP2's per micro-batch - (the micro-batch's compute + framework per micro-batch);
     - dp_step_s = DP2's per step - (framework per step + Adam update + the gradient all-reduce);
     - pipe_microbatch_s = PP2's per micro-batch - the slowest stage's compute per micro-batch;
@@ -214,34 +256,41 @@ def parallel_section(rows: list[dict[str, Any]], opts: ProfileOptions, data: dic
     dp_rows, pp_rows = split(rows, "dp"), split(rows, "pp")
     if not dp_rows or not pp_rows:
         return {}
-    prof = profile_from_dict({**{k: v for k, v in data.items() if k != "step"},
-                              "step": {"block": block, "optimizer": optimizer or {},
-                                       "framework": {p: {"microbatch_s": f["microbatch_s"], "step_s": f["step_s"]}
-                                                     for p, f in framework.items()}}}, data["name"])
+    fw_step = {p: {"microbatch_s": f["microbatch_s"], "step_s": f["step_s"]} for p, f in framework.items()}
     out = {}
     for prec in dp_rows:
         if prec not in pp_rows or prec not in framework:
             continue
         b, s = next((r["micro_batch"], r["seq"]) for r in rows if r["precision"] == prec and r.get("layout") == "dp")
         fw = framework[prec]
+        dp, pp = dp_rows[prec], pp_rows[prec]
+        # the same micro-batch on one process (framework's measured) and on each of two at once
+        c = max(dp["microbatch_s"] / fw["measured_microbatch_s"], 1.0) if fw.get("measured_microbatch_s", 0) > 0 \
+            else 1.0
+        prof = profile_from_dict({**{k: v for k, v in data.items() if k != "step"}, "step": {
+            "block": block, "optimizer": optimizer or {}, "framework": fw_step,
+            "parallel": {prec: {"microbatch_s": 0.0, "dp_step_s": 0.0, "pipe_microbatch_s": 0.0, "pipe_bubble": 1.0,
+                                "concurrency": c}}}}, data["name"])
         train = TrainSpec(global_batch=2 * b, seq_len=s, precision=prec)
         t = estimate(opts.model, _cluster(prof, 2), train, Plan(dp=2, micro_batch=b, precision=prec)).time
-        dp, pp = dp_rows[prec], pp_rows[prec]
         t_pp = estimate(opts.model, _cluster(prof, 2), dataclass_replace(train, global_batch=b),
                         Plan(pp=2, micro_batch=b, precision=prec)).time
         stage = t_pp.forward + t_pp.backward + t_pp.recompute + t_pp.tp_comm
         out[prec] = {
-            "microbatch_s": max(dp["microbatch_s"] - (t.forward + t.backward + t.recompute) - fw["microbatch_s"], 0.0),
-            "dp_step_s": max(dp["step_s"] - fw["step_s"] - t.optimizer - t.dp_sync, 0.0),
+            "microbatch_s": max(dp["microbatch_s"] - (t.forward + t.backward + t.recompute) - c * fw["microbatch_s"],
+                                0.0),
+            "dp_step_s": max(dp["step_s"] - c * fw["step_s"] - t.optimizer - t.dp_sync, 0.0),
             "pipe_microbatch_s": max(pp["microbatch_s"] - stage, 0.0),
-            "pipe_bubble": max((pp["step_s"] - fw["step_s"] - t_pp.optimizer) / pp["microbatch_s"], 0.0),
+            "pipe_bubble": max((pp["step_s"] - c * fw["step_s"] - t_pp.optimizer) / pp["microbatch_s"], 0.0),
+            "concurrency": c,
             "measured_dp": dp, "measured_pp": pp, "predicted_dp_microbatch_s": t.forward + t.backward + t.recompute,
             "predicted_dp_sync_s": t.dp_sync, "predicted_stage_microbatch_s": stage}
     z3_rows = split(rows, "z3")
     for prec, z3 in z3_rows.items():
         if prec not in out:
             continue
-        par = {k: out[prec][k] for k in ("microbatch_s", "dp_step_s", "pipe_microbatch_s", "pipe_bubble")}
+        par = {k: out[prec][k] for k in ("microbatch_s", "dp_step_s", "pipe_microbatch_s", "pipe_bubble",
+                                         "concurrency")}
         with_par = profile_from_dict({**{k: v for k, v in data.items() if k != "step"}, "step": {
             "block": block, "optimizer": optimizer or {}, "framework": {p: {"microbatch_s": f["microbatch_s"], "step_s": f["step_s"]}
                                           for p, f in framework.items()}, "parallel": {prec: par}}}, data["name"])

@@ -35,7 +35,7 @@ class StageModel:
                  "stage_lin", "mins", "psi_of", "acts_of", "fixed", "owned", "dp")
 
     def __init__(self, cluster: ClusterSpec, plan: Plan, lc: LayerCosts) -> None:
-        f = cluster_factors(cluster, plan.runtime)
+        f = cluster_factors(cluster, plan.runtime, plan)
         self.pp = p = plan.pp
         # fp8's weight copies and amax histories (planner.cost.memory.fp8_bytes), per stage
         self.fp8 = (plan.precision == "fp8", plan.zero == 3)

@@ -59,9 +59,23 @@ class BlockProbe:
     overhead_s: float
     """Seconds per block forward + backward the compute terms do not cover."""
     points: int = 0
+    gemm_scale: float | None = None
+    """Per term class (None: `scale` for all three): measured block time = gemm_scale x GEMMs +
+    core_scale x attention core + elementwise_scale x element-wise + overhead_s, fitted over
+    the block points, whose sizes (hidden 128 and 512, sequences 64-256, micro-batch 1-16)
+    separate the classes (element-wise work grows with h, GEMMs with h^2, the core with s)."""
+    core_scale: float | None = None
+    elementwise_scale: float | None = None
 
     def time(self, compute_s: float) -> float:
         return self.scale * compute_s + self.overhead_s
+
+    @property
+    def classes(self) -> tuple[float, float, float]:
+        """(GEMM, core, element-wise) multipliers."""
+        if self.gemm_scale is None:
+            return self.scale, self.scale, self.scale
+        return self.gemm_scale, self.core_scale, self.elementwise_scale
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -105,6 +119,12 @@ class Parallel:
     zero3_step_s: float = 0.0
     """DP2 ZeRO-3: seconds per step beyond the same (its optimizer over partitions, its
     reductions). 0 where not measured."""
+    concurrency: float = 1.0
+    """DP2 / one process, per micro-batch, same micro-batch and sequence: how much longer a rank's
+    CPU-bound work takes while another rank computes beside it (the cores share execution units,
+    caches and memory bandwidth). It stretches every CPU-bound term of a plan of 2 or more
+    processes, as the oversubscription does (planner/cost/factors.py cluster_factors). 1 where
+    not measured."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -141,14 +161,17 @@ class StepProbes:
             and not self.optimizer
 
     def to_dict(self) -> dict[str, Any]:
-        return {"block": {p: {"scale": b.scale, "overhead_s": b.overhead_s, "points": b.points}
+        return {"block": {p: {"scale": b.scale, "overhead_s": b.overhead_s, "points": b.points,
+                              **({"gemm_scale": b.gemm_scale, "core_scale": b.core_scale,
+                                  "elementwise_scale": b.elementwise_scale} if b.gemm_scale is not None else {})}
                           for p, b in self.block.items()},
                 "tp_allreduce": {str(n): {"busbw_gbps": l.busbw_gbps, "latency_us": l.latency_us, "points": l.points}
                                  for n, l in self.tp_allreduce.items()},
                 "framework": {p: {"microbatch_s": f.microbatch_s, "step_s": f.step_s} for p, f in self.framework.items()},
                 "parallel": {p: {"microbatch_s": x.microbatch_s, "dp_step_s": x.dp_step_s,
                                  "pipe_microbatch_s": x.pipe_microbatch_s, "pipe_bubble": x.pipe_bubble,
-                                 "zero3_microbatch_s": x.zero3_microbatch_s, "zero3_step_s": x.zero3_step_s}
+                                 "zero3_microbatch_s": x.zero3_microbatch_s, "zero3_step_s": x.zero3_step_s,
+                                 "concurrency": x.concurrency}
                              for p, x in self.parallel.items()},
                 "optimizer": {p: {"param_s": o.param_s, "points": o.points} for p, o in self.optimizer.items()}}
 
@@ -173,9 +196,13 @@ def step_from_dict(raw: Any, precisions: tuple[str, ...]) -> StepProbes:
             raise ProfileError(where, f"unknown precision (one of {', '.join(precisions)})", REGENERATE)
         if not isinstance(b, dict):
             raise ProfileError(where, "must be an object with scale and overhead_s", REGENERATE)
+        cls = {k: _number(b[k], f"{where}.{k}", positive=False)
+               for k in ("gemm_scale", "core_scale", "elementwise_scale") if k in b}
+        if cls and len(cls) != 3:
+            raise ProfileError(where, "gemm_scale, core_scale and elementwise_scale go together", REGENERATE)
         block[prec] = BlockProbe(scale=_number(b.get("scale"), f"{where}.scale"),
                                  overhead_s=_number(b.get("overhead_s"), f"{where}.overhead_s", positive=False),
-                                 points=int(b.get("points", 0)))
+                                 points=int(b.get("points", 0)), **cls)
     links = {}
     for n, l in (raw.get("tp_allreduce") or {}).items():
         where = f"step.tp_allreduce.{n}"
@@ -202,7 +229,8 @@ def step_from_dict(raw: Any, precisions: tuple[str, ...]) -> StepProbes:
         parallel[prec] = Parallel(**{k: _number(x.get(k), f"{where}.{k}", positive=False)
                                      for k in ("microbatch_s", "dp_step_s", "pipe_microbatch_s", "pipe_bubble")},
                                   **{k: _number(x.get(k, 0.0), f"{where}.{k}", positive=False)
-                                     for k in ("zero3_microbatch_s", "zero3_step_s")})
+                                     for k in ("zero3_microbatch_s", "zero3_step_s")},
+                                  concurrency=_number(x.get("concurrency", 1.0), f"{where}.concurrency"))
     optimizer = {}
     for prec, o in (raw.get("optimizer") or {}).items():
         where = f"step.optimizer.{prec}"

@@ -22,6 +22,7 @@ from planner.errors import ExecutionError
 from planner.runtime.train.launch import run_plan
 from planner.rundir import atomic_write_json, plan_document
 from planner.specs import Plan, TrainSpec, parse_cluster, preset, scale
+from shared_runs import DP2, DP2_STEPS, dp2_losses
 
 pytestmark = pytest.mark.integration
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -108,11 +109,13 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def test_kill_a_rank_then_resume_continues_the_same_curve(tmp_path: Path) -> None:
-    kw = dict(dp=2, zero=1, micro_batch=2, grad_accum=1, precision="fp32")
-    ref = run_plan(make_run(tmp_path, "ref", **kw), steps=8, warmup=1)
-    d = make_run(tmp_path, "kill", **kw)
-    proc = subprocess.Popen([sys.executable, "-c", "from planner.cli import entry; entry()", "run", str(d), "--steps", "8", "--warmup", "1",
+def test_kill_a_rank_then_resume_continues_the_same_curve(tmp_path: Path, dp2_bare_run) -> None:
+    """The uninterrupted curve is conftest.dp2_bare_run's: the same plan and steps, one launch that
+    test_trainer's launch.sh-path test reads as well."""
+    n = DP2_STEPS
+    ref_loss = dp2_losses(dp2_bare_run)
+    d = make_run(tmp_path, "kill", **DP2)
+    proc = subprocess.Popen([sys.executable, "-c", "from planner.cli import entry; entry()", "run", str(d), "--steps", str(n), "--warmup", "1",
                              "--checkpoint-every", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     progress = d / ".ranks" / "progress.jsonl"
     deadline = time.monotonic() + 120
@@ -132,10 +135,10 @@ def test_kill_a_rank_then_resume_continues_the_same_curve(tmp_path: Path) -> Non
     done = [json.loads(x) for x in progress.read_text().splitlines()]
     last_ckpt = max(r["step"] for r in done if r["kind"] == "checkpoint")
     seen: list[str] = []
-    resumed = run_plan(d, steps=8, warmup=1, resume=True, checkpoint_every=1, echo=seen.append)
+    resumed = run_plan(d, steps=n, warmup=1, resume=True, checkpoint_every=1, echo=seen.append)
     assert resumed["resumed_at"] == last_ckpt  # no completed (checkpointed) step lost
     # it reads as a resume: where it continues, then only the new run's steps (not the killed run's)
     assert f"resuming from step {last_ckpt} (checkpoint {d.resolve() / 'checkpoints' / f'step{last_ckpt}'})" in seen
     steps_seen = [ln.split(" | ")[0] for ln in seen if ln.startswith("step ")]
-    assert steps_seen == [f"step {s}/8" for s in range(last_ckpt + 1, 9)], seen
-    assert resumed["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    assert steps_seen == [f"step {s}/{n}" for s in range(last_ckpt + 1, n + 1)], seen
+    assert resumed["loss"] == pytest.approx(ref_loss, rel=1e-5)

@@ -21,11 +21,11 @@ import pytest
 import yaml
 
 from planner.runtime.train.launch import run_plan
+from shared_runs import DP2, DP2_STEPS
 from test_executor import _pid_alive, make_run
 
 pytestmark = pytest.mark.integration
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-DP2 = dict(dp=2, zero=1, micro_batch=2, grad_accum=1, precision="fp32")
 CLI = [sys.executable, "-c", "from planner.cli import entry; entry()", "run"]
 
 
@@ -95,23 +95,19 @@ def test_live_endpoint_progress_eval_and_schedule(tmp_path: Path) -> None:
     assert json.loads((d / "grafana-dashboard.json").read_text())["panels"]
 
 
-def test_worker_without_planner_run_prints_steps_and_writes_metrics(tmp_path: Path) -> None:
+def test_worker_without_planner_run_prints_steps_and_writes_metrics(dp2_bare_run) -> None:
     """launch.sh's path: the deepspeed launcher starts the worker with torchrun-style
-    environment variables; rank 0 prints the progress lines itself and writes metrics.json."""
-    d = make_run(tmp_path, "bare", **DP2)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2",
-               OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    cmd = [sys.executable, "-m", "planner.runtime.train.worker", "--run-dir", str(d), "--steps", "3", "--warmup", "1"]
-    procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    environment variables; rank 0 prints the progress lines itself and writes metrics.json.
+    (The run is conftest.dp2_bare_run, shared with test_executor's resume test.)"""
+    d, outs, codes = dp2_bare_run
+    n = DP2_STEPS
+    assert codes == [0, 0], outs
     steps = [ln for ln in outs[0].splitlines() if ln.startswith("step ")]
-    assert [ln.split(" | ")[0] for ln in steps] == ["step 1/3", "step 2/3", "step 3/3"]
+    assert [ln.split(" | ")[0] for ln in steps] == [f"step {s}/{n}" for s in range(1, n + 1)]
     assert not any(ln.startswith("step ") for ln in outs[1].splitlines())  # rank 0 only
     m = json.loads((d / "metrics.json").read_text())
-    assert m["status"] == "ok" and len(m["loss"]) == 3 and m["warmup"] == 1 and m["world_size"] == 2
-    assert m["lr"] == [3e-4] * 3 and m["lr_schedule"]["scheduler"]["type"] == "WarmupLR"
+    assert m["status"] == "ok" and len(m["loss"]) == n and m["warmup"] == 1 and m["world_size"] == 2
+    assert m["lr"] == [3e-4] * n and m["lr_schedule"]["scheduler"]["type"] == "WarmupLR"
     assert f"{m['loss'][0]:.4f}" in steps[0]
 
 

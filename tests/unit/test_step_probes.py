@@ -284,19 +284,27 @@ def test_profile_writes_the_parallel_section_from_the_two_process_probe():
     framework = write.framework_section(rows, opts, data, block)
     assert framework["bf16"]["measured_microbatch_s"] == pytest.approx(0.20)  # (0.80 - 0.20) / 3
     par = write.parallel_section(rows, opts, data, block, framework)["bf16"]
+    # two ranks at once: 0.25 s per micro-batch against one process's 0.20 -> concurrency 1.25,
+    # with which every CPU-bound term of a 2-process plan is costed
+    assert par["concurrency"] == pytest.approx(1.25, rel=1e-12)
+    keys = ("microbatch_s", "dp_step_s", "pipe_microbatch_s", "pipe_bubble", "concurrency")
     prof = profile_from_dict({**data, "step": {"block": block, "framework": {
-        "bf16": {k: framework["bf16"][k] for k in ("microbatch_s", "step_s")}}}})
+        "bf16": {k: framework["bf16"][k] for k in ("microbatch_s", "step_s")}},
+        "parallel": {"bf16": {"microbatch_s": 0.0, "dp_step_s": 0.0, "pipe_microbatch_s": 0.0, "pipe_bubble": 1.0,
+                              "concurrency": 1.25}}}})
     two = parse_cluster("2xcpu", prof)
     t = estimate(MODEL, two, TrainSpec(global_batch=8, seq_len=128), Plan(dp=2, micro_batch=4)).time
     fw = framework["bf16"]
-    assert par["microbatch_s"] == pytest.approx(0.25 - (t.forward + t.backward) - fw["microbatch_s"])
-    assert par["dp_step_s"] == pytest.approx(0.10 - fw["step_s"] - t.optimizer - t.dp_sync)
+    # the one-process micro-batch (compute + framework = 0.20 s) x 1.25 is DP2's 0.25: nothing left
+    assert par["microbatch_s"] == pytest.approx(max(0.25 - (t.forward + t.backward) - 1.25 * fw["microbatch_s"], 0.0),
+                                                abs=1e-12)
+    assert par["microbatch_s"] == pytest.approx(0.0, abs=1e-9)
+    assert par["dp_step_s"] == pytest.approx(0.10 - 1.25 * fw["step_s"] - t.optimizer - t.dp_sync)
     tp = estimate(MODEL, two, TrainSpec(global_batch=4, seq_len=128), Plan(pp=2, micro_batch=4)).time
     assert par["pipe_microbatch_s"] == pytest.approx(0.12 - (tp.forward + tp.backward))
-    assert par["pipe_bubble"] == pytest.approx((0.06 - fw["step_s"] - tp.optimizer) / 0.12)
-    assert min(par["microbatch_s"], par["dp_step_s"], par["pipe_microbatch_s"], par["pipe_bubble"]) > 0
+    assert par["pipe_bubble"] == pytest.approx((0.06 - 1.25 * fw["step_s"] - tp.optimizer) / 0.12)
+    assert min(par["dp_step_s"], par["pipe_microbatch_s"], par["pipe_bubble"]) > 0
     # DP2 ZeRO-3 0.50 / 1.40 s -> 0.30 per micro-batch, 0.20 per step, minus the model's with the terms above
-    keys = ("microbatch_s", "dp_step_s", "pipe_microbatch_s", "pipe_bubble")
     with_par = profile_from_dict({**data, "step": {"block": block, "framework": {
         "bf16": {k: framework["bf16"][k] for k in ("microbatch_s", "step_s")}},
         "parallel": {"bf16": {k: par[k] for k in keys}}}})
@@ -354,3 +362,80 @@ def test_optimizer_time_is_the_measured_seconds_per_parameter():
     with pytest.raises(ProfileError) as exc:
         step_from_dict({"optimizer": {"bf16": {"param_s": 0}}}, PRECISIONS)
     assert "step.optimizer.bf16.param_s" in exc.value.line() and "planner profile" in exc.value.line()
+
+
+def test_concurrency_stretches_every_cpu_bound_term_of_a_multi_process_plan():
+    """Concurrency 1.5 (bf16): a 2-process plan's compute (forward, backward), optimizer update
+    and framework costs all take 1.5x what they take without it; communication does not
+    stretch; a 1-process plan and the fp32 plan are unchanged; on 4 processes of a 2-process
+    profile it compounds with the 2x time-sharing."""
+    from planner.cost import estimate
+    from planner.specs.step import Framework, OptimizerProbe
+    fw = {"bf16": Framework(microbatch_s=0.02, step_s=0.03)}
+    opt = {"bf16": OptimizerProbe(param_s=1e-8)}
+    base = with_step(StepProbes(framework=fw, optimizer=opt, parallel={"bf16": _par()}))
+    conc = with_step(StepProbes(framework=fw, optimizer=opt, parallel={"bf16": _par(concurrency=1.5)}))
+    plan = Plan(dp=2, micro_batch=2, grad_accum=2)
+    a = estimate(MODEL, parse_cluster("2xcpu", base), TRAIN, plan).time
+    b = estimate(MODEL, parse_cluster("2xcpu", conc), TRAIN, plan).time
+    for k in ("forward", "backward", "optimizer", "overhead"):
+        assert getattr(b, k) == pytest.approx(1.5 * getattr(a, k), rel=1e-12), k
+    assert b.overhead == pytest.approx(1.5 * (0.03 + 2 * 0.02), rel=1e-12)
+    assert b.dp_sync == pytest.approx(a.dp_sync, rel=1e-12)  # a waiting rank leaves its core
+    one = Plan(micro_batch=4, grad_accum=2)
+    assert estimate(MODEL, parse_cluster("1xcpu", conc), TRAIN, one).step_time_s == \
+        estimate(MODEL, parse_cluster("1xcpu", base), TRAIN, one).step_time_s
+    p32, t32 = Plan(dp=2, micro_batch=2, grad_accum=2, precision="fp32"), dataclasses.replace(TRAIN, precision="fp32")
+    assert estimate(MODEL, parse_cluster("2xcpu", conc), t32, p32).step_time_s == \
+        estimate(MODEL, parse_cluster("2xcpu", base), t32, p32).step_time_s
+    plan4 = Plan(dp=4, micro_batch=1, grad_accum=2)
+    a4 = estimate(MODEL, parse_cluster("4xcpu", base), TRAIN, plan4).time
+    b4 = estimate(MODEL, parse_cluster("4xcpu", conc), TRAIN, plan4).time
+    assert b4.overhead == pytest.approx(2 * 1.5 * (0.03 + 2 * 0.02), rel=1e-12)
+    assert b4.forward == pytest.approx(1.5 * a4.forward, rel=1e-12)
+    s = step_from_dict({"parallel": {"bf16": {"microbatch_s": 0, "dp_step_s": 0, "pipe_microbatch_s": 0,
+                                              "pipe_bubble": 1, "concurrency": 1.5}}}, PRECISIONS)
+    assert s.parallel["bf16"].concurrency == 1.5 and step_from_dict(s.to_dict(), PRECISIONS) == s
+    assert step_from_dict({"parallel": {"bf16": {"microbatch_s": 0, "dp_step_s": 0, "pipe_microbatch_s": 0,
+                                                 "pipe_bubble": 1}}}, PRECISIONS).parallel["bf16"].concurrency == 1.0
+
+
+# --- the block probe by term class: GEMMs, attention core and element-wise each with its own multiplier ----
+def test_block_classes_fit_recovers_per_class_multipliers():
+    """Points whose measured time is 0.8 G + 1.5 C + 11 E + 1 ms exactly: the fit gives them back
+    (the sizes differ enough to separate the classes); a column that would need a negative
+    multiplier is dropped (0), fewer than 6 points give nothing."""
+    from planner.profiler.write import fit_classes
+    parts = [(g, c, e) for g, c, e in ((1e-3, 2e-4, 1e-4), (4e-3, 4e-4, 2e-4), (16e-3, 8e-4, 4e-4),
+                                       (2e-3, 1e-3, 1e-4), (8e-3, 4e-3, 8e-4), (3e-3, 1e-4, 9e-4), (5e-3, 2e-3, 3e-4))]
+    meas = [0.8 * g + 1.5 * c + 11.0 * e + 1e-3 for g, c, e in parts]
+    (gs, cs, es, over), worst = fit_classes(parts, meas)
+    assert (gs, cs, es, over) == pytest.approx((0.8, 1.5, 11.0, 1e-3), rel=1e-6) and worst < 1e-9
+    meas2 = [2.0 * g + 1e-3 for g, c, e in parts]  # no core, no element-wise time
+    (gs, cs, es, over), _ = fit_classes(parts, meas2)
+    assert gs == pytest.approx(2.0, rel=1e-9) and over == pytest.approx(1e-3, rel=1e-9)
+    assert cs == pytest.approx(0.0, abs=1e-9) and es == pytest.approx(0.0, abs=1e-9)
+    assert fit_classes(parts[:5], meas[:5]) is None
+
+
+def test_block_classes_weigh_each_term_by_its_own_multiplier():
+    """gemm 0.8, core 1.5, element-wise 11, overhead 3 ms: the block's forward + backward is
+    0.8 G + 1.5 C + 11 E + 3 ms where G, C, E are block_compute_parts (which sum to
+    block_compute_time); a probe without classes keeps scale x the sum."""
+    from planner.cost.block import block_compute_parts
+    plan = Plan(dp=2, micro_batch=2, grad_accum=2)
+    plain = parse_cluster("2xcpu", find_device("cpu")[0])
+    g, c, e = block_compute_parts(MODEL, plain, TRAIN, plan)
+    assert g + c + e == pytest.approx(block_compute_time(MODEL, plain, TRAIN, plan), rel=1e-12)
+    assert min(g, c, e) > 0
+    dev = with_step(StepProbes(block={"bf16": BlockProbe(scale=2.0, overhead_s=3e-3, gemm_scale=0.8, core_scale=1.5,
+                                                         elementwise_scale=11.0)}))
+    two = parse_cluster("2xcpu", dev)
+    bt = block_times(MODEL, two, TRAIN, plan, cluster_factors(two))
+    assert bt.forward + bt.backward == pytest.approx(0.8 * g + 1.5 * c + 11.0 * e + 3e-3, rel=1e-12)
+    s = step_from_dict({"block": {"bf16": {"scale": 2.0, "overhead_s": 3e-3, "gemm_scale": 0.8, "core_scale": 1.5,
+                                           "elementwise_scale": 11.0}}}, PRECISIONS)
+    assert s.block["bf16"].classes == (0.8, 1.5, 11.0) and step_from_dict(s.to_dict(), PRECISIONS) == s
+    with pytest.raises(ProfileError) as exc:
+        step_from_dict({"block": {"bf16": {"scale": 2.0, "overhead_s": 0, "gemm_scale": 0.8}}}, PRECISIONS)
+    assert "step.block.bf16" in exc.value.line()
