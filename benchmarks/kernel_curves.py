@@ -58,6 +58,23 @@ DERIVED_FROM = {"A100-40GB": "A100-80GB", "H200": "H100-SXM", "B200": "H100-SXM"
                 "L40S": "A100-80GB", "RTX-4090": "A100-80GB", "V100": "A100-80GB"}
 """Where a GPU without a measurement takes its fractions from: its own generation where there is
 one (A100-40GB: the same chip; H200: the same GH100; B200: the newest measured, Hopper), else A100."""
+MAMF = {("H100-SXM", "bf16"): 0.803, ("H100-SXM", "fp8"): 0.709, ("H200", "bf16"): 0.803, ("H200", "fp8"): 0.734,
+        ("B200", "bf16"): 0.776, ("B200", "fp8"): 0.763}
+"""Maximum achievable matmul FLOPS as a fraction of the dense peak, measured per GPU and input type:
+stas00/ml-engineering compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison
+table" (mamf-finder.py: the best shape's mean of 100 matmuls after 50 warm-ups; BF16 and FP8 e4m3
+inputs): H100 SXM 794.5 / 989 bf16 and 1402.6 / 1979 fp8; H200 SXM 1453.4 / 1979 fp8 (bf16: "H200 is
+the same" as H100); B200 SXM 1745.0 / 2250 bf16 and 3432.5 / 4500 fp8. A ceiling derived for a GPU or
+an input type vidur did not measure is the reference's measured bf16 ceiling x this GPU's MAMF
+fraction for that type / the reference's bf16 MAMF fraction (fp16 takes bf16's): the measured shape
+of the ceiling, moved by what each GPU's best matmul reaches, instead of assuming the same fraction
+of every peak. A GPU or type with no MAMF row keeps the reference's fraction."""
+
+
+def mamf_ceiling(ceiling: float, name: str, ref: str, prec: str) -> float:
+    """The GEMM ceiling of `name` at `prec` from `ref`'s measured bf16 `ceiling` (MAMF)."""
+    mine, base = MAMF.get((name, "bf16" if prec == "fp16" else prec)), MAMF.get((ref, "bf16"))
+    return round(ceiling * mine / base, 3) if mine and base else ceiling
 ATTENTION_GPU = {"A100-80GB": "A100", "H100-SXM": "H100"}
 
 
@@ -173,7 +190,8 @@ def build(repo: str) -> tuple[dict[str, dict], dict]:
         precs = [p for p in ("bf16", "fp16", "fp8") if data["peak_tflops"].get(p)]
         att, att_src = attention_for(name, published, data["peak_tflops"].get("bf16") or data["peak_tflops"]["fp16"],
                                      ref_peak)
-        kernels = {"sms": SMS[name][0], "gemm_tiles": TILES, "gemm_ceiling": {p: st["ceiling"] for p in precs},
+        kernels = {"sms": SMS[name][0], "gemm_tiles": TILES,
+                   "gemm_ceiling": {p: mamf_ceiling(st["ceiling"], name, ref, p) for p in precs},
                    "hbm_efficiency": st["hbm_efficiency"], **({"attention": att} if att else {})}
         src = {"kernels.sms": SMS[name][1],
                "kernels.gemm_tiles": "CUTLASS's SM80 default 128x256 tile in both orientations and 128x128; the one that "
@@ -183,12 +201,18 @@ def build(repo: str) -> tuple[dict[str, dict], dict]:
                     f"vidur's {st['gemms']} GEMMs with M >= 512 within {st['mape']:.1%} MAPE (bias {st['bias']:+.1%}); {vsrc}")
         hbm = (f"measured: vidur's residual add (2 reads + 1 write of [tokens, hidden] fp16) on {st['hbm_samples']} tensors "
                f">= 64 MB, median achieved / datasheet bandwidth; {vsrc}")
+        mamf = [f"{p} {kernels['gemm_ceiling'][p]} = {st['ceiling']} x {MAMF[(name, 'bf16' if p == 'fp16' else p)]} / "
+                f"{MAMF[(ref, 'bf16')]}" for p in precs if kernels["gemm_ceiling"][p] != st["ceiling"]]
+        moved = ("; " + ", ".join(mamf) + ": the MAMF fractions (maximum achievable matmul FLOPS / dense peak) of this "
+                 "GPU and input type over the reference's bf16 one (benchmarks/kernel_curves.py MAMF: stas00/ml-engineering "
+                 "compute/accelerator/README.md, 'Maximum Achievable Matmul FLOPS comparison table')") if mamf else ""
         if name == ref:
-            src["kernels.gemm_ceiling"] = measured + ("; fp8: derived, the bf16 fraction of the fp8 peak (no FP8 "
-                                                      "measurement)" if "fp8" in precs else "")
+            src["kernels.gemm_ceiling"] = measured + (moved or ("; fp8: derived, the bf16 fraction of the fp8 peak (no "
+                                                                "FP8 measurement)" if "fp8" in precs else ""))
             src["kernels.hbm_efficiency"] = hbm
         else:
-            src["kernels.gemm_ceiling"] = f"derived: {ref}'s measured fraction of peak, not measured on this GPU ({ref}: {measured})"
+            src["kernels.gemm_ceiling"] = (f"derived: {ref}'s measured fraction of peak, not measured on this GPU ({ref}: "
+                                           f"{measured})" + moved)
             src["kernels.hbm_efficiency"] = f"derived: {ref}'s measured fraction, not measured on this GPU ({ref}: {hbm})"
         src.update(att_src)
         if name == "V100":

@@ -35,9 +35,11 @@ def test_weight_gemms_run_at_the_fp8_peak_the_attention_core_at_bf16() -> None:
     dev = H100.device
     b8 = compute.block_compute_times(MODEL, dev, 4096, 1, 2, "fp8", compute_scale=1.0, attention_scale=1.0)
     b16 = compute.block_compute_times(MODEL, dev, 4096, 1, 2, "bf16", compute_scale=1.0, attention_scale=1.0)
-    # the same tile model and ceiling, a 1979 TFLOP/s peak (compute-bound shapes at 4096 tokens)
-    assert b8.gemm_fwd == pytest.approx(b16.gemm_fwd * 989 / 1979)
-    assert b8.gemm_bwd == pytest.approx(b16.gemm_bwd * 989 / 1979)
+    # the same tile model, a 1979 TFLOP/s peak at fp8's own ceiling (0.66, H100's fp8 MAMF fraction 0.709 over
+    # its bf16 0.803, x the measured bf16 0.747: benchmarks/kernel_curves.py MAMF); compute-bound at 4096 tokens
+    assert dev.kernels.gemm_ceiling["fp8"] == 0.66 and dev.kernels.gemm_ceiling["bf16"] == 0.747
+    assert b8.gemm_fwd == pytest.approx(b16.gemm_fwd * (989 * 0.747) / (1979 * 0.66))
+    assert b8.gemm_bwd == pytest.approx(b16.gemm_bwd * (989 * 0.747) / (1979 * 0.66))
     assert (b8.core_fwd, b8.core_bwd) == (b16.core_fwd, b16.core_bwd)
 
 

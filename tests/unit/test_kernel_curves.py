@@ -123,3 +123,24 @@ def test_every_gpu_profile_has_kernel_curves_with_sources():
         measured = data["name"] in ("A100-80GB", "H100-SXM")
         assert data["sources"]["kernels.gemm_ceiling"].startswith("measured" if measured else "derived"), p.name
         assert math.isclose(dev.hbm_bytes_per_s, data["hbm_bandwidth_gbps"] * 1e9 * dev.kernels.hbm_efficiency)
+
+
+def test_gemm_ceilings_not_measured_by_vidur_follow_each_gpus_maximum_achievable_matmul():
+    """benchmarks/kernel_curves.py MAMF (stas00/ml-engineering's measured MAMF table): H100's fp8 ceiling
+    = its measured bf16 ceiling 0.747 x 0.709 (1402.6 / 1979) / 0.803 (794.5 / 989) = 0.6596 -> 0.66; B200 bf16
+    0.747 x 0.776 / 0.803 = 0.7219 -> 0.722, fp8 0.747 x 0.763 / 0.803 = 0.7098 -> 0.71; H200 fp8 0.747 x 0.734 /
+    0.803 = 0.6828 -> 0.683; a GPU without a MAMF row keeps its reference's fraction. The shipped profiles
+    carry these values."""
+    import sys
+    sys.path.insert(0, str(PROFILES_DIR.parent / "benchmarks"))
+    import kernel_curves as kc  # noqa: PLC0415
+    assert kc.mamf_ceiling(0.747, "H100-SXM", "H100-SXM", "bf16") == 0.747
+    assert kc.mamf_ceiling(0.747, "H100-SXM", "H100-SXM", "fp8") == 0.66
+    assert kc.mamf_ceiling(0.747, "B200", "H100-SXM", "bf16") == kc.mamf_ceiling(0.747, "B200", "H100-SXM", "fp16") == 0.722
+    assert kc.mamf_ceiling(0.747, "B200", "H100-SXM", "fp8") == 0.71
+    assert kc.mamf_ceiling(0.747, "H200", "H100-SXM", "fp8") == 0.683
+    assert kc.mamf_ceiling(0.75, "L40S", "A100-80GB", "fp8") == 0.75
+    want = {"H100-SXM": {"bf16": 0.747, "fp16": 0.747, "fp8": 0.66}, "H200": {"bf16": 0.747, "fp16": 0.747, "fp8": 0.683},
+            "B200": {"bf16": 0.722, "fp16": 0.722, "fp8": 0.71}}
+    for name, ceilings in want.items():
+        assert dict(find_device(name)[0].kernels.gemm_ceiling) == ceilings, name
