@@ -3,6 +3,7 @@
 tests can both read is started once per session (the fixtures in conftest.py)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -14,6 +15,20 @@ DP2_STEPS = 8
 DP2 = dict(dp=2, zero=1, micro_batch=2, grad_accum=1, precision="fp32")
 """Tiny ChatGLM3 (test_executor.make_run), DP 2, ZeRO-1, fp32, no accumulation, DeepSpeed's default
 WarmupLR (3e-4 from the first step)."""
+
+
+def plans_start():
+    """benchmarks/plans_start.py as a module, loaded once per session: test_plans_start and
+    test_batch_start both use it, and a second load would replace sys.modules["plans_start"], under
+    which the first module's dataclasses (Case) resolve their names."""
+    if "plans_start" in sys.modules:
+        return sys.modules["plans_start"]
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "plans_start.py"
+    spec = importlib.util.spec_from_file_location("plans_start", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["plans_start"] = mod  # dataclasses resolve their module by name
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def free_port() -> int:

@@ -23,25 +23,13 @@ from planner.errors import PlannerError
 from planner.rundir import atomic_write_json
 from planner.runtime.train.batch import run_plans
 from planner.runtime.train.launch import run_plan
+from shared_runs import plans_start
 
 pytestmark = pytest.mark.integration
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def _bench():
-    import importlib.util
-    import sys
-    if "plans_start" in sys.modules:
-        return sys.modules["plans_start"]
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "plans_start.py"
-    spec = importlib.util.spec_from_file_location("plans_start", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["plans_start"] = mod  # dataclasses resolve their module by name
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ps = _bench()
+ps = plans_start()
 
 
 @pytest.fixture(scope="module")

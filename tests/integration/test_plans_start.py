@@ -21,16 +21,15 @@ Ulysses plan feasible (the executor runs both with pp 1 only).
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import random
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from shared_runs import plans_start
 
 pytestmark = pytest.mark.integration
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -42,17 +41,7 @@ sample). One: with seed 8 the named kinds already cover every tiny model and 2, 
 processes, and each 4-process start costs ~12 s of CI."""
 FILL_MAX_PROCESSES = 4
 
-
-def _bench() -> Any:
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "plans_start.py"
-    spec = importlib.util.spec_from_file_location("plans_start", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["plans_start"] = mod  # dataclasses resolve their module by name
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ps = _bench()
+ps = plans_start()
 
 KINDS: dict[str, Callable[[Any], bool]] = {
     "tp-x-pp": lambda c: c.plan.tp > 1 and c.plan.pp > 1 and c.plan.dp == 1,
