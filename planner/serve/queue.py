@@ -166,7 +166,9 @@ def replica_runner(model: Any, cluster: Any, dep: Any, workload: Workload, mem: 
     concurrency / replicas users each, rounded up, math.inf all requests at once), scheduled as
     dep.engine with its token budget (cost.engine_budget), with its achieved throughput scaled
     back to all replicas."""
-    from planner.serve.cost import engine_budget, handover_s, mixed_fn, request_overhead_s, serve_factor, step_fns
+    from planner.serve.cost import handover_s, mixed_fn, request_overhead_s, step_fns
+    from planner.serve.factors import serve_factor
+    from planner.serve.memory import engine_budget
     prefill, decode = step_fns(model, cluster, dep)
     mixed = mixed_fn(model, cluster, dep)
     wake = serve_factor(cluster, "serve_wake_s")
