@@ -14,7 +14,7 @@ from planner.cli.common import (apply_variants, command_line, console, compariso
                                 model_options, serving_comparison, variant_option)
 from planner.errors import SpecError
 from planner.rundir import check_writable
-from planner.serve.cost import engine_budget
+from planner.serve.memory import engine_budget
 from planner.serve.launch import launch_script
 from planner.serve.outputs import calibration_badge, latency_curve, render_report, write_serve_run
 from planner.serve.search import Space, distinct, require_target, search_deployments

@@ -24,7 +24,7 @@ def latency_curve(model: ModelSpec, cluster: ClusterSpec, est: ServeEstimate, wo
     import dataclasses
 
     from planner.serve import queue
-    from planner.serve.cost import serve_memory
+    from planner.serve.memory import serve_memory
     mem = serve_memory(model, cluster, est.deployment, workload)
     run = None if workload.concurrency else \
         queue.replica_runner(model, cluster, est.deployment, workload, mem, requests=requests, seed=seed)
@@ -74,7 +74,7 @@ def _plot(curves: list[tuple[str, list[dict[str, float]]]], target: Target | Non
 def calibration_badge(cluster: ClusterSpec) -> str:
     """What the serving estimates rest on: fitted factors, measured kernel curves, or neither."""
     from planner.serve import measured
-    from planner.serve.cost import SERVE_DEFAULTS
+    from planner.serve.factors import SERVE_DEFAULTS
     fitted = sorted(k for k in SERVE_DEFAULTS if k in cluster.device.factors)
     curves = measured.curve(cluster.device, 1) is not None
     if fitted:
@@ -113,7 +113,7 @@ background:{{ badge_color }};color:#000}</style></head><body>
 top deployments (p50 solid, p99 dashed){% if target %}; the target in red{% endif %}.</p>
 <img alt="latency vs QPS" src="data:image/png;base64,{{ png }}">
 <h2>Launch</h2><pre>{{ script|e }}</pre>
-<p>Model: planner/serve/cost.py (PagedAttention memory, Pope et al. 2022 decode/prefill), simulation:
+<p>Model: planner/serve/cost.py, terms.py, factors.py, memory.py (PagedAttention memory, Pope et al. 2022 decode/prefill), simulation:
 planner/serve/queue.py. See docs/serving.md.</p></body></html>
 """
 

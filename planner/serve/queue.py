@@ -168,7 +168,9 @@ def replica_runner(model: Any, cluster: Any, dep: Any, workload: Workload, mem: 
     back to all replicas: x replicas, or in a closed loop x N / users (N users, each at the rate a
     user of the simulated replica gets; exact when the replicas divide N, a little low otherwise,
     never the ceil(N / replicas) x replicas users that do not exist)."""
-    from planner.serve.cost import engine_budget, handover_s, mixed_fn, request_overhead_s, serve_factor, step_fns
+    from planner.serve.cost import handover_s, mixed_fn, request_overhead_s, step_fns
+    from planner.serve.factors import serve_factor
+    from planner.serve.memory import engine_budget
     prefill, decode = step_fns(model, cluster, dep)
     mixed = mixed_fn(model, cluster, dep)
     wake = serve_factor(cluster, "serve_wake_s")

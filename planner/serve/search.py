@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from planner.errors import SpecError
-from planner.serve.cost import decode_step_time_s, prompt_time_s, serve_memory
+from planner.serve.cost import decode_step_time_s, prompt_time_s
+from planner.serve.memory import serve_memory
 from planner.serve.estimate import check_workload, deployment_problems, estimate_serving
 from planner.serve.spec import SEARCH_WEIGHTS, Deployment, ServeEstimate, Target, Workload
 from planner.specs.cluster import ClusterSpec
