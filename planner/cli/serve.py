@@ -126,6 +126,11 @@ def serve(ctx: click.Context, **kw: Any) -> None:
         raise SpecError("--rate-qps", f"must be a positive number of requests/s, got {rate}", "e.g. 20")
     if rate is not None and kw["concurrency"]:
         raise SpecError("--rate-qps", "and --concurrency both set the load", "give one of them")
+    if kw["concurrency"] and kw["requests"] < 2 * kw["concurrency"]:
+        # fewer than two requests per user: the users' first burst is all there is, not a loop
+        raise SpecError("--concurrency", f"{kw['concurrency']} users need at least {2 * kw['concurrency']} "
+                        f"--requests (each user sends two or more; got {kw['requests']})",
+                        f"raise --requests to {max(300, 10 * kw['concurrency'])} or lower --concurrency")
     target = _target(kw)
     space = _space(kw, cluster)
     out_dir, name = _destination(kw, model)
