@@ -5,7 +5,8 @@ planner/serve/queue.py)."""
 from __future__ import annotations
 
 from planner.errors import SpecError
-from planner.serve.cost import decode_step_time_s, prompt_time_s, request_overhead_s, serve_memory
+from planner.serve.cost import decode_step_time_s, prompt_time_s, request_overhead_s
+from planner.serve.memory import serve_memory
 from planner.serve.spec import Deployment, ServeEstimate, Target, Workload
 from planner.specs.cluster import ClusterSpec
 from planner.specs.model import ModelSpec
