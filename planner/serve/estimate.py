@@ -35,6 +35,10 @@ def deployment_problems(model: ModelSpec, cluster: ClusterSpec, dep: Deployment)
 def check_workload(model: ModelSpec, workload: Workload) -> None:
     """Bad input, not an infeasible deployment: the longest request exceeds the model's context."""
     if workload.max_total() > model.max_seq:
+        if workload.trace:
+            raise SpecError("--trace", f"its longest request, prompt + output = {workload.max_total()} tokens, "
+                            f"exceeds {model.name}'s context of {model.max_seq}",
+                            f"keep every line's prompt + output <= {model.max_seq}")
         extra = "" if workload.prompt_sigma == 0 and workload.output_sigma == 0 else \
             " (the 99.9th percentile of the length distributions)"
         raise SpecError("--prompt-len/--output-len",

@@ -137,7 +137,9 @@ def render_report(title: str, workload: Workload, target: Target | None, ranked:
     import jinja2
     env = jinja2.Environment(autoescape=True)
     return env.from_string(_TEMPLATE).render(
-        title=title, w=workload, target=target.describe() if target else "none (ranked by max QPS)",
+        title=title, w=workload, target=target.describe() if target else (
+            f"none (ranked by the requests/s {workload.concurrency} closed-loop users get)"
+            if workload.concurrency else "none (ranked by max QPS)"),
         rows=[_row(e) for e in ranked], png=_plot(curves, target), script=script, evaluated=evaluated,
         infeasible=infeasible, variant=variant, badge=badge,
         badge_color="#cfc" if badge.startswith("serving factors calibrated") else "#fd8")
