@@ -21,6 +21,7 @@ import tempfile
 from typing import Any
 
 from planner.errors import PlannerError
+from planner.profiler.device import EXECUTOR_MMAP_THRESHOLD
 from planner.runtime.procs import free_port
 
 ACCUMULATIONS = (1, 4)
@@ -61,7 +62,7 @@ def _launch(args: dict[str, Any], world: int, timeout_s: float) -> list[dict[str
     os.close(fd)
     port = free_port()
     env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"),
-               OMP_NUM_THREADS=str(args["threads"]), MALLOC_MMAP_THRESHOLD_="65536")
+               OMP_NUM_THREADS=str(args["threads"]), MALLOC_MMAP_THRESHOLD_=str(EXECUTOR_MMAP_THRESHOLD))
     procs = [subprocess.Popen([sys.executable, "-m", "planner.runtime.train.probe",
                                json.dumps(dict(args, port=port, world=world, rank=r)), out_path], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -325,6 +325,7 @@ def measured_section(raw: dict[str, Any], env: dict[str, Any], opts: ProfileOpti
                     "procs": opts.procs, "max_tp": opts.max_tp},
         "wall_s": raw["wall_s"],
         "load_average": raw.get("load"),
+        "allocator": raw.get("allocator"),
         "gemm": [r.to_dict() for r in raw["gemm"]],
         "gemm_square": [r.to_dict() for r in raw["gemm_square"]],
         "engine": raw.get("engine") or [],

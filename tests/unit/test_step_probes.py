@@ -3,6 +3,7 @@ the cost model composes them (planner/cost/block.py, probes.py), pinned to hand-
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 
@@ -439,3 +440,46 @@ def test_block_classes_weigh_each_term_by_its_own_multiplier():
     with pytest.raises(ProfileError) as exc:
         step_from_dict({"block": {"bf16": {"scale": 2.0, "overhead_s": 0, "gemm_scale": 0.8}}}, PRECISIONS)
     assert "step.block.bf16" in exc.value.line()
+
+
+def test_profiler_runs_under_the_executors_allocator():
+    """The CPU probes run with the executor's mmap threshold (planner.profiler.device): twenty
+    100 kB mallocs, below glibc's default 128 KiB threshold (so from the heap: mallinfo2's
+    hblks, the mmap'd chunks, unchanged), each become their own mmap'd chunk (hblks + 20, less
+    any the heap's free top still served) once executor_allocator() has run; the engine and
+    executor processes get the same figure in their environment."""
+    import inspect
+    import subprocess
+    import sys
+
+    from planner.profiler import device, engine
+    from planner.runtime.train import launch
+    assert device.EXECUTOR_MMAP_THRESHOLD == 65536
+    assert "str(EXECUTOR_MMAP_THRESHOLD)" in inspect.getsource(launch.rank_environment)
+    assert "str(EXECUTOR_MMAP_THRESHOLD)" in inspect.getsource(engine._launch)
+    code = """
+import ctypes, os, sys
+class MI(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6"); libc.mallinfo2.restype = MI; libc.malloc.restype = ctypes.c_void_p
+def mmapped_after_mallocs():
+    before = libc.mallinfo2().hblks
+    ps = [libc.malloc(100_000) for _ in range(20)]
+    n = libc.mallinfo2().hblks - before
+    for p in ps:
+        libc.free(ctypes.c_void_p(p))
+    return n
+if sys.argv[1] == "executor":
+    from planner.profiler.device import executor_allocator
+    print(executor_allocator(), os.environ["MALLOC_MMAP_THRESHOLD_"])
+print(mmapped_after_mallocs())
+"""
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    runs = {how: subprocess.run([sys.executable, "-c", code, how], capture_output=True, text=True, env=env)
+            for how in ("default", "executor")}
+    if any("mallinfo2" in r.stderr for r in runs.values()):
+        pytest.skip("no glibc >= 2.33 here")
+    assert runs["default"].stdout.split() == ["0"], runs["default"].stderr
+    ok, threshold, mmapped = runs["executor"].stdout.split()
+    assert (ok, threshold) == ("True", "65536") and int(mmapped) >= 18, runs["executor"].stderr
