@@ -40,6 +40,7 @@ import reference_rows as rr  # noqa: E402
 
 from planner.cost import estimate  # noqa: E402
 from planner.calibrate.accuracy import mape, rel_error  # noqa: E402
+from planner.calibrate.solver import golden_section  # noqa: E402
 from planner.cost.runtime import get_runtime, trial_factors  # noqa: E402
 
 TARGETS = {"loso_per_source": 0.10, "loso_overall": 0.10, "t1_after": 0.05, "compute_scale": (0.9, 1.1)}
@@ -74,21 +75,11 @@ def predict(row: rr.RefRow, before: bool = False) -> tuple[float, bool, str]:
     return est.step_time_s, est.feasible, plan.describe()
 
 
-def _golden(f: Callable[[float], float], lo: float, hi: float, iters: int = 40) -> float:
-    g = (5 ** 0.5 - 1) / 2
-    for _ in range(iters):
-        a, b = hi - g * (hi - lo), lo + g * (hi - lo)
-        if f(a) < f(b):
-            hi = b
-        else:
-            lo = a
-    return (lo + hi) / 2
-
-
 def fit_runtime(runtime: str, rows: Sequence[rr.RefRow]) -> dict[str, dict[str, float]]:
     """Per GPU with rows from at least MIN_SOURCES sources: the compute_scale of `runtime` on it
     minimising the mean over those sources of each source's MAPE on its rows (every source weighs
-    the same, however many rows it has; log-space golden section). GPUs with fewer sources get
+    the same, however many rows it has; log-space golden section: planner/calibrate/solver.py
+    golden_section, the loss being a MAPE, not a sum of squares). GPUs with fewer sources get
     nothing (the runtime's physics value applies)."""
     out: dict[str, dict[str, float]] = {}
     for gpu in sorted({r.gpu for r in rows}):
@@ -103,7 +94,7 @@ def fit_runtime(runtime: str, rows: Sequence[rr.RefRow]) -> dict[str, dict[str, 
             with trial_factors(runtime, {}, {gpu: {"compute_scale": math.exp(log_x)}}):
                 return sum(sum(abs(predict(r)[0] / r.measured_s - 1) for r in rs) / len(rs)
                            for rs in by_source.values()) / len(by_source)
-        out[gpu] = {"compute_scale": math.exp(_golden(loss, math.log(BOUNDS[0]), math.log(BOUNDS[1])))}
+        out[gpu] = {"compute_scale": math.exp(golden_section(loss, math.log(BOUNDS[0]), math.log(BOUNDS[1])))}
     return out
 
 

@@ -6,7 +6,8 @@ Source: microsoft/vidur (MIT) data/profiling/network/<cluster>/{all_reduce,send_
 send/recv from 2 KB to 64 MB, on DGX A100 and DGX H100 nodes (NVSwitch inside a node) and
 across two nodes (vidur/profiling/collectives/collectives_wrapper.py: `size` is bytes).
 
-For every curve (one collective, n ranks, k of them per node) it fits, on relative error,
+For every curve (one collective, n ranks, k of them per node) it fits, on relative error (the
+profiler's alpha-beta fit, planner/profiler/fit.py, with a >= 0),
 
     t(S) = a + S x c / B        c = 2(n-1)/n (all-reduce), 1 (send/recv)
 
@@ -31,6 +32,7 @@ sys.path.insert(0, str(HERE))
 import numpy as np  # noqa: E402
 
 from planner.calibrate.accuracy import mape_of  # noqa: E402
+from planner.profiler.fit import fit_alpha_beta  # noqa: E402
 
 from serve_vidur_extract import _csv  # noqa: E402
 
@@ -49,14 +51,12 @@ def curves(repo: str, cluster: str, kind: str) -> dict[tuple[int, int], list[tup
     return {k: sorted(v) for k, v in out.items()}
 
 
-def alpha_beta(points: list[tuple[int, float]], c: float) -> tuple[float, float, float]:
-    """(a seconds, B bytes/s, MAPE) of t = a + S c / B, least squares on relative error."""
-    s = np.array([p[0] for p in points], float)
-    t = np.array([p[1] for p in points], float)
-    a_mat = np.stack([np.ones_like(s), s * c], 1) / t[:, None]
-    (a, b), *_ = np.linalg.lstsq(a_mat, np.ones_like(t), rcond=None)
-    pred = a + b * s * c
-    return float(a), float(1.0 / b), mape_of(pred.tolist(), t.tolist())
+def alpha_beta(points: list[tuple[int, float]], kind: str, n: int) -> tuple[float, float, float]:
+    """(a seconds, B bytes/s, MAPE) of t = a + S c / B, c = bus_factor(kind, n): the profiler's
+    alpha-beta fit (planner/profiler/fit.py fit_alpha_beta: least squares on relative error,
+    a >= 0), whose busbw is B."""
+    fit = fit_alpha_beta(kind, n, [float(p[0]) for p in points], [p[1] for p in points])
+    return fit.alpha_s, fit.busbw_gbps * 1e9, mape_of([fit.predict(p[0]) for p in points], [p[1] for p in points])
 
 
 def measure(repo: str) -> dict:
@@ -64,8 +64,7 @@ def measure(repo: str) -> dict:
     for cluster, profile in CLUSTERS.items():
         for kind in ("all_reduce", "send_recv"):
             for (n, k), pts in curves(repo, cluster, kind).items():
-                c = 2.0 * (n - 1) / n if kind == "all_reduce" else 1.0
-                a, bw, mape = alpha_beta(pts, c)
+                a, bw, mape = alpha_beta(pts, kind, n)
                 steps = (2 * (n - 1) if kind == "all_reduce" else 1)
                 fits.append({"cluster": cluster, "profile": profile, "kind": kind, "n": n, "per_node": k,
                              "class": "nvswitch" if n == k else "inter-node", "a_us": a * 1e6,

@@ -114,7 +114,8 @@ def _runner(model, device, dep_tp: int, max_batch: int, workload: dict, requests
     """rate -> simulate() of the deployment with the device's step times, over the requests
     the measured run serves (queue.draw_requests, as planner/runtime/serve/loadgen.py)."""
     from planner.serve import queue
-    from planner.serve.cost import serve_factor, step_fns
+    from planner.serve.cost import step_fns
+    from planner.serve.factors import serve_factor
     from planner.serve.spec import Deployment, Workload
     dep = Deployment(tp=dep_tp, max_batch=max_batch)
     cluster = parse_cluster(f"{dep.tp}x{device.name}", device)

@@ -193,13 +193,15 @@ def workload(row: Row):
 def static_prefill_s(row: Row) -> float:
     """Seconds of one prefill step of `batch` prompts together, as the static-batch engines the
     sources measured run it (TensorRT-LLM's gptSessionBenchmark, lmdeploy's static benchmark):
-    cost.step_terms of `batch` chunks of the whole prompt in one step (the GEMMs over every
+    terms.step_terms of `batch` chunks of the whole prompt in one step (the GEMMs over every
     row, each sequence's own causal attention, the logits of one row each), combined with the
     serving factors."""
-    cost, _ = _serve()
+    _serve()
+    from planner.serve.factors import combine, serve_factors
+    from planner.serve.terms import step_terms
     dep = deployment(row)
-    terms = cost.step_terms(row.model, row.cluster, dep, [(row.prompt_len, 0)] * row.batch)
-    return cost.combine(terms, cost.serve_factors(row.cluster))
+    terms = step_terms(row.model, row.cluster, dep, [(row.prompt_len, 0)] * row.batch)
+    return combine(terms, serve_factors(row.cluster))
 
 
 def static_batch(row: Row) -> tuple[float, float]:
@@ -288,8 +290,9 @@ def compare(rows: Sequence[Row]) -> dict[str, Any]:
     every = [x["error"] for x in out if x["in_mape"] and x["error"] is not None]
     if every:
         by_metric["all"] = {"rows": len(every), "mape": mape(every)}
-    cost, _ = _serve()
-    factors = {r.cluster.device.name: cost.serve_factors(r.cluster) for r in rows}
+    _serve()
+    from planner.serve.factors import serve_factors
+    factors = {r.cluster.device.name: serve_factors(r.cluster) for r in rows}
     implied = {}
     for r, x in zip(rows, out):
         alone = r.batch == 1 and (r.metric in DECODE_ALONE or (r.metric == "output_tok_s" and r.prompt_len == 1))
@@ -359,12 +362,13 @@ def table(result: dict[str, Any]) -> str:
 
 
 def parse_factors(items: Sequence[str]) -> dict[str, float]:
-    cost, _ = _serve()
+    _serve()
+    from planner.serve.factors import SERVE_DEFAULTS
     out = {}
     for item in items:
         name, _, value = item.partition("=")
         name = name.strip()
-        known = (*cost.SERVE_DEFAULTS, "serve_request_overhead_s")
+        known = (*SERVE_DEFAULTS, "serve_request_overhead_s")
         if name not in known:
             raise SpecError("--factor", f"unknown serving factor {name!r}", f"use one of {', '.join(known)}")
         try:

@@ -130,7 +130,7 @@ def awaiting_first_token(rows: Sequence[sp.Row]) -> list[dict[str, Any]]:
     ttft_s published at the same concurrency). Beside it, the whole prompts vLLM V1's default token
     budget takes into one step (cost.engine_budget // prompt_len): a queue of that many or fewer
     is cleared in one step when the prompts arrive spread out."""
-    from planner.serve.cost import engine_budget
+    from planner.serve.memory import engine_budget
     by: dict[tuple, dict[str, sp.Row]] = {}
     for r in rows:
         if r.concurrency:

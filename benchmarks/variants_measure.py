@@ -100,7 +100,8 @@ def calibration_runs(root: Path) -> list[dict]:
 
 def serve_predict(m: dict, device) -> dict:
     from planner.serve import queue
-    from planner.serve.cost import serve_factor, step_fns
+    from planner.serve.cost import step_fns
+    from planner.serve.factors import serve_factor
     from planner.serve.spec import Deployment, Workload
     from planner.specs.model import ModelSpec
     model = ModelSpec.from_dict(m["model"])

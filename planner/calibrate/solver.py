@@ -14,13 +14,19 @@ Every factor fit in planner calls this module: the training calibration on measu
 - `linear_relative`: the same problem when the prediction is linear in the factors (the
   serving step time once each max() side is known): weighted linear least squares on relative
   error with lower bounds (a coefficient that comes out negative is 0 or keeps its value).
+- `line_relative`: the two-coefficient case, a straight line y = slope x + intercept on relative
+  error with the intercept kept >= 0 (the profiler's block scale/overhead and its alpha-beta
+  collective fit, benchmarks/link_curves.py's fit of vidur's NCCL curves).
+- `golden_section`: a 1-D minimiser for a loss that is not a sum of squares
+  (benchmarks/fidelity.py: a runtime's compute_scale minimising the mean per-source MAPE).
 - `leave_out`: each group (a run, a row, a source) held out in turn, refitted without it and
   predicted; `pmap` runs the refits in a fork pool.
 
 Levenberg 1944, Marquardt 1963; the scaled damping diag(J^T J) and the accept/reject rule
 follow Nocedal & Wright, "Numerical Optimization" (2nd ed.), section 10.3. The Jacobian is
 taken by forward differences, which is enough for the smooth, cheap cost model. Nelder & Mead
-1965 with the standard coefficients of Lagarias et al. 1998.
+1965 with the standard coefficients of Lagarias et al. 1998. Golden-section search: Kiefer 1953
+("Sequential minimax search for a maximum").
 """
 from __future__ import annotations
 
@@ -310,6 +316,38 @@ def linear_relative(cols: np.ndarray, measured: np.ndarray, weights: np.ndarray,
                 x_now[j] = out[j] = 0.0
         free = [j for j in free if j not in bad]
     return out
+
+
+def line_relative(x: Sequence[float], y: Sequence[float], *, through_origin: bool = False) -> tuple[float, float]:
+    """(slope, intercept) of y = slope x + intercept minimising sum ((slope x + intercept) / y - 1)^2
+    (least squares on relative error: small and large y count alike), the intercept kept >= 0.
+    Where it comes out negative, where the points cannot tell slope from intercept (one point,
+    every x equal) or with `through_origin`, the intercept is 0 and the slope is the line's
+    through the origin, sum(x / y) / sum((x / y)^2). The slope is returned as fitted: it may be
+    <= 0 where y falls with x, and each caller says what that means for its line."""
+    xs, ys = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    if xs.size == 0 or xs.shape != ys.shape:
+        raise ValueError("line_relative needs matching, non-empty lists")
+    r = xs / ys
+    if not through_origin and np.unique(xs).size >= 2:
+        (slope, intercept), *_ = np.linalg.lstsq(np.stack([r, 1.0 / ys], axis=1), np.ones_like(ys), rcond=None)
+        if intercept >= 0:
+            return float(slope), float(intercept)
+    return float(np.sum(r) / np.sum(r * r)), 0.0
+
+
+def golden_section(f: Callable[[float], float], lo: float, hi: float, iters: int = 40) -> float:
+    """The x in [lo, hi] minimising a unimodal f: each step keeps the part of the bracket on
+    the lower of the two probes at the golden ratio; returns the final bracket's midpoint (40
+    steps shrink it by 0.618^40 ~ 4e-9)."""
+    g = (5 ** 0.5 - 1) / 2
+    for _ in range(iters):
+        a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+        if f(a) < f(b):
+            hi = b
+        else:
+            lo = a
+    return (lo + hi) / 2
 
 
 # --- held out ---------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from planner.cli.common import (apply_variants, command_line, console, compariso
                                 model_options, serving_comparison, variant_option)
 from planner.errors import SpecError
 from planner.rundir import check_writable
-from planner.serve.cost import engine_budget
+from planner.serve.memory import engine_budget
 from planner.serve.launch import launch_script
 from planner.serve.outputs import calibration_badge, latency_curve, render_report, write_serve_run
 from planner.serve.search import Space, distinct, require_target, search_deployments
@@ -126,6 +126,11 @@ def serve(ctx: click.Context, **kw: Any) -> None:
         raise SpecError("--rate-qps", f"must be a positive number of requests/s, got {rate}", "e.g. 20")
     if rate is not None and kw["concurrency"]:
         raise SpecError("--rate-qps", "and --concurrency both set the load", "give one of them")
+    if kw["concurrency"] and kw["requests"] < 2 * kw["concurrency"]:
+        # fewer than two requests per user: the users' first burst is all there is, not a loop
+        raise SpecError("--concurrency", f"{kw['concurrency']} users need at least {2 * kw['concurrency']} "
+                        f"--requests (each user sends two or more; got {kw['requests']})",
+                        f"raise --requests to {max(300, 10 * kw['concurrency'])} or lower --concurrency")
     target = _target(kw)
     space = _space(kw, cluster)
     out_dir, name = _destination(kw, model)
@@ -133,7 +138,8 @@ def serve(ctx: click.Context, **kw: Any) -> None:
     result = search_deployments(model, cluster, workload, target=target, space=space, requests=kw["requests"],
                                 seed=kw["seed"], rate_qps=rate)
     require_target(result, target)
-    ranked = distinct([e for e in result.ranked if e.meets_target is not False])[:max(kw["top"], 3)]
+    ranked = distinct([e for e in result.ranked if e.meets_target is not False],
+                      workload.concurrency)[:max(kw["top"], 3)]
     best = ranked[0]
     script = launch_script(model, kw["model_arg"], best.deployment, workload, best,
                            budget=engine_budget(cluster, best.deployment), weights=kw["weights"])
@@ -217,12 +223,18 @@ def _destination(kw: dict[str, Any], model: Any) -> tuple[Path, str]:
     return out_dir, name
 
 
+def _no_target(workload: Workload) -> str:
+    if workload.concurrency:
+        return f"none (ranked by the requests/s {workload.concurrency} closed-loop users get)"
+    return "none (ranked by max QPS at 80% load)"
+
+
 def _print_result(model: Any, cluster: Any, workload: Workload, target: Target | None, result: Any,
                   ranked: list[ServeEstimate], best: ServeEstimate, compare: Any, kw: dict[str, Any]) -> None:
     """What the search found, for the terminal."""
     out = console()
     out.print(f"{model.name} on {cluster.spec}: prompt {workload.prompt_len}, output {workload.output_len}; "
-              f"target {target.describe() if target else 'none (ranked by max QPS at 80% load)'}; "
+              f"target {target.describe() if target else _no_target(workload)}; "
               f"{result.evaluated} deployments, {result.infeasible} infeasible")
     out.print(_table(ranked, kw["top"]))
     out.print(f"best: {best.deployment.describe()} ({calibration_badge(cluster)})")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import queue as queue_mod
+import sys
 import tempfile
 import time
 import warnings
@@ -161,11 +162,20 @@ def _worker(rank: int, n: int, port: int, sizes: list[int], repeats: int, window
                 q.put((op, n, numel * 4))
             del fn
     steps = in_step(rank, n, block, repeats, sync, device) if block else []
-    if rank == 0:
-        with open(out_path, "w") as fh:
+    if rank == 0:  # whole or not at all: the parent reads the file only once it is complete
+        with open(out_path + ".part", "w") as fh:
             json.dump({"collectives": results, "in_step": steps}, fh)
+        os.replace(out_path + ".part", out_path)
     dist.barrier()
     dist.destroy_process_group()
+    # Leave without the interpreter's teardown: C++ threads of gloo / torch still joinable when static
+    # destructors run abort the process ("terminate called without an active exception", seen once in
+    # CI on a run whose measurements were complete). The queue is flushed first.
+    q.close()
+    q.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_group(n: int, sizes: list[int], *, backend: str, repeats: int = 3, window_s: float = 0.05,
@@ -194,18 +204,39 @@ def run_group(n: int, sizes: list[int], *, backend: str, repeats: int = 3, windo
             raise ProfilingError(f"collectives on {n} processes", f"a rank failed: {last}",
                                  "check that the backend works (gloo on CPU, NCCL on GPU)") from None
         except mp.ProcessExitedException as exc:
-            raise ProfilingError(f"collectives on {n} processes", f"rank {exc.error_index} exited ({exc.exit_code})",
-                                 "check memory and the backend") from None
+            done = _read_results(out_path)
+            if done is None:
+                raise ProfilingError(f"collectives on {n} processes", f"rank {exc.error_index} exited ({exc.exit_code})",
+                                     "check memory and the backend") from None
+            # rank 0 wrote every measurement before the final barrier: a rank that died in the
+            # teardown after it did not spoil them (the note says so in the profile)
+            done["teardown"] = f"rank {exc.error_index} exited ({exc.exit_code}) after the measurements were written"
+            return done
         finally:
             for p in ctx.processes:  # only our own children
                 if p.is_alive():
                     p.terminate()
                     p.join(5)
         _drain(q, tick)
-        with open(out_path) as fh:
-            return json.load(fh)
+        done = _read_results(out_path)
+        if done is None:
+            raise ProfilingError(f"collectives on {n} processes", "every rank exited but rank 0 wrote no results",
+                                 "check memory and the backend")
+        return done
     finally:
-        os.unlink(out_path)
+        for p in (out_path, out_path + ".part"):
+            if os.path.exists(p):
+                os.unlink(p)
+
+
+def _read_results(path: str) -> dict[str, Any] | None:
+    """Rank 0's results, or None when it never wrote them (the file stays empty until then)."""
+    try:
+        with open(path) as fh:
+            text = fh.read()
+        return json.loads(text) if text else None
+    except (OSError, ValueError):
+        return None
 
 
 def _drain(q: Any, tick: Callable[[str], None]) -> None:

@@ -7,8 +7,9 @@ reduce-scatter: the input; send/recv: the message). Bus bandwidth (nccl-tests
 doc/PERFORMANCE.md): busbw = algbw x 2(n-1)/n for all-reduce, x (n-1)/n for all-gather and
 reduce-scatter, x 1 for send/recv.
 
-Fitted by weighted linear least squares (numpy.linalg.lstsq) on relative error, so that the
-KB-sized messages (latency-bound) count as much as the 100 MB ones (bandwidth-bound).
+Fitted by the package's one line fit (planner/calibrate/solver.py line_relative: least squares
+on relative error, so that the KB-sized messages (latency-bound) count as much as the 100 MB
+ones (bandwidth-bound), alpha kept >= 0).
 """
 from __future__ import annotations
 
@@ -57,19 +58,17 @@ class AlphaBeta:
 
 
 def fit_alpha_beta(op: str, n: int, sizes: list[float], times: list[float]) -> AlphaBeta:
-    """Least-squares alpha and beta from (bytes, seconds) pairs; alpha >= 0, beta > 0."""
+    """Least-squares alpha and beta from (bytes, seconds) pairs (line_relative: a negative
+    alpha, or one message size only, refits beta alone with alpha 0); alpha >= 0, beta > 0."""
     import numpy as np
+
+    from planner.calibrate.solver import line_relative
 
     if len(sizes) != len(times) or len(sizes) < 2:
         raise ValueError("need at least two (size, time) points")
     s = np.asarray(sizes, dtype=float)
     t = np.asarray(times, dtype=float)
-    w = 1.0 / t  # relative-error weighting
-    a_mat = np.stack([np.ones_like(s), s], axis=1) * w[:, None]
-    (alpha, beta), *_ = np.linalg.lstsq(a_mat, t * w, rcond=None)
-    if alpha < 0:  # constrained refit: pure bandwidth term
-        alpha = 0.0
-        beta = float(np.sum(s * w * t * w) / np.sum((s * w) ** 2))
+    beta, alpha = line_relative(s, t)
     if beta <= 0:  # no bandwidth term resolved (all messages tiny): use the largest point
         i = int(np.argmax(s))
         beta = max(float(t[i] - alpha), 1e-12) / float(s[i])

@@ -207,6 +207,8 @@ def measure_all(opts: ProfileOptions, target: Target, plan: WorkList,
         raw = comm.run_group(n, list(plan.sizes), backend=backend, repeats=3, window_s=window / 2,
                              timeout_s=opts.comm_timeout_s, tick=tick, block=block)
         out["comm"][str(n)] = comm.summarize_group(raw)
+        if raw.get("teardown"):
+            out["notes"].append(f"collectives on {n} processes: {raw['teardown']}")
     out["backend"] = backend
     out["wall_s"] = time.perf_counter() - started
     out["load"] = {"before": load_before, "after": _loadavg(), "cores": os.cpu_count()}

@@ -137,7 +137,6 @@ def step_section(raw: dict[str, Any], opts: ProfileOptions, data: dict[str, Any]
     compute + overhead_s over the points; per group size, the in-step all-reduce's fit."""
     from planner.cost.block import block_compute_parts, block_compute_time
     from planner.specs.plan import Plan
-    from planner.specs.step import fit_line
     from planner.specs.train import TrainSpec
     prof = profile_from_dict({k: v for k, v in data.items() if k != "step"}, data["name"])
     block: dict[str, Any] = {}
@@ -171,6 +170,18 @@ def step_section(raw: dict[str, Any], opts: ProfileOptions, data: dict[str, Any]
         if fit and fit["busbw_gbps"] > 0:
             links[str(n)] = fit
     return {"block": block, "tp_allreduce": links, "framework": framework, "parallel": parallel, "optimizer": opt}
+
+
+def fit_line(predicted: list[float], measured: list[float]) -> tuple[float, float]:
+    """(scale, overhead) of measured = scale x predicted + overhead, least squares on relative
+    residuals ((fit - measured) / measured; planner/calibrate/solver.py line_relative); overhead
+    is kept >= 0, and a line that needs a negative overhead or a scale <= 0 (or whose points
+    cannot tell them apart) is refitted through the origin, overhead 0."""
+    from planner.calibrate.solver import line_relative
+    if not predicted or len(predicted) != len(measured):
+        raise ValueError("fit_line needs matching, non-empty lists")
+    scale, overhead = line_relative(predicted, measured)
+    return (scale, overhead) if scale > 0 else line_relative(predicted, measured, through_origin=True)
 
 
 def fit_classes(parts: list[tuple[float, float, float]], measured: list[float]) -> tuple[tuple, float] | None:

@@ -1,4 +1,4 @@
-"""Fit the serving factors (planner/serve/cost.py SERVE_DEFAULTS) to measured serving runs.
+"""Fit the serving factors (planner/serve/factors.py SERVE_DEFAULTS) to measured serving runs.
 
 Input: serve_metrics.json documents written by planner/runtime/serve/run.py (`model`:
 ModelSpec.to_dict(), `deployment`: {tp, max_batch, precision, prefill_chunk}, `decode_steps`:
@@ -12,7 +12,7 @@ in older files: 0), the whole step as the engine's clock sees it. Every step is
 (a decode step's attention parts, its cache read and attention core, scaled by
 decode_attention_scale inside the two sides)
 
-(planner/serve/cost.py combine; compute_scale: prefill_compute_scale for prefills,
+(planner/serve/factors.py combine; compute_scale: prefill_compute_scale for prefills,
 decode_compute_scale for decode steps) with the factor-free terms from cost.prefill_terms /
 decode_terms. Once it is known which side of each max() binds, that is linear in x =
 (prefill_compute_scale, decode_compute_scale, 1/decode_bw_efficiency, serve_comm_scale,
@@ -38,7 +38,8 @@ from planner.calibrate.core import pct
 from planner.calibrate.solver import linear_relative
 from planner.errors import SpecError
 from planner.rundir import atomic_write_json
-from planner.serve.cost import SERVE_DEFAULTS, combine, decode_terms, prefill_terms
+from planner.serve.factors import SERVE_DEFAULTS, combine
+from planner.serve.terms import decode_terms, prefill_terms
 from planner.serve.spec import KV_BYTES, WEIGHT_BYTES, Deployment
 from planner.specs.hardware import DeviceProfile, find_device, profile_from_dict
 from planner.specs.cluster import parse_cluster

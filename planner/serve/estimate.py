@@ -5,7 +5,8 @@ planner/serve/queue.py)."""
 from __future__ import annotations
 
 from planner.errors import SpecError
-from planner.serve.cost import decode_step_time_s, prompt_time_s, request_overhead_s, serve_memory
+from planner.serve.cost import decode_step_time_s, prompt_time_s, request_overhead_s
+from planner.serve.memory import serve_memory
 from planner.serve.spec import Deployment, ServeEstimate, Target, Workload
 from planner.specs.cluster import ClusterSpec
 from planner.specs.model import ModelSpec
@@ -34,6 +35,10 @@ def deployment_problems(model: ModelSpec, cluster: ClusterSpec, dep: Deployment)
 def check_workload(model: ModelSpec, workload: Workload) -> None:
     """Bad input, not an infeasible deployment: the longest request exceeds the model's context."""
     if workload.max_total() > model.max_seq:
+        if workload.trace:
+            raise SpecError("--trace", f"its longest request, prompt + output = {workload.max_total()} tokens, "
+                            f"exceeds {model.name}'s context of {model.max_seq}",
+                            f"keep every line's prompt + output <= {model.max_seq}")
         extra = "" if workload.prompt_sigma == 0 and workload.output_sigma == 0 else \
             " (the 99.9th percentile of the length distributions)"
         raise SpecError("--prompt-len/--output-len",

@@ -1,7 +1,7 @@
 """Measured speed of the quantized weight kernels (profiles/serving/kernels.json).
 
 A weight-only int4/int8 GEMM of `rows` tokens runs at its roofline (the quantized weight bytes
-at the bandwidth, the FLOPs at the fp16 tensor rate: planner/serve/cost.py step_terms) divided
+at the bandwidth, the FLOPs at the fp16 tensor rate: planner/serve/terms.py step_terms) divided
 by the kernel's measured efficiency at that row count: Marlin's speedup over FP16 divided by
 the ideal speedup (sources in the file): 1 up to 32 rows, 0.945 at 64-128 (its README's figure,
 A10); 0.74 at 256 falling to 0.60-0.61 at 2048-4000 rows (Marlin's bench.py on an A100, vLLM

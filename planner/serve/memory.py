@@ -2,7 +2,7 @@
 
 [PA] Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving with
 PagedAttention" (vLLM; SOSP 2023, arXiv 2309.06180); [P22] Pope et al. 2022, "Efficiently
-Scaling Transformer Inference" (arXiv 2211.05102). Re-exported by planner/serve/cost.py.
+Scaling Transformer Inference" (arXiv 2211.05102).
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ def latency_curve(model: ModelSpec, cluster: ClusterSpec, est: ServeEstimate, wo
     import dataclasses
 
     from planner.serve import queue
-    from planner.serve.cost import serve_memory
+    from planner.serve.memory import serve_memory
     mem = serve_memory(model, cluster, est.deployment, workload)
     run = None if workload.concurrency else \
         queue.replica_runner(model, cluster, est.deployment, workload, mem, requests=requests, seed=seed)
@@ -74,7 +74,7 @@ def _plot(curves: list[tuple[str, list[dict[str, float]]]], target: Target | Non
 def calibration_badge(cluster: ClusterSpec) -> str:
     """What the serving estimates rest on: fitted factors, measured kernel curves, or neither."""
     from planner.serve import measured
-    from planner.serve.cost import SERVE_DEFAULTS
+    from planner.serve.factors import SERVE_DEFAULTS
     fitted = sorted(k for k in SERVE_DEFAULTS if k in cluster.device.factors)
     curves = measured.curve(cluster.device, 1) is not None
     if fitted:
@@ -113,7 +113,7 @@ background:{{ badge_color }};color:#000}</style></head><body>
 top deployments (p50 solid, p99 dashed){% if target %}; the target in red{% endif %}.</p>
 <img alt="latency vs QPS" src="data:image/png;base64,{{ png }}">
 <h2>Launch</h2><pre>{{ script|e }}</pre>
-<p>Model: planner/serve/cost.py (PagedAttention memory, Pope et al. 2022 decode/prefill), simulation:
+<p>Model: planner/serve/cost.py, terms.py, factors.py, memory.py (PagedAttention memory, Pope et al. 2022 decode/prefill), simulation:
 planner/serve/queue.py. See docs/serving.md.</p></body></html>
 """
 
@@ -137,7 +137,9 @@ def render_report(title: str, workload: Workload, target: Target | None, ranked:
     import jinja2
     env = jinja2.Environment(autoescape=True)
     return env.from_string(_TEMPLATE).render(
-        title=title, w=workload, target=target.describe() if target else "none (ranked by max QPS)",
+        title=title, w=workload, target=target.describe() if target else (
+            f"none (ranked by the requests/s {workload.concurrency} closed-loop users get)"
+            if workload.concurrency else "none (ranked by max QPS)"),
         rows=[_row(e) for e in ranked], png=_plot(curves, target), script=script, evaluated=evaluated,
         infeasible=infeasible, variant=variant, badge=badge,
         badge_color="#cfc" if badge.startswith("serving factors calibrated") else "#fd8")

@@ -165,8 +165,12 @@ def replica_runner(model: Any, cluster: Any, dep: Any, workload: Workload, mem: 
     evenly is Poisson; with Workload.concurrency every finite rate is the closed loop of
     concurrency / replicas users each, rounded up, math.inf all requests at once), scheduled as
     dep.engine with its token budget (cost.engine_budget), with its achieved throughput scaled
-    back to all replicas."""
-    from planner.serve.cost import engine_budget, handover_s, mixed_fn, request_overhead_s, serve_factor, step_fns
+    back to all replicas: x replicas, or in a closed loop x N / users (N users, each at the rate a
+    user of the simulated replica gets; exact when the replicas divide N, a little low otherwise,
+    never the ceil(N / replicas) x replicas users that do not exist)."""
+    from planner.serve.cost import handover_s, mixed_fn, request_overhead_s, step_fns
+    from planner.serve.factors import serve_factor
+    from planner.serve.memory import engine_budget
     prefill, decode = step_fns(model, cluster, dep)
     mixed = mixed_fn(model, cluster, dep)
     wake = serve_factor(cluster, "serve_wake_s")
@@ -185,8 +189,11 @@ def replica_runner(model: Any, cluster: Any, dep: Any, workload: Workload, mem: 
                          concurrency=users if users and not math.isinf(rate) else None,
                          request_overhead_s=overhead, handover_s=handover)
             r["rate_qps"] = rate
-            r["achieved_qps"] *= dep.replicas
-            r["output_tokens_per_s"] *= dep.replicas
+            # all replicas: x replicas for a split stream; a closed loop has only N users, a
+            # replica's users each at the simulated replica's per-user rate (x N / users)
+            scale = workload.concurrency / users if users and not math.isinf(rate) else dep.replicas
+            r["achieved_qps"] *= scale
+            r["output_tokens_per_s"] *= scale
             cache[rate] = r
         return cache[rate]
     return run

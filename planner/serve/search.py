@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from planner.errors import SpecError
-from planner.serve.cost import decode_step_time_s, prompt_time_s, serve_memory
+from planner.serve.cost import decode_step_time_s, prompt_time_s
+from planner.serve.memory import serve_memory
 from planner.serve.estimate import check_workload, deployment_problems, estimate_serving
 from planner.serve.spec import SEARCH_WEIGHTS, Deployment, ServeEstimate, Target, Workload
 from planner.specs.cluster import ClusterSpec
@@ -45,6 +46,8 @@ class ServeSearch:
     infeasible: int
     reasons: dict[str, int] = field(default_factory=dict)
     """Infeasibility reason (first words) -> count."""
+    concurrency: int = 0
+    """The workload's closed-loop users (0: Poisson arrivals): the ranking's throughput is theirs."""
 
 
 def candidates(model: ModelSpec, cluster: ClusterSpec, workload: Workload, space: Space) -> Iterable[Deployment]:
@@ -68,24 +71,40 @@ def analytic(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, workload: 
              mem: dict[str, Any]) -> tuple[float, float]:
     """(throughput of all replicas with the batch full, requests/s; one request's latency alone, s):
     a full batch of B sequences finishes B requests every B prefills plus output_len decode steps
-    at the mid-generation context; alone: its prefill plus output_len - 1 decode steps."""
+    at the mid-generation context; alone: its prefill plus output_len - 1 decode steps. In a
+    closed loop of N users the batch never holds more than a replica's users (ceil(N / replicas))
+    and only N users are served: the throughput is that batch's, taken N / B times (each user at
+    the rate of one in that batch; exact when the replicas divide N)."""
     b = max(1, min(dep.max_batch, mem["batch_limit"]))
+    if workload.concurrency:
+        b = min(b, -(-workload.concurrency // dep.replicas))
     mp, mo = workload.mean_lengths()
     p, o = max(1, round(mp)), max(1, round(mo))
     pre = prompt_time_s(model, cluster, dep, p)
     mid = b * (p + o // 2 + 1)
     cycle = b * pre + o * decode_step_time_s(model, cluster, dep, b, mid)
     alone = pre + (o - 1) * decode_step_time_s(model, cluster, dep, 1, p + o // 2 + 1)
+    if workload.concurrency:
+        return min(workload.concurrency, dep.replicas * b) / cycle, alone
     return dep.replicas * b / cycle, alone
 
 
-def _score(est: ServeEstimate, target: Target | None) -> tuple:
+def served_qps(est: ServeEstimate, workload: Workload) -> float:
+    """The throughput a deployment is ranked by: its saturation throughput (max_qps) for an open
+    arrival stream, which may rise to it; in a closed loop of N users the rate those N users get
+    (rate_qps, the simulated loop's achieved throughput), which no deployment exceeds whatever its
+    saturation throughput: two replicas that 1 user cannot both keep busy serve 1 user's rate."""
+    return est.rate_qps if workload.concurrency else est.max_qps
+
+
+def _score(est: ServeEstimate, target: Target | None, workload: Workload) -> tuple:
     """Sort key, smaller is better."""
+    qps = served_qps(est, workload)
     if target is None:
-        return (-est.max_qps, est.e2e_p50_s)
+        return (-qps, est.e2e_p50_s)
     if target.kind == "qps":
         lat = est.e2e_p50_s if target.metric == "e2e" else getattr(est, f"{target.metric}_p50_s")
-        return (not est.meets_target, lat, -est.max_qps)
+        return (not est.meets_target, lat, -qps)
     return (not est.meets_target, -(est.qps_at_target or 0.0), est.e2e_p50_s)
 
 
@@ -108,7 +127,8 @@ def search_deployments(model: ModelSpec, cluster: ClusterSpec, workload: Workloa
         qps, alone = analytic(model, cluster, dep, workload, mem)
         pool.append((dep, qps, alone))
     if not pool:
-        return ServeSearch(ranked=[], evaluated=evaluated, infeasible=evaluated, reasons=reasons)
+        return ServeSearch(ranked=[], evaluated=evaluated, infeasible=evaluated, reasons=reasons,
+                           concurrency=workload.concurrency)
     if target is not None and target.kind in ("p50", "p99") and target.metric == "e2e":
         ok = [x for x in pool if x[2] <= target.value]
         rest = sorted((x for x in pool if x[2] > target.value), key=lambda x: x[2])
@@ -124,20 +144,24 @@ def search_deployments(model: ModelSpec, cluster: ClusterSpec, workload: Workloa
         picked += [x for x in sorted(pool, key=lambda x: x[2]) if x not in picked][:simulate // 4]
     ests = [estimate_serving(model, cluster, dep, workload, target=target, requests=requests, seed=seed,
                              rate_qps=rate_qps) for dep, _, _ in picked]
-    ests.sort(key=lambda e: _score(e, target))
-    return ServeSearch(ranked=ests, evaluated=evaluated, infeasible=evaluated - len(pool), reasons=reasons)
+    ests.sort(key=lambda e: _score(e, target, workload))
+    return ServeSearch(ranked=ests, evaluated=evaluated, infeasible=evaluated - len(pool), reasons=reasons,
+                       concurrency=workload.concurrency)
 
 
-def distinct(ranked: list[ServeEstimate]) -> list[ServeEstimate]:
+def distinct(ranked: list[ServeEstimate], concurrency: int = 0) -> list[ServeEstimate]:
     """The ranking with one row per deployment that behaves differently: a larger max batch that
     the load never fills gives the same estimate as the smaller one (same TP, precisions and
-    budget; TTFT, TPOT, p99 and max QPS within 1%), and only the first of them is kept."""
+    budget; TTFT, TPOT, p99 and the throughput ranked by within 1%: max QPS, or with
+    `concurrency` N closed-loop users the rate they get, which a batch above N leaves unchanged
+    while raising max QPS), and only the first of them is kept."""
     def same(a: ServeEstimate, b: ServeEstimate) -> bool:
         da, db = a.deployment, b.deployment
         if (da.tp, da.weight_precision, da.kv_precision, da.prefill_chunk) != \
                 (db.tp, db.weight_precision, db.kv_precision, db.prefill_chunk):
             return False
-        pairs = [(a.ttft_s, b.ttft_s), (a.tpot_s, b.tpot_s), (a.e2e_p99_s, b.e2e_p99_s), (a.max_qps, b.max_qps)]
+        qa, qb = (a.rate_qps, b.rate_qps) if concurrency else (a.max_qps, b.max_qps)
+        pairs = [(a.ttft_s, b.ttft_s), (a.tpot_s, b.tpot_s), (a.e2e_p99_s, b.e2e_p99_s), (qa, qb)]
         return all(abs(x - y) <= 0.01 * max(abs(x), abs(y), 1e-12) for x, y in pairs)
     out: list[ServeEstimate] = []
     for e in ranked:
@@ -151,16 +175,20 @@ def closest_miss(result: ServeSearch, target: Target) -> str:
     if not result.ranked:
         why = "; ".join(f"{k} ({v})" for k, v in sorted(result.reasons.items(), key=lambda kv: -kv[1])[:3])
         return f"no deployment fits at all: {why}"
+    users = result.concurrency
     if target.kind == "qps":
-        best = max(result.ranked, key=lambda e: e.max_qps)
-        short = 100.0 * (1 - best.max_qps / target.value)
-        return (f"closest: {best.deployment.describe()} sustains {best.max_qps:.1f} QPS, "
-                f"{short:.0f}% short of {target.value:g}")
+        def got_qps(e: ServeEstimate) -> float:
+            return e.rate_qps if users else e.max_qps
+        best = max(result.ranked, key=got_qps)
+        short = 100.0 * (1 - got_qps(best) / target.value)
+        what = f"serves {users} users {got_qps(best):.1f} QPS" if users else f"sustains {got_qps(best):.1f} QPS"
+        return f"closest: {best.deployment.describe()} {what}, {short:.0f}% short of {target.value:g}"
     attr = {"e2e": "e2e", "ttft": "ttft", "tpot": "tpot"}[target.metric]
     best = min(result.ranked, key=lambda e: getattr(e, f"{attr}_{target.kind}_s"))
     got = getattr(best, f"{attr}_{target.kind}_s")
+    load = f"with {users} users" if users else "even at the lowest load"
     return (f"closest: {best.deployment.describe()} reaches {target.metric} {target.kind} {got * 1e3:.0f} ms "
-            f"even at the lowest load, {got / target.value:.2f}x the {target.value * 1e3:g} ms target")
+            f"{load}, {got / target.value:.2f}x the {target.value * 1e3:g} ms target")
 
 
 def require_target(result: ServeSearch, target: Target | None) -> None:

@@ -88,7 +88,11 @@ class DeviceProfile:
     """gpu or cpu."""
     aliases: tuple[str, ...] = ()
     memory_gb: float
-    """Usable device memory in GB (1e9 bytes)."""
+    """Device memory as marketed, GB (the "80" of an A100 80GB)."""
+    memory_total_mib: float = 0.0
+    """What a training process can allocate: the device's total memory as the CUDA driver reports
+    it (torch.cuda.get_device_properties(i).total_memory, printed in MiB; the "GiB total capacity"
+    of torch's out-of-memory message), with its source in "sources". 0: unknown, memory_gb x 1e9."""
     peak_tflops: Mapping[str, float]
     """Dense peak per precision (bf16, fp16, fp32), TFLOP/s."""
     hbm_bandwidth_gbps: float
@@ -127,7 +131,9 @@ class DeviceProfile:
 
     @property
     def memory_bytes(self) -> float:
-        return self.memory_gb * 1e9
+        """Capacity a plan's peak may fill: the driver's total (memory_total_mib) where the
+        profile states it, else memory_gb x 1e9."""
+        return self.memory_total_mib * 2.0 ** 20 if self.memory_total_mib else self.memory_gb * 1e9
 
     def supports(self, precision: str) -> bool:
         return self.peak_tflops.get(precision, 0.0) > 0
@@ -258,6 +264,7 @@ def profile_from_dict(data: Any, path: str = "") -> DeviceProfile:
     return DeviceProfile(
         name=name, kind=kind, aliases=tuple(str(a) for a in data.get("aliases", [])),
         memory_gb=_positive(_need(data, "memory_gb", ""), "memory_gb"),
+        memory_total_mib=_positive(data["memory_total_mib"], "memory_total_mib") if "memory_total_mib" in data else 0.0,
         peak_tflops={**{p: float(peaks[p]) for p in PRECISIONS}, **({FP8: float(fp8_peak)} if fp8_peak else {})},
         hbm_bandwidth_gbps=_positive(_need(data, "hbm_bandwidth_gbps", ""), "hbm_bandwidth_gbps"),
         gemm_efficiency=points, gemm_efficiency_by_precision=curves, gpus_per_node=gpn,

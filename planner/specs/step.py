@@ -249,25 +249,3 @@ def step_from_dict(raw: Any, precisions: tuple[str, ...]) -> StepProbes:
         optimizer[prec] = OptimizerProbe(param_s=_number(o.get("param_s"), f"{where}.param_s"),
                                          points=int(o.get("points", 0)))
     return StepProbes(block=block, tp_allreduce=links, framework=framework, parallel=parallel, optimizer=optimizer)
-
-
-def fit_line(predicted: list[float], measured: list[float]) -> tuple[float, float]:
-    """(scale, overhead) of measured = scale x predicted + overhead, least squares on relative
-    residuals ((fit - measured) / measured); overhead is kept >= 0 (a negative one refits the
-    scale alone through the origin)."""
-    if not predicted or len(predicted) != len(measured):
-        raise ValueError("fit_line needs matching, non-empty lists")
-    w = [1.0 / m for m in measured]
-    # minimise sum (w (a p + c - m))^2: normal equations in (a, c)
-    spp = sum((wi * p) ** 2 for wi, p in zip(w, predicted))
-    sp1 = sum(wi * wi * p for wi, p in zip(w, predicted))
-    s11 = sum(wi * wi for wi in w)
-    spm = sum(wi * wi * p * m for wi, p, m in zip(w, predicted, measured))
-    s1m = sum(wi * wi * m for wi, m in zip(w, measured))
-    det = spp * s11 - sp1 * sp1
-    if len(predicted) >= 2 and abs(det) > 1e-30 * max(spp * s11, 1e-300):
-        a = (spm * s11 - sp1 * s1m) / det
-        c = (spp * s1m - sp1 * spm) / det
-        if c >= 0 and a > 0:
-            return a, c
-    return spm / spp, 0.0

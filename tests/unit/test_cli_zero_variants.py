@@ -136,7 +136,8 @@ def test_search_takes_the_host_flags(capsys, tmp_path):
     doc = json.loads((tmp_path / "chatglm3-6b-tiny_8xA100" / "plan.json").read_text())
     c = doc["inputs"]["cluster"]
     assert c["memory_headroom"] == 2 and c["host"]["cpu_memory_gb"] == 768 and c["host"]["nvme_gbps"] == 12
-    assert "usable 80.0" in out and "--memory-headroom 2.0" in doc["inputs"]["command"]
+    # an A100 80GB's capacity is the driver's 81,039 MiB = 85.0 GB (profiles/A100-80GB.json memory_total_mib)
+    assert "usable 85.0" in out and "--memory-headroom 2.0" in doc["inputs"]["command"]
     rc, _, err = run(capsys, "search", "--model", "glm-10b", "--gpus", "8xA100", "--memory-headroom", "-1",
                      "--out-dir", str(tmp_path / "bad"))
     assert one_line(rc, err) and "--memory-headroom" in err

@@ -20,6 +20,9 @@ from planner.search.partition import NoFit, Partition, least_bytes, solve
 from planner.search.space import Outer, Shape, divisors
 from planner.specs import Plan, TrainSpec, parse_cluster, preset, scale
 
+A100_40GB = 40448 * 2.0 ** 20
+"""An A100 40GB's capacity: the CUDA driver's total, 40,448 MiB (profiles/A100-40GB.json memory_total_mib)."""
+
 
 def small_space(**kw) -> Space:
     """GLM-10B at small scale on 4x8xA100: 45 shapes, a few hundred plans."""
@@ -91,7 +94,7 @@ def test_a_shape_no_split_can_fit_is_a_value_with_the_memory_it_needs():
                   interleave=1)
     trial = Evaluator(m, c, t)(outer, "optuna")
     assert not trial.feasible and trial.estimate is None and trial.source == "optuna" and trial.outer == outer
-    assert trial.needs_bytes > trial.capacity_bytes == 40e9 and "even with the best stage split" in trial.reason
+    assert trial.needs_bytes > trial.capacity_bytes == A100_40GB and "even with the best stage split" in trial.reason
     assert trial.plan == outer.plan("bf16") and trial.tokens_per_s == 0
     inter = dataclasses.replace(outer, interleave=2)
     assert "Megatron-LM only" in Evaluator(m, c, t)(inter, "exhaustive").reason
@@ -139,7 +142,7 @@ def test_checkpointing_what_fits_and_what_does_not():
     assert sm.fewest_checkpointed(0, 12, allow=False) is None       # too big without checkpointing
     k = sm.fewest_checkpointed(0, 12, True)
     assert 0 < k < 12 and sm.bytes(0, 12, k) <= sm.capacity < sm.bytes(0, 12, k - 1)
-    assert sm.fewest_checkpointed(0, 24, True) is None                    # not even with every block checkpointed
+    assert sm.fewest_checkpointed(0, 30, True) is None                    # not even with every block checkpointed
     assert sm.bytes(0, 12, k) - sm.bytes(0, 12, k + 1) == pytest.approx(sm.saving[0], rel=1e-12, abs=0)
 
 
@@ -172,9 +175,9 @@ def test_no_fit_names_the_tightest_stage_and_its_least_memory():
         best = min(splits, key=lambda sp: max(sm.bytes(i, n, k(n)) for i, n in enumerate(sp)))
         per = [sm.bytes(i, n, k(n)) for i, n in enumerate(best)]
         assert nofit.needs_bytes == pytest.approx(max(per), rel=1e-12, abs=0)
-        assert nofit.stage == per.index(max(per)) and nofit.capacity_bytes == 40e9
+        assert nofit.stage == per.index(max(per)) and nofit.capacity_bytes == A100_40GB
     one = _stage_model(m, c, t, dataclasses.replace(outer, pp=1, dp=3))
-    assert least_bytes(one, 12, True) == NoFit(stage=0, needs_bytes=one.bytes(0, 12, 12), capacity_bytes=40e9)
+    assert least_bytes(one, 12, True) == NoFit(stage=0, needs_bytes=one.bytes(0, 12, 12), capacity_bytes=A100_40GB)
     assert least_bytes(one, 12, False).needs_bytes == one.bytes(0, 12, 0)
 
 
@@ -189,10 +192,10 @@ def test_one_stage_partition_carries_its_time_and_memory():
 
 
 def test_partition_stage_memory_and_checkpoints_come_with_the_split():
-    # sequence 512: ZeRO-1's two reduce buffers under a pipeline leave 1024 40 MB short; at 512 the
-    # split still needs checkpoints on both stages
+    # sequence 1024: the split needs checkpoints on both stages (16 and 8 of 24 blocks in 40,448 MiB;
+    # at 512 only the first stage needs any)
     m, c = preset("glm-10b"), parse_cluster("8xA100-40GB")
-    t = TrainSpec(global_batch=64, seq_len=512)
+    t = TrainSpec(global_batch=64, seq_len=1024)
     sm = _stage_model(m, c, t, Outer(tp=1, pp=2, dp=4, zero=1, micro_batch=1, grad_accum=16, recompute="full",
                                      sequence_parallel=False, interleave=1))
     got = solve(sm, 48, True)
@@ -397,7 +400,7 @@ def test_trial_reasons_and_capacity():
     ok = Evaluator(m, parse_cluster("96x8xA100-40GB"), TrainSpec(global_batch=4224, seq_len=2048))(
         Outer(tp=4, pp=8, dp=24, zero=1, micro_batch=1, grad_accum=176, recompute="full", sequence_parallel=False,
               interleave=1), "heuristic")
-    assert ok.feasible is True and ok.capacity_bytes == 40e9 and ok.reason == "" and ok.source == "heuristic"
+    assert ok.feasible is True and ok.capacity_bytes == A100_40GB and ok.reason == "" and ok.source == "heuristic"
 
 
 def test_heuristic_without_data_parallelism_starts_at_zero_0_with_sp():
@@ -444,7 +447,7 @@ def test_infeasible_trials_tell_optuna_by_how_much():
     assert bad
     for ft in bad:
         excess = ft.system_attrs["constraints:memory_excess_gb"]
-        assert excess == pytest.approx(max(1e-3, ft.user_attrs["best"]["peak_memory_gb"] - 40.0), rel=1e-9, abs=0)
+        assert excess == pytest.approx(max(1e-3, ft.user_attrs["best"]["peak_memory_gb"] - A100_40GB / 1e9), rel=1e-9, abs=0)
         assert ft.value == 0
 
 

@@ -9,7 +9,8 @@ import pytest
 
 from planner.errors import SpecError
 from planner.serve import calibrate
-from planner.serve.cost import combine, decode_terms, prefill_terms
+from planner.serve.factors import combine
+from planner.serve.terms import decode_terms, prefill_terms
 from planner.serve.spec import Deployment
 from planner.specs.hardware import PROFILES_DIR, find_device, load_profile
 from planner.specs.cluster import parse_cluster

@@ -60,6 +60,7 @@ def test_fp8_on_hopper(capsys, tmp_path):
     (["--rate-qps", "nan"], "--rate-qps"),
     (["--rate-qps", "5", "--concurrency", "4"], "give one of them"),
     (["--concurrency", "-2"], "--concurrency"),
+    (["--concurrency", "30"], "30 users need at least 60 --requests"),   # BASE: 40 requests
     (["--trace", "/nonexistent/trace.csv"], "cannot read"),
     (["--weight-precision", "fp8"], "FP8"),                  # A100: no FP8 tensor cores
     (["--kv-precision", "int8"], "no int8 KV cache"),        # neither engine has one
@@ -113,3 +114,14 @@ def test_engines_and_workloads(capsys, tmp_path):
     assert "overloaded: 1000 requests/s offered" in out
     assert json.loads((tmp_path / "tr" / "serve_plan.json").read_text())["inputs"]["workload"]["trace"] == \
         [[200, 50], [900, 120]]
+
+
+def test_trace_beyond_the_context_names_the_trace(capsys, tmp_path):
+    """A trace line longer than the model's context is the trace's fault, not --prompt-len's."""
+    trace = tmp_path / "t.csv"
+    trace.write_text("100,20\n8000,300\n")
+    rc, _, err = run(capsys, *BASE, "--max-batch", "16", "--trace", str(trace), "--out-dir", str(tmp_path),
+                     "--name", "bad")
+    assert rc == 2 and err.count("\n") == 1
+    assert err.startswith("error: --trace: its longest request, prompt + output = 8300 tokens, exceeds")
+    assert not (tmp_path / "bad").exists()

@@ -15,6 +15,10 @@ import pytest
 
 from planner.errors import SpecError
 from planner.serve import cost
+from planner.serve.factors import GPU_STEP_OVERHEAD_S, combine, serve_factor
+from planner.serve.memory import (kv_bytes_per_token, kv_bytes_per_token_rank, linear_weights, serve_memory, weight_bytes,
+                                  weight_read_bytes)
+from planner.serve.terms import decode_terms, prefill_terms, _serial
 from planner.serve.estimate import estimate_serving
 from planner.serve.spec import Deployment, Workload
 from planner.specs.hardware import DeviceProfile, Link
@@ -39,22 +43,22 @@ def cluster(n: int = 1, device: DeviceProfile = DEVICE) -> ClusterSpec:
 
 def test_sizes():
     assert MODEL.params == 70_464
-    assert cost.linear_weights(MODEL) == 28_672
-    assert cost.weight_bytes(MODEL, Deployment()) == 70_464 * 2
+    assert linear_weights(MODEL) == 28_672
+    assert weight_bytes(MODEL, Deployment()) == 70_464 * 2
     # int8: 57,344 block weights at 1 + 2/128 bytes (group-128 fp16 scales), the rest bf16
-    assert cost.weight_bytes(MODEL, Deployment(weight_precision="int8")) == pytest.approx(57_344 * 1.015625 + 13_120 * 2)
-    assert cost.weight_bytes(MODEL, Deployment(weight_precision="int4")) == pytest.approx(57_344 * 0.53125 + 13_120 * 2)
+    assert weight_bytes(MODEL, Deployment(weight_precision="int8")) == pytest.approx(57_344 * 1.015625 + 13_120 * 2)
+    assert weight_bytes(MODEL, Deployment(weight_precision="int4")) == pytest.approx(57_344 * 0.53125 + 13_120 * 2)
     # one forward reads everything but the input embedding table (100 x 64)
-    assert cost.weight_read_bytes(MODEL, Deployment()) == 140_928 - 12_800
+    assert weight_read_bytes(MODEL, Deployment()) == 140_928 - 12_800
     # 2 (K, V) x 2 layers x 2 KV heads x 16 x 2 bytes; fp8 halves it; TP 4 > 2 KV heads keeps one per rank
-    assert cost.kv_bytes_per_token(MODEL, Deployment()) == 256
-    assert cost.kv_bytes_per_token(MODEL, Deployment(kv_precision="fp8")) == 128
-    assert cost.kv_bytes_per_token_rank(MODEL, Deployment(tp=2)) == 128
-    assert cost.kv_bytes_per_token_rank(MODEL, Deployment(tp=4)) == 128
+    assert kv_bytes_per_token(MODEL, Deployment()) == 256
+    assert kv_bytes_per_token(MODEL, Deployment(kv_precision="fp8")) == 128
+    assert kv_bytes_per_token_rank(MODEL, Deployment(tp=2)) == 128
+    assert kv_bytes_per_token_rank(MODEL, Deployment(tp=4)) == 128
 
 
 def test_decode_memory_bound():
-    t = cost.decode_terms(MODEL, cluster(), Deployment(), 1, 100)
+    t = decode_terms(MODEL, cluster(), Deployment(), 1, 100)
     # weights 128,128 B + KV 100 tokens x 256 B, at 1e12 B/s
     assert t["memory_s"] == pytest.approx((128_128 + 25_600) / 1e12)
     # 2 layers x (2 x 28,672 GEMM + 4 x 100 x 64 attention) + 2 x 64 x 100 logits, at 5e13
@@ -68,10 +72,10 @@ def test_decode_memory_bound():
 
 def test_cpu_adds_memory_and_compute():
     # a CPU 'device' streams the weights and runs the FMAs on the same cores: no overlap, the
-    # step is memory + compute (cost._serial), where the GPU roofline takes their max
+    # step is memory + compute (_serial), where the GPU roofline takes their max
     cpu = dataclasses.replace(DEVICE, kind="cpu")
-    t = cost.decode_terms(MODEL, cluster(device=cpu), Deployment(), 1, 100)
-    assert t["serial"] == 1.0 and cost.decode_terms(MODEL, cluster(), Deployment(), 1, 100)["serial"] == 0.0
+    t = decode_terms(MODEL, cluster(device=cpu), Deployment(), 1, 100)
+    assert t["serial"] == 1.0 and decode_terms(MODEL, cluster(), Deployment(), 1, 100)["serial"] == 0.0
     # memory 153,728 B at 1e12 B/s + compute (2 x (57,344 + 25,600) + 12,800) = 178,688 FLOPs at 5e13
     assert cost.decode_step_time_s(MODEL, cluster(device=cpu), Deployment(), 1, 100) == pytest.approx(
         153_728e-12 + 178_688 / 5e13)
@@ -87,14 +91,14 @@ def test_cpu_adds_memory_and_compute():
 
 def test_decode_compute_floor_at_large_batch():
     # batch 4096 with 1 token each: GEMMs 2 x 4096 x 28,672 per layer dwarf the weight read
-    t = cost.decode_terms(MODEL, cluster(), Deployment(), 4096, 4096)
+    t = decode_terms(MODEL, cluster(), Deployment(), 4096, 4096)
     flops = 2 * (2 * 4096 * 28_672 + 4 * 4096 * 64) + 2 * 4096 * 64 * 100
     assert t["compute_s"] == pytest.approx(flops / 5e13)
     assert cost.decode_step_time_s(MODEL, cluster(), Deployment(), 4096, 4096) == pytest.approx(flops / 5e13)
 
 
 def test_prefill_compute_bound_and_chunks():
-    t = cost.prefill_terms(MODEL, cluster(), Deployment(), 100)
+    t = prefill_terms(MODEL, cluster(), Deployment(), 100)
     # causal attention: 100 x 101 / 2 = 5,050 (query, key) pairs kept of the 100 x 100 square
     flops = 2 * (2 * 100 * 28_672 + 4 * 5050 * 64) + 2 * 64 * 100   # logits of the last token only
     assert t["compute_s"] == pytest.approx(flops / 5e13)
@@ -102,7 +106,7 @@ def test_prefill_compute_bound_and_chunks():
     assert cost.prefill_time_s(MODEL, cluster(), Deployment(), 100) == pytest.approx(flops / 5e13)
     # a chunk of 50 after 50 cached tokens attends to the 50 cached keys and, causally, its own
     # 50 x 51 / 2 pairs [SARATHI]: 2,500 + 1,275 = 3,775 pairs; it reads the 50 cached tokens' KV
-    t2 = cost.prefill_terms(MODEL, cluster(), Deployment(), 50, 50)
+    t2 = prefill_terms(MODEL, cluster(), Deployment(), 50, 50)
     assert t2["compute_s"] == pytest.approx((2 * (2 * 50 * 28_672 + 4 * 3775 * 64) + 12_800) / 5e13)
     assert t2["memory_s"] == pytest.approx((128_128 + 50 * 256) / 1e12)
     whole = cost.prompt_time_s(MODEL, cluster(), Deployment(prefill_chunk=50), 100)
@@ -114,7 +118,7 @@ def test_tp_all_reduces():
     # TP 2, batch 4: per layer two all-reduces of 4 x 64 x 2 B = 512 B (ring bytes 512 x 2 x 1/2 at
     # 1e11 B/s + 2 latency steps of 10 us), then the logits all-gather of 4 x 100 x 2 B = 800 B
     # (800 x 1/2 / 1e11 + 1 step)
-    t = cost.decode_terms(MODEL, cluster(2), Deployment(tp=2), 4, 4)
+    t = decode_terms(MODEL, cluster(2), Deployment(tp=2), 4, 4)
     ar = 512 / 1e11 + 2e-5
     ag = 400 / 1e11 + 1e-5
     assert t["comm_s"] == pytest.approx(2 * 2 * ar + ag)
@@ -128,7 +132,7 @@ def test_memory_and_kv_capacity():
     # fp32 logits) = 966,367.64 - 140,928 - 115,200 - 25,600 = 684,639.64 B -> 167 blocks of 16 x 256 B
     tiny = dataclasses.replace(DEVICE, memory_gb=0.001)
     dep = Deployment(max_batch=64, prefill_chunk=150)
-    mem = cost.serve_memory(MODEL, cluster(device=tiny), dep, Workload(prompt_len=100, output_len=50))
+    mem = serve_memory(MODEL, cluster(device=tiny), dep, Workload(prompt_len=100, output_len=50))
     assert mem["capacity"] == pytest.approx(0.9 * 0.001)                   # GiB
     assert mem["weights"] == pytest.approx(140_928 / 2**30)
     assert mem["activations"] == pytest.approx((115_200 + 25_600) / 2**30)
@@ -139,15 +143,15 @@ def test_memory_and_kv_capacity():
     assert mem["fits"]
     # a log-normal spread does not reserve the tail for every sequence: the batch limit counts mean
     # lengths (100 e^0.125 + 50 e^0.125 = 170 tokens, 11 blocks), the longest request only has to fit
-    spread = cost.serve_memory(MODEL, cluster(device=tiny), dep,
+    spread = serve_memory(MODEL, cluster(device=tiny), dep,
                                Workload(prompt_len=100, output_len=50, prompt_sigma=0.5, output_sigma=0.5))
     assert spread["batch_limit"] == 167 // 11 and spread["blocks_per_sequence"] == 44  # ceil(704 / 16): the 99.9th percentiles
     # SGLang: mem_fraction_static 0.88 x capacity holds the weights and the KV pool
-    sg = cost.serve_memory(MODEL, cluster(device=tiny), Deployment(max_batch=64, engine="sglang"),
+    sg = serve_memory(MODEL, cluster(device=tiny), Deployment(max_batch=64, engine="sglang"),
                            Workload(prompt_len=100, output_len=50))
     assert sg["kv_blocks"] == int((0.88 * 0.001 * 2**30 - 140_928) // 4096)
     small = dataclasses.replace(DEVICE, memory_gb=0.0003)
-    assert not cost.serve_memory(MODEL, cluster(device=small), Deployment(), Workload(prompt_len=100, output_len=50))["fits"]
+    assert not serve_memory(MODEL, cluster(device=small), Deployment(), Workload(prompt_len=100, output_len=50))["fits"]
 
 
 def test_infeasible_is_a_value_and_bad_input_raises():
@@ -200,14 +204,14 @@ def test_profile_fp8_flag():
 def test_decode_attention_parts_and_their_scale():
     """decode_terms names the parts that grow with the context (the KV read, the attention core)
     and decode_attention_scale multiplies exactly those, inside each side of the step."""
-    t = cost.decode_terms(MODEL, cluster(), Deployment(), 1, 100)
+    t = decode_terms(MODEL, cluster(), Deployment(), 1, 100)
     # KV 100 tokens x 256 B at 1e12 B/s; core 2 layers x 4 x 100 x 64 FLOPs at 5e13
     assert t["attn_memory_s"] == pytest.approx(25_600 / 1e12)
     assert t["attn_compute_s"] == pytest.approx(2 * 25_600 / 5e13)
     # GPU, memory-bound: x 3 on the KV read only: (128,128 + 3 x 25,600) B at 1e12 B/s
     f = {**NEUTRAL, "decode_attention_scale": 3.0}
-    assert cost.combine(t, f, decode=True) == pytest.approx((128_128 + 3 * 25_600) / 1e12)
-    assert cost.combine(t, f) == pytest.approx(cost.combine(t, NEUTRAL))  # a prefill's terms: untouched
+    assert combine(t, f, decode=True) == pytest.approx((128_128 + 3 * 25_600) / 1e12)
+    assert combine(t, f) == pytest.approx(combine(t, NEUTRAL))  # a prefill's terms: untouched
     # CPU (serial): both sides: memory (128,128 + 3 x 25,600) B + compute (2 x 57,344 + 3 x 51,200 + 12,800)
     cpu = dataclasses.replace(DEVICE, kind="cpu", factors={**NEUTRAL, "decode_attention_scale": 3.0})
     assert cost.decode_step_time_s(MODEL, cluster(device=cpu), Deployment(), 1, 100) == pytest.approx(
@@ -220,7 +224,7 @@ def test_decode_attention_parts_and_their_scale():
     assert dec(1, 100) == pytest.approx((128_128 + 76_800) / 1e12)
     # terms without attention parts (older callers): the scale changes nothing
     bare = {k: v for k, v in t.items() if not k.startswith("attn_")}
-    assert cost.combine(bare, f, decode=True) == pytest.approx(cost.combine(bare, NEUTRAL, decode=True))
+    assert combine(bare, f, decode=True) == pytest.approx(combine(bare, NEUTRAL, decode=True))
 
 
 def test_linear_attention_decode_core_does_not_grow_with_context():
@@ -228,9 +232,9 @@ def test_linear_attention_decode_core_does_not_grow_with_context():
     the state read do not depend on the context; they grow with the batch."""
     from planner.cli.common import apply_variants
     lin = apply_variants(MODEL, ["linear-attention"])
-    a, b = (cost.decode_terms(lin, cluster(), Deployment(), 4, n) for n in (40, 4000))
+    a, b = (decode_terms(lin, cluster(), Deployment(), 4, n) for n in (40, 4000))
     assert a["attn_compute_s"] == b["attn_compute_s"] > 0 and a["attn_memory_s"] == b["attn_memory_s"] > 0
-    one = cost.decode_terms(lin, cluster(), Deployment(), 1, 10)
+    one = decode_terms(lin, cluster(), Deployment(), 1, 10)
     assert a["attn_compute_s"] == pytest.approx(4 * one["attn_compute_s"])
     # one token (s = C = 1), per layer 2 b s d (2 C n + (n + g) d) (compute.linear_core_flops:
     # phi(q) phi(k)^T and @ v within the token, phi(q) S and the state update phi(k)^T v):
@@ -240,14 +244,14 @@ def test_linear_attention_decode_core_does_not_grow_with_context():
 
 def test_decode_terms_refuse_an_empty_batch_and_slow_sparse_ffn_gemms():
     with pytest.raises(SpecError, match="batch >= 1"):
-        cost.decode_terms(MODEL, cluster(), Deployment(), 0, 10)
+        decode_terms(MODEL, cluster(), Deployment(), 0, 10)
     with pytest.raises(SpecError, match="context_tokens >= batch"):
-        cost.decode_terms(MODEL, cluster(), Deployment(), 4, 3)
+        decode_terms(MODEL, cluster(), Deployment(), 4, 3)
     # ffn-sparsity 0.5 with sparse GEMMs at half efficiency: the FFN's two GEMMs (2 x 64 x 64 each,
     # ffn_size 64) take twice their FLOPs' time; QKV (64 x 128) and out (64 x 64) do not
     from planner.cli.common import apply_variants
     sp = apply_variants(MODEL, ["ffn-sparsity=0.5", "sparse-gemm-efficiency=0.5"])
-    t = cost.decode_terms(sp, cluster(), Deployment(), 1, 100)
+    t = decode_terms(sp, cluster(), Deployment(), 1, 100)
     gemm = 2 * (64 * 128 + 64 * 64) + 2 * 2 * (2 * 64 * 64)
     assert t["compute_s"] == pytest.approx((2 * (gemm + 25_600) + 12_800) / 5e13)
 
@@ -261,5 +265,5 @@ def test_request_and_step_overheads_by_engine_and_device():
     assert cost.request_overhead_s(a100, Deployment(engine="sglang")) == 0.004
     assert cost.request_overhead_s(cpu, Deployment(engine="executor")) == 0.0
     # the GPU gap between steps under async scheduling (160 us); a CPU's is fitted (default 0)
-    assert cost.serve_factor(a100, "serve_step_overhead_s") == cost.GPU_STEP_OVERHEAD_S == 160e-6
-    assert cost.serve_factor(cpu, "serve_step_overhead_s") == 0.0
+    assert serve_factor(a100, "serve_step_overhead_s") == GPU_STEP_OVERHEAD_S == 160e-6
+    assert serve_factor(cpu, "serve_step_overhead_s") == 0.0

@@ -107,13 +107,13 @@ def test_fp8_efficiency_is_vllms_measured_speedup_over_the_ideal_2x():
 def test_fp8_kernel_efficiency_slows_an_fp8_prefill_by_its_inverse(monkeypatch):
     # a compute-bound FP8 prefill on a GPU without measured block curves (L40S): its linear layers
     # take 1 / 0.78 of their ideal FP8 time (the measured efficiency at 128+ rows)
-    import planner.serve.cost as cost
+    import planner.serve.terms as terms
     from planner.specs import parse_cluster
     model, cluster = preset("glm-4-9b"), parse_cluster("1xL40S")
     dep = Deployment(weight_precision="fp8")
-    slow = cost.step_terms(model, cluster, dep, [(2048, 0)])["compute_s"]
-    monkeypatch.setattr(cost, "kernel_efficiency", lambda precision, rows: 1.0)
-    ideal = cost.step_terms(model, cluster, dep, [(2048, 0)])["compute_s"]
+    slow = terms.step_terms(model, cluster, dep, [(2048, 0)])["compute_s"]
+    monkeypatch.setattr(terms, "kernel_efficiency", lambda precision, rows: 1.0)
+    ideal = terms.step_terms(model, cluster, dep, [(2048, 0)])["compute_s"]
     assert ideal * 1.15 < slow < ideal / kernel_efficiency("fp8", 2048) * 1.0001
 
 

@@ -15,7 +15,8 @@ from planner.profiler import comm
 from planner.specs import Plan, TrainSpec, parse_cluster, preset, scale
 from planner.specs.hardware import find_device
 from planner.specs.hardware import PRECISIONS
-from planner.specs.step import BlockProbe, InStepLink, StepProbes, fit_line, step_from_dict
+from planner.profiler.write import fit_line
+from planner.specs.step import BlockProbe, InStepLink, StepProbes, step_from_dict
 
 MODEL = scale(preset("chatglm3-6b"), "tiny")  # h 128, 4 layers
 TRAIN = TrainSpec(global_batch=8, seq_len=128)
