@@ -331,8 +331,8 @@ def zero2_section(rows: list[dict[str, Any]], opts: ProfileOptions, data: dict[s
                    - (the same difference the cost model predicts with the terms above),
 
     and over the models' parameter counts psi (each rank reduces the whole gradient) the line
-    residual = zero2_fixed_s + zero2_param_s x psi (least squares; both >= 0, else through the
-    origin; one model: through the origin). Written into parallel[precision] in place."""
+    residual = zero2_fixed_s + zero2_param_s x psi (line_through; one model: through the
+    origin). Written into parallel[precision] in place."""
     from planner.cost import estimate
     from planner.cost.params import stage_params
     from planner.profiler.engine import split
@@ -368,17 +368,15 @@ def zero2_section(rows: list[dict[str, Any]], opts: ProfileOptions, data: dict[s
 
 
 def line_through(x: list[float], y: list[float]) -> tuple[float, float]:
-    """(intercept, slope) of y = intercept + slope x, ordinary least squares with both kept >= 0
-    (a negative one refits through the origin; a negative slope there is 0)."""
-    n = len(x)
-    if n >= 2 and len(set(x)) >= 2:
-        mx, my = sum(x) / n, sum(y) / n
-        slope = sum((a - mx) * (b - my) for a, b in zip(x, y)) / sum((a - mx) ** 2 for a in x)
-        intercept = my - slope * mx
-        if slope >= 0 and intercept >= 0:
-            return intercept, slope
-    sxx = sum(a * a for a in x)
-    return 0.0, max(sum(a * b for a, b in zip(x, y)) / sxx, 0.0) if sxx > 0 else 0.0
+    """(intercept, slope) of y = intercept + slope x over the points with y > 0, least squares
+    on relative error (planner/calibrate/solver.py line_relative: the intercept kept >= 0, else
+    through the origin); a negative slope, or no point with y > 0, is 0 (nothing measured)."""
+    from planner.calibrate.solver import line_relative
+    pts = [(a, b) for a, b in zip(x, y) if b > 0]
+    if not pts:
+        return 0.0, 0.0
+    slope, intercept = line_relative([a for a, _ in pts], [b for _, b in pts])
+    return (intercept, slope) if slope >= 0 else (0.0, 0.0)
 
 
 def dataclass_replace(obj: Any, **kw: Any) -> Any:

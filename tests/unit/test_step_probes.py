@@ -513,9 +513,11 @@ def test_zero2_probe_adds_one_reduction_per_micro_batch_beyond_the_first():
 def test_zero2_fit_is_a_line_over_the_model_sizes():
     from planner.profiler.write import line_through
     assert line_through([1.0, 3.0], [2.0, 4.0]) == pytest.approx((1.0, 1.0))
-    # a negative intercept (LS: slope 2, intercept -1) refits through the origin: 7/5
-    assert line_through([1.0, 2.0], [1.0, 3.0]) == pytest.approx((0.0, 7 / 5))
+    # a negative intercept (slope 2, intercept -1) refits through the origin on relative error:
+    # x / y = 1, 2/3: slope = (5/3) / (13/9) = 15/13
+    assert line_through([1.0, 2.0], [1.0, 3.0]) == pytest.approx((0.0, 15 / 13))
     assert line_through([2.0], [3.0]) == pytest.approx((0.0, 1.5))  # one model: through the origin
+    assert line_through([1.0, 2.0], [0.0, 0.0]) == (0.0, 0.0)  # nothing beyond the model
 
 
 def test_data_parallel_collectives_do_not_hide_on_a_cpu():
