@@ -131,7 +131,7 @@ def deepspeed_loso(rows: Sequence[rr.RefRow]) -> dict[str, float]:
         mine = [r for r in drows if r.gen == gen]
         for src in sorted({keys[r.source] for r in mine}):
             train = [r for r in mine if keys[r.source] != src and r.fit and not r.needs_variant]
-            fitted = dr.fit_factors(train, device, names).factors if train else {}
+            fitted = dr.fit_factors(train, device, names, anchor=g.get("anchor")).factors if train else {}
             DS_LOSO_FACTORS.setdefault(gen, {})[src] = fitted
             dev = dr.with_factors(device, fitted) if train else device
             for r in mine:

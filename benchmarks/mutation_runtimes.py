@@ -3,6 +3,9 @@ and the tests that pin it must fail (benchmarks/mutation.py runs mutmut over all
 planner/cost; this is the quick, hand-listed check of the runtime and fp8 terms).
 
     flock /tmp/planner-cpu.lock .venv/bin/python benchmarks/mutation_runtimes.py   # ~2-4 min
+    nice -n 19 .venv/bin/python benchmarks/mutation_runtimes.py --only capacity    # names containing a word
+
+The golden mutants (tests/golden: benchmarks/fidelity.py's rows) take 1-3 min each.
 """
 from __future__ import annotations
 
@@ -15,14 +18,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ["tests/unit/test_runtimes.py", "tests/unit/test_fp8.py"]
 GOLDEN = ["tests/golden/test_fidelity_golden.py"]
+DP_SYNC = ["tests/unit/test_megatron_dp_sync.py"]
+KERNELS = ["tests/unit/test_kernel_curves.py"]
+CAPACITY = ["tests/unit/test_device_capacity.py"]
 
 MUTANTS = [
     # (name, file, original, mutated, tests)
     ("tp overlap removed", "planner/cost/block.py",
-     "tp_fwd, tp_bwd = overlapped_tp(tp_fwd, tp_bwd, gemm_f)", "pass", TESTS),
+     "tp_fwd, tp_bwd = overlapped_tp(tp_fwd, tp_bwd, gemm_f, gemm_b)", "pass", TESTS),
     ("tp overlap window halved", "planner/cost/tp.py",
-     "return max(tp_fwd - gemm_fwd, 0.0), max(tp_bwd - 2.0 * gemm_fwd, 0.0)",
-     "return max(tp_fwd - 0.5 * gemm_fwd, 0.0), max(tp_bwd - 1.0 * gemm_fwd, 0.0)", TESTS),
+     "return max(tp_fwd - gemm_fwd, 0.0), max(tp_bwd - (2.0 * gemm_fwd if gemm_bwd is None else gemm_bwd), 0.0)",
+     "return max(tp_fwd - 0.5 * gemm_fwd, 0.0), max(tp_bwd - 0.5 * (2.0 * gemm_fwd if gemm_bwd is None else gemm_bwd), 0.0)",
+     TESTS),
     ("p2p overlap removed", "planner/cost/estimate.py",
      "pp_comm = m * v * max(max(p2p) - min(times) / v, 0.0)", "pass", TESTS),
     ("flash not forced", "planner/cost/block.py",
@@ -30,8 +37,8 @@ MUTANTS = [
     ("runtime factors ignored", "planner/cost/runtime.py", "    out.update(rt.factors)\n", "", TESTS),
     ("flat parameters removed", "planner/cost/estimate.py", "us = zero.flat_units(us)", "pass", TESTS),
     ("fp8 GEMMs at bf16", "planner/cost/block.py",
-     "gemm_f, core_f = compute.block_compute_times(model, dev, s, b, t, prec,",
-     "gemm_f, core_f = compute.block_compute_times(model, dev, s, b, t, compute.bf16_part(prec),", TESTS),
+     "bc = compute.block_compute_times(model, dev, s, b, t, prec,",
+     "bc = compute.block_compute_times(model, dev, s, b, t, compute.bf16_part(prec),", TESTS),
     ("fp8 core not bf16", "planner/cost/compute.py", 'return "bf16" if precision == "fp8" else precision',
      "return precision", TESTS),
     ("fp8 weight copies halved", "planner/cost/memory.py", "FP8_WEIGHT_BYTES = 2.0", "FP8_WEIGHT_BYTES = 1.0", TESTS),
@@ -45,8 +52,29 @@ MUTANTS = [
      "    if False:", TESTS),
     ("fp8 not searched", "planner/search/evaluate.py", 'and "fp8" in get_runtime(self.runtime).precisions else ())',
      "and False else ())", TESTS),
-    ("megatron compute_scale halved", "profiles/runtimes/megatron-core.json", '"compute_scale": 1.346',
-     '"compute_scale": 0.673', TESTS),
+    ("megatron H100 trim halved", "profiles/runtimes/megatron-core.json", '"compute_scale": 1.244',
+     '"compute_scale": 0.622', GOLDEN),
+    # last session's terms (issue 19, round 3 session 4) and the driver's capacity
+    ("megatron gradients reduced in 16 bits", "profiles/runtimes/megatron-core.json", '"grad_reduce_fp32": true',
+     '"grad_reduce_fp32": false', DP_SYNC),
+    ("megatron parameter gather exposed", "profiles/runtimes/megatron-core.json", '"param_gather_overlap": true',
+     '"param_gather_overlap": false', DP_SYNC),
+    ("fp32 reduce bytes halved", "planner/cost/estimate.py",
+     'grad_bytes = 4.0 if rt.grad_reduce_fp32', 'grad_bytes = 2.0 if rt.grad_reduce_fp32', DP_SYNC),
+    ("interleaving 1-8 only", "benchmarks/reference_rows.py",
+     "return tuple(v for v in range(1, per + 1) if per % v == 0)",
+     "return tuple(v for v in (1, 2, 3, 4, 6, 8) if per % v == 0)", GOLDEN),
+    ("H100 fp8 MAMF ceiling halved", "profiles/H100-SXM.json", '"fp8": 0.66', '"fp8": 0.33', TESTS),
+    ("B200 bf16 MAMF ceiling halved", "profiles/B200.json", '"bf16": 0.722', '"bf16": 0.361', KERNELS),
+    ("H200 fp8 MAMF ceiling halved", "profiles/H200.json", '"fp8": 0.683', '"fp8": 0.3415', KERNELS),
+    ("A100-80GB capacity halved", "profiles/A100-80GB.json", '"memory_total_mib": 81039,',
+     '"memory_total_mib": 40519,', CAPACITY),
+    ("driver's capacity ignored", "planner/specs/hardware.py",
+     "return self.memory_total_mib * 2.0 ** 20 if self.memory_total_mib else self.memory_gb * 1e9",
+     "return self.memory_gb * 1e9", CAPACITY),
+    ("driver's capacity ignored (reference runs)", "planner/specs/hardware.py",
+     "return self.memory_total_mib * 2.0 ** 20 if self.memory_total_mib else self.memory_gb * 1e9",
+     "return self.memory_gb * 1e9", GOLDEN),
 ]
 
 
@@ -55,8 +83,10 @@ CONTROL = ("control (no mutation)", "planner/cost/runtime.py", "DEFAULT = NAMES[
 
 
 def main() -> int:
+    only = sys.argv[sys.argv.index("--only") + 1].lower() if "--only" in sys.argv else ""
+    mutants = [m for m in MUTANTS if only in m[0].lower()]
     survived = []
-    for name, rel, old, new, tests in [CONTROL, *MUTANTS]:
+    for name, rel, old, new, tests in [CONTROL, *mutants]:
         with tempfile.TemporaryDirectory(prefix="i19-mut-") as d:
             work = Path(d)
             for part in ("planner", "profiles", "tests", "benchmarks"):
@@ -80,7 +110,7 @@ def main() -> int:
             print(f"{'killed ' if killed else 'SURVIVED'} {name}")
             if not killed:
                 survived.append(name)
-    print(f"{len(MUTANTS) - len(survived)} of {len(MUTANTS)} mutants killed" +
+    print(f"{len(mutants) - len(survived)} of {len(mutants)} mutants killed" +
           (f"; survived: {', '.join(survived)}" if survived else ""))
     return 1 if survived else 0
 

@@ -66,6 +66,7 @@ from planner.cli.common import load_cluster, load_model, load_train
 from planner.cost import estimate
 from planner.errors import PlannerError
 from planner.rundir import atomic_write_json, load_run, plan_document
+from planner.runtime.files import RANKS_DIR
 from planner.search.driver import SearchResult, search
 from planner.search.evaluate import Trial
 from planner.specs import Plan, TrainSpec, parse_cluster
@@ -430,12 +431,27 @@ def _run_batched(cases: list[Case], root: Path, *, budget_s: float | None, steps
         dirs = [root / f"plan-{i:04d}" for i, _ in chunk]
         with _Lock(lock):
             got = start_batch([c for _, c in chunk], dirs, steps=steps, warmup=warmup)
+        echo(_live_line(dirs))
         for o, d in zip(got, dirs):
             if o.started:
                 shutil.rmtree(d, ignore_errors=True)
             outcomes.append(o)
             echo(row(o))
     return outcomes, 0
+
+
+def _live_line(dirs: list[Path]) -> str:
+    """Rank 0's threads and process groups at each plan's start in a batch (the `live` counts
+    planner/runtime/train/batch.py writes): flat after the first plan of a launch unless plans
+    leak (docs/moe.md "Batched starts")."""
+    live = []
+    for d in dirs:
+        try:
+            v = json.loads((d / RANKS_DIR / "rank0.json").read_text()).get("live") or {}
+        except (OSError, ValueError):
+            v = {}
+        live.append(f"{v.get('threads', '?')}/{v.get('process_groups', '?')}")
+    return f"  batch of {len(dirs)}: rank 0 threads/process groups at each plan's start: {' '.join(live)}"
 
 
 def _summary(outcomes: list[Outcome]) -> None:

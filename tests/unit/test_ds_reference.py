@@ -112,3 +112,40 @@ def test_fitted_names_do_not_depend_on_the_hash_seed():
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2, 3)}
     assert len(outs) == 1
+
+
+def test_fit_is_anchored_not_started_at_whatever_the_profile_holds():
+    """`planner calibrate --reference` writes its fit into the profiles; run again, it must return
+    the same factors. The ridge's pull and the start come from the generation's fixed anchor, not
+    from the profile: two profiles that differ in every fitted factor give the same fit to the
+    last bit, and a factor the rows do not see (dp_overlap here) stays at the anchor. Without the
+    anchor it stays at each profile's own value (the re-anchoring that moved the shipped
+    factors' 4th digit on every run)."""
+    from types import SimpleNamespace
+
+    from planner.cost.factors import factor
+    dev, _ = find_device("A100-80GB")
+    one = with_factors(dev, {"compute_scale": 1.0, "dp_overlap": 0.2})
+    two = with_factors(dev, {"compute_scale": 1.49, "dp_overlap": 0.7})
+    rows = [SimpleNamespace(x=x, measured=1.5 * x) for x in (1.0, 2.0, 3.0)]
+
+    def toy(r, d):
+        return factor(d, "compute_scale") * r.x
+
+    names = ("compute_scale", "dp_overlap")
+    anchor = {"compute_scale": 1.2, "dp_overlap": 0.3}
+    a = ds.fit_factors(rows, one, names, predictor=toy, anchor=anchor).factors
+    b = ds.fit_factors(rows, two, names, predictor=toy, anchor=anchor).factors
+    assert a == b
+    assert a["compute_scale"] == pytest.approx(1.5, rel=1e-3) and a["dp_overlap"] == pytest.approx(0.3, rel=1e-6)
+    free = [ds.fit_factors(rows, d, names, predictor=toy).factors["dp_overlap"] for d in (one, two)]
+    assert free == [pytest.approx(0.2, rel=1e-6), pytest.approx(0.7, rel=1e-6)]
+
+
+def test_every_generation_anchors_every_factor_it_fits():
+    # a factor fitted without an anchor would take the profile's value as its anchor again
+    import json
+    meta = json.loads(ds.DATA.read_text())
+    for gen, g in meta["generations"].items():
+        assert set(ds.default_factor_names(gen)) <= set(g["anchor"]), gen
+        assert "24669d4^" in g["anchor_source"]

@@ -12,8 +12,9 @@ V/16lh), or 8 N tokens) / predicted step time / GPUs. Error = predicted / measur
 
 Then one set of named factors per GPU generation (A100: sections A and B; V100: A's 13B row, C,
 D, E), never one per row, minimising the mean squared log error over the rows marked "fit" (plus
-a small ridge toward the profile's current values, which keeps a factor the rows cannot
-determine where it was): the package's one fitter, planner/calibrate/solver.py fit_relative
+a small ridge toward the generation's fixed anchor in the rows file, which keeps a factor the
+rows cannot determine where it was, and makes the fit independent of what the profile holds
+now: run on the factors it wrote, the command returns them): the package's one fitter, planner/calibrate/solver.py fit_relative
 (Levenberg-Marquardt polished by Nelder-Mead: the cost model's max/min kinks stop LM at
 corners), from several starting points, in a transformed space (multipliers bounded to a
 physical range, logit for dp_overlap as in planner/calibrate/fit.py, seconds linear and >= 0). The factor list per generation is a

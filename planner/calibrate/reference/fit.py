@@ -36,7 +36,7 @@ MEMORY_WORDS = ("memory", "fragmentation", "activation_scale", "_gb", "bytes")
 UNITS = {"step_overhead_s": 0.01, "microbatch_overhead_s": 0.01, "zero3_fetch_overhead_s": 1e-4}
 """Scale of the additive factors (seconds; an unknown one 1e-4 s): the ridge costs lam x (value / unit)^2."""
 LAM = 1e-4
-"""Ridge weight toward the profile's current value, per unit of transformed factor, on the scale
+"""Ridge weight toward the generation's anchor (fit_factors), per unit of transformed factor, on the scale
 of the mean squared log error (a unit step of z costs 1e-4: 1% of a 1% MSLE): enough to hold a
 factor the rows do not determine, too little to move one they do."""
 FTOL, XTOL = 1e-9, 1e-7
@@ -102,10 +102,10 @@ class Fit:
     """How much the rows rather than the ridge set each factor: info / (info + lam), info the
     rows' curvature of the mean squared log error along z (sum of squared Jacobian entries).
     Below 0.5 the ridge decides: the rows do not determine the factor and it stays near the
-    profile's value."""
+    anchor."""
     msle: float
     cost: float
-    """The minimised objective: 0.5 (MSLE + lam |z - z_profile|^2)."""
+    """The minimised objective: 0.5 (MSLE + lam |z - z_anchor|^2)."""
     iterations: int
     at_bound: list[str] = dataclasses.field(default_factory=list)
     """Multipliers that ended at a bound of BOUNDS (the rows push them past what is physical)."""
@@ -113,13 +113,18 @@ class Fit:
 
 def fit_factors(rows: Sequence[Row], device: DeviceProfile, names: Sequence[str], *, lam: float = LAM,
                 start: Mapping[str, float] | None = None, starts: int = 1, perturbations: Sequence[int] = (),
-                nm_evals: int = 0, predictor: Callable[[Row, DeviceProfile], float] = predict) -> Fit:
+                nm_evals: int = 0, predictor: Callable[[Row, DeviceProfile], float] = predict,
+                anchor: Mapping[str, float] | None = None) -> Fit:
     """One set of `names` for all `rows` (one generation): minimise mean log(pred/meas)^2 +
-    lam |z - z_profile|^2 by Levenberg-Marquardt (planner/calibrate/solver.py) polished by
-    Nelder-Mead, from `start` (default: the profile's values) and from more points drawn
-    uniformly within +-2 of it in z (seeds 1 .. starts - 1, or `perturbations`; seed 0 is
-    `start` itself); the lowest cost wins (the cost model's max/min kinks leave corners and
-    shallow local minima)."""
+    lam |z - z_anchor|^2 by Levenberg-Marquardt (planner/calibrate/solver.py) polished by
+    Nelder-Mead, from `start` (default: the anchor) and from more points drawn uniformly within
+    +-2 of it in z (seeds 1 .. starts - 1, or `perturbations`; seed 0 is `start` itself); the
+    lowest cost wins (the cost model's max/min kinks leave corners and shallow local minima).
+    `anchor`: the values the ridge pulls toward and the bounds are drawn around, by name (the
+    generation's `anchor` in profiles/reference/deepspeed-rows.json); a name it lacks takes the
+    profile's value. With a fixed anchor the fit does not depend on what the profile holds, so
+    `planner calibrate --reference` run on the factors it wrote returns them."""
+    device = with_factors(device, {n: float(anchor[n]) for n in names if n in (anchor or {})})
     tr = [transform(n, device) for n in names]
     meas = np.array([r.measured for r in rows])
     scale = 1.0 / math.sqrt(len(rows))
@@ -148,9 +153,10 @@ def _task(task: tuple[str, str, int]) -> Any:
     kind, gen, i = task
     g = _STATE[gen]
     if kind == "start":  # one starting point of the generation's full fit
-        return fit_factors(g["fitted"], g["device"], g["names"], lam=g["lam"], perturbations=(i,))
+        return fit_factors(g["fitted"], g["device"], g["names"], lam=g["lam"], perturbations=(i,), anchor=g["anchor"])
     rows = [r for j, r in enumerate(g["fitted"]) if j != i]  # leave row i out, warm-start at the full fit
-    f = fit_factors(rows, g["device"], g["names"], lam=g["lam"], start=g["start"], nm_evals=LOO_NM * len(g["names"]))
+    f = fit_factors(rows, g["device"], g["names"], lam=g["lam"], start=g["start"], nm_evals=LOO_NM * len(g["names"]),
+                    anchor=g["anchor"])
     return predict(g["fitted"][i], with_factors(g["device"], f.factors)), f.factors
 
 
@@ -167,7 +173,8 @@ def fit_generations(meta: Mapping[str, Any], rows: Sequence[Row], *, factor_name
         missing = {r.id: unrepresented(r, device) for r in grows}
         fitted = [r for r in grows if r.fit and not (r.needs_variant and missing[r.id])]
         _STATE[gen] = {"device": device, "rows": grows, "missing": missing, "fitted": fitted, "lam": lam,
-                       "names": tuple((factor_names or {}).get(gen, default_factor_names(gen)))}
+                       "names": tuple((factor_names or {}).get(gen, default_factor_names(gen))),
+                       "anchor": dict(ginfo.get("anchor", {}))}
     fits: dict[str, list[Fit]] = {}
     for (_, gen, _), f in zip(tasks := [("start", g, k) for g in _STATE for k in range(starts)],
                               pmap(_task, tasks, jobs)):

@@ -270,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     help=f"factors to fit for a generation (default: {','.join(default_factor_names())})")
     ap.add_argument("--inter-gbps", action="append", default=[], metavar="CLUSTER=GBPS",
                     help="override a cluster's assumed inter-node bus bandwidth (clusters in the data file)")
-    ap.add_argument("--lam", type=float, default=LAM, help=f"ridge weight toward the profile's values ({LAM:g})")
+    ap.add_argument("--lam", type=float, default=LAM, help=f"ridge weight toward the generation's anchor in the rows file ({LAM:g})")
     ap.add_argument("--starts", type=int, default=STARTS, help=f"fit starting points per generation ({STARTS})")
     ap.add_argument("--no-loo", action="store_true", help="skip the leave-one-out refits")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),

@@ -38,11 +38,13 @@ def _next_batch(cursor: int, skip: set[int]) -> int:
     return cursor
 
 
-def train(opts, run_dir: Path, rank: int, status) -> None:
-    """Train this rank as `opts` (TrainerOptions) say: set up, step until opts.steps, measure."""
+def train(opts, run_dir: Path, rank: int, status) -> "Training":
+    """Train this rank as `opts` (TrainerOptions) say: set up, step until opts.steps, measure.
+    Returns the finished run (the batched runner releases its engine before the next plan)."""
     run = Training(opts, run_dir, rank, status)
     run.loop()
     run.finish()
+    return run
 
 
 class Training:
