@@ -170,6 +170,21 @@ def crossing(rates: list[float], p50s: list[float], target_s: float) -> tuple[fl
     return float(np.exp(grid[max(last_ok, 0)])), ""
 
 
+FALL = 0.25
+"""A probe's p50 latency below (1 - FALL) x the p50 at the next lower rate: not noise (the runs
+serve the same requests, common random numbers), the machine took the CPU from the run."""
+
+
+def latency_falls(probes: list[tuple[float, float]], fall: float = FALL) -> list[tuple[float, float]]:
+    """The (lower rate, higher rate) pairs of consecutive probes whose p50 end-to-end latency
+    drops by more than `fall` as the offered rate rises. Queueing only adds latency as load grows,
+    so such a drop marks a run the machine slowed (others' jobs on the cores a TP 2 step needs
+    both of): a row with one is contended, and its QPS at the target measures the machine, not
+    the model."""
+    pts = sorted(probes)
+    return [(a[0], b[0]) for a, b in zip(pts, pts[1:]) if b[1] < (1.0 - fall) * a[1]]
+
+
 def measured_qps_at_target(size: str, tp: int, mb: int, target_s: float, pred: float, out: Path,
                            precision: str, seed: int, threads: int) -> tuple[float, str, list]:
     """Highest arrival rate whose measured p50 end-to-end latency meets target_s: short runs
@@ -228,14 +243,20 @@ def qps_table(out: Path, runs: list[list[dict]], args) -> list[dict]:
         meas, bound, probes = measured_qps_at_target(size, tp, mb, target_s, pred, out / "qps", args.precision,
                                                      args.seed, args.threads)
         err = (pred - meas) / meas
+        falls = latency_falls(probes)
+        flag = ("; CONTENDED: p50 falls as the rate rises at " +
+                ", ".join(f"{a:.1f}->{b:.1f}" for a, b in falls)) if falls else ""
         print(f"{name:15} p50 e2e <= {1e3 * target_s:5.0f} ms ({load:g} sat): measured {bound or ' '}{meas:6.2f} req/s / predicted "
               f"{pred:6.2f} req/s {_pct(pred, meas):>5} ({len(probes)} runs, {time.perf_counter() - t0:.0f} s: "
-              + ", ".join(f"{r:.1f}->{1e3 * e:.0f}ms" for r, e in probes) + ")", flush=True)
+              + ", ".join(f"{r:.1f}->{1e3 * e:.0f}ms" for r, e in probes) + flag + ")", flush=True)
         rows.append({"deployment": name, "target_p50_e2e_s": target_s, "target_load": load, "measured_qps": meas, "bound": bound,
-                     "predicted_qps": pred, "error": err, "probes": probes})
+                     "predicted_qps": pred, "error": err, "probes": probes, "contended": bool(falls)})
     errs = [abs(r["error"]) for r in rows]
     print(f"qps@target mean |error| {100 * sum(errs) / len(errs):.0f}%, max {100 * max(errs):.0f}%, "
           f"within 15%: {sum(e <= 0.15 and not r['bound'] for e, r in zip(errs, rows))}/{len(rows)}")
+    bad = [r["deployment"] for r in rows if r["contended"]]
+    print(f"contended (p50 falls by more than {100 * FALL:.0f}% between consecutive probe rates): {len(bad)}/{len(rows)}"
+          + (f": {', '.join(bad)}; the run does not measure these rows, re-run on a quiet machine" if bad else ""))
     return rows
 
 
@@ -262,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
                    "running them again (the QPS-at-target runs always run)")
     args = p.parse_args(argv)
     out = Path(args.out)
+    load0 = os.getloadavg()
+    print(f"load average at the start: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}", flush=True)
     runs = measure(out, args.precision, args.seed, args.threads, args.repeats, args.reuse)
     print("\nleave-one-out: each deployment predicted with the serving factors fitted on the other "
           f"{len(runs) - 1} deployments' runs; measured: the median of {args.repeats} runs")
@@ -299,7 +322,10 @@ def main(argv: list[str] | None = None) -> int:
     qps = [] if args.no_qps else qps_table(out, runs, args)
     if qps:
         print(f"deployments with TTFT, TPOT, QPS and QPS at the target all within 15%: {all_four(rows, qps)}/{len(rows)}")
+    load1 = os.getloadavg()
+    print(f"load average at the end: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
     atomic_write_json(out / "summary.json", {"factors_all_runs": factors, "precision": args.precision,
+                                             "load_average": {"start": list(load0), "end": list(load1)},
                                              "repeats": args.repeats, "rows": rows, "errors": summary,
                                              "all_three_within_15pct": every, "qps_at_target": qps,
                                              "all_four_within_15pct": all_four(rows, qps) if qps else None})

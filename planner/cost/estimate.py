@@ -11,7 +11,7 @@ from planner.cost.factors import Factors, cluster_factors
 from planner.cost.layers import LayerCosts
 from planner.cost.block import block_kernel, block_times, runtime_train
 from planner.cost.model import layer_costs_of
-from planner.cost.probes import framework_overheads, parallel_probe
+from planner.cost.probes import framework_overheads, parallel_probe, zero2_reduction
 from planner.cost.stage import resident_memory, stage_memory, stage_times
 from planner.cost.runtime import get_runtime
 from planner.specs.estimate import GB, MEMORY_LABELS, Estimate, TimeBreakdown
@@ -42,7 +42,8 @@ def dp_comm(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[int, ..
 
     A collective that DeepSpeed runs while backward still computes hides up to dp_overlap of
     itself behind that window (one micro-batch for per-micro-batch collectives, the last
-    micro-batch's backward for per-step ones); the others are exposed in full. ZeRO's
+    micro-batch's backward for per-step ones); the others are exposed in full (on a CPU all
+    are: DeepSpeed's CPU accelerator runs collectives in line). ZeRO's
     volumes (Rajbhandari et al. 2020, sec. 7): 2 Psi for stages 0-2, 3 Psi for stage 3.
     """
     d = plan.dp
@@ -51,7 +52,11 @@ def dp_comm(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[int, ..
         return 0.0
     links = comm.group_routes(cluster, plan, "dp")
     eff, m, ls = f.comm_efficiency, plan.grad_accum, f.latency_scale
-    hide = f.dp_overlap  # the engine's collectives say whether they overlap (overlap_comm)
+    # the engine's collectives say whether they overlap (overlap_comm); on a CPU nothing does:
+    # DeepSpeed's CPU accelerator has no streams (Stream() None, stream() a no-op context), so
+    # every collective runs in line (measured: DP2 ZeRO-2's per-micro-batch reductions add their
+    # whole time to each micro-batch beyond the first, planner/profiler/engine.py measure_zero2)
+    hide = 0.0 if cluster.device.kind == "cpu" else f.dp_overlap
     # ZeRO-0 flattens up to FALLBACK_BUCKET elements per all-reduce; ZeRO-1/2 reduce and gather
     # reduce_bucket_size / allgather_bucket_size elements per collective
     bucket = engines.FALLBACK_BUCKET if plan.zero == 0 else plan.bucket_elements
@@ -179,6 +184,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plan: Pla
         dp_sync, zero_gather = z3.sync, z3.gather
     else:
         dp_sync, zero_gather = dp_comm(cluster, plan, engine, psi, f, tuple(times), backward), 0.0
+        dp_sync += zero2_reduction(cluster, plan, max(psi))
     opt = optimizer_time(cluster, plan, engine, psi, f)
     if model.moe is not None:  # the experts' own gradient sync and optimizer step (planner.cost.moe)
         e_sync, e_opt = moe.expert_sync_and_step(model, cluster, plan, layers, f, backward, activation_bytes(plan.precision),

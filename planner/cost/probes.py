@@ -45,6 +45,19 @@ def parallel_probe(cluster: ClusterSpec, plan: Plan):
     return cluster.device.step.parallel.get(plan.precision)
 
 
+def zero2_reduction(cluster: ClusterSpec, plan: Plan, psi: int) -> float:
+    """Seconds per step a profiled CPU's DP ZeRO-2 costs beyond the cost model's terms
+    (planner/specs/step.py Parallel.zero2_*): DeepSpeed's ZeRO-2 reduces the gradients of every
+    micro-batch, ZeRO 0/1 once per step, so each micro-batch beyond the first adds one reduction
+    of the stage's psi parameters, zero2_fixed_s + zero2_param_s x psi as measured (time-shared
+    by the oversubscription like the other engine costs); 0 elsewhere."""
+    par = parallel_probe(cluster, plan)
+    if par is None or plan.zero != 2 or plan.dp < 2 or plan.grad_accum < 2:
+        return 0.0
+    k = cluster.device.oversubscription(cluster.gpus_per_node)
+    return (plan.grad_accum - 1) * (par.zero2_fixed_s + par.zero2_param_s * psi) * k
+
+
 def block_probe(cluster: ClusterSpec, plan: Plan):
     """The profiled CPU's block probe for the plan's precision (planner/specs/step.py), or None."""
     dev = cluster.device

@@ -21,6 +21,7 @@ import tempfile
 from typing import Any
 
 from planner.errors import PlannerError
+from planner.profiler.device import EXECUTOR_MMAP_THRESHOLD
 from planner.runtime.procs import free_port
 
 ACCUMULATIONS = (1, 4)
@@ -28,11 +29,19 @@ ACCUMULATIONS = (1, 4)
 
 
 LAYOUTS = ({"name": "dp", "dp": 2, "pp": 1}, {"name": "pp", "dp": 1, "pp": 2},
-           {"name": "z3", "dp": 2, "pp": 1, "zero": 3})
+           {"name": "z3", "dp": 2, "pp": 1, "zero": 3}, {"name": "z2", "dp": 2, "pp": 1, "zero": 2})
 """The layouts of the 2-process engine probe (measure_parallel): DP2 ZeRO-0 (the gradient
 all-reduce as DeepSpeed runs it, both ranks computing at once), PP2 (DeepSpeed's
-PipelineEngine: its 1F1B schedule, sends and receives) and DP2 ZeRO-3 (its gathers, releases
-and reductions as its module hooks run them)."""
+PipelineEngine: its 1F1B schedule, sends and receives), DP2 ZeRO-3 (its gathers, releases
+and reductions as its module hooks run them) and DP2 ZeRO-2 (its gradient reduction every
+micro-batch: deepspeed/runtime/zero/stage_1_and_2.py average_tensor reduces each bucket with
+one dist.reduce per partition owner, in line on a CPU, whose accelerator's streams are
+no-ops)."""
+
+ZERO2_LAYOUTS = ({"name": "dp", "dp": 2, "pp": 1}, {"name": "z2", "dp": 2, "pp": 1, "zero": 2})
+"""measure_zero2's layouts: ZeRO-2's cost per micro-batch beyond the first is a gradient
+reduction over every parameter, so a second model size separates its per-parameter and fixed
+parts (planner.profiler.write.zero2_fit)."""
 
 
 def measure(model: dict[str, Any], b: int, s: int, precisions: list[str], threads: int,
@@ -48,9 +57,18 @@ def measure_parallel(model: dict[str, Any], b: int, s: int, precisions: list[str
     first, the profiled one) with 1 and 4 micro-batches per step; rows tagged with their layout
     ("dp", "pp", "z3"). quick: 1 warm-up step and 3 timed (else the probe's 2 and 4)."""
     return _launch({"model": model, "b": b, "s": s, "precisions": precisions, "threads": threads,
-                    "layouts": [dict(lay, precisions=precisions[:1]) if lay.get("zero") == 3 else lay
+                    "layouts": [dict(lay, precisions=precisions[:1]) if lay.get("zero") in (2, 3) else lay
                                 for lay in LAYOUTS], **({"steps": 3, "warmup": 1} if quick else {})},
                    2, timeout_s)
+
+
+def measure_zero2(model: dict[str, Any], b: int, s: int, precision: str, threads: int,
+                  timeout_s: float = 600.0, quick: bool = False) -> list[dict[str, Any]]:
+    """DP2 ZeRO-0 and DP2 ZeRO-2 (ZERO2_LAYOUTS) of another model (the profile's further block
+    model), 1 and 4 micro-batches per step, one precision; rows tagged with the model's name."""
+    rows = _launch({"model": model, "b": b, "s": s, "precisions": [precision], "threads": threads,
+                    "layouts": list(ZERO2_LAYOUTS), **({"steps": 3, "warmup": 1} if quick else {})}, 2, timeout_s)
+    return [dict(r, model=model["name"]) for r in rows]
 
 
 def _launch(args: dict[str, Any], world: int, timeout_s: float) -> list[dict[str, Any]]:
@@ -61,7 +79,7 @@ def _launch(args: dict[str, Any], world: int, timeout_s: float) -> list[dict[str
     os.close(fd)
     port = free_port()
     env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"),
-               OMP_NUM_THREADS=str(args["threads"]), MALLOC_MMAP_THRESHOLD_="65536")
+               OMP_NUM_THREADS=str(args["threads"]), MALLOC_MMAP_THRESHOLD_=str(EXECUTOR_MMAP_THRESHOLD))
     procs = [subprocess.Popen([sys.executable, "-m", "planner.runtime.train.probe",
                                json.dumps(dict(args, port=port, world=world, rank=r)), out_path], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -91,12 +109,13 @@ def _launch(args: dict[str, Any], world: int, timeout_s: float) -> list[dict[str
         os.unlink(out_path)
 
 
-def split(rows: list[dict[str, Any]], layout: str = "1") -> dict[str, dict[str, float]]:
+def split(rows: list[dict[str, Any]], layout: str = "1", model: str | None = None) -> dict[str, dict[str, float]]:
     """Per precision: measured seconds per micro-batch and per step (fixed part), from the
     steps with 1 and 4 micro-batches (ACCUMULATIONS), of one layout ("1": one process, rows
-    without a layout are its; "dp", "pp": measure_parallel's)."""
+    without a layout are its; "dp", "pp": measure_parallel's) and one model (None: the profiled
+    model's rows, which carry no "model"; else measure_zero2's of that name)."""
     out = {}
-    rows = [r for r in rows if r.get("layout", "1") == layout]
+    rows = [r for r in rows if r.get("layout", "1") == layout and r.get("model") == model]
     for prec in dict.fromkeys(r["precision"] for r in rows):
         by_m = {r["grad_accum"]: r["step_s"] for r in rows if r["precision"] == prec}
         lo, hi = min(by_m), max(by_m)

@@ -134,10 +134,17 @@ def measure_all(opts: ProfileOptions, target: Target, plan: WorkList,
         # A CPU "device" is one of `procs` processes sharing the cores, as the executor runs its
         # ranks (OMP_NUM_THREADS = cores // world size): measure with that many threads.
         torch.set_num_threads(cpu_threads(opts.procs))
+        # and under the executor's allocator (planner.profiler.device.EXECUTOR_MMAP_THRESHOLD):
+        # every probe below -- GEMMs, blocks, the optimizer, the engine and collective processes --
+        # pays the page faults the executor's ranks pay
+        from planner.profiler.device import executor_allocator
+        allocator = executor_allocator()
     started = time.perf_counter()
     load_before = _loadavg()
     window = 0.05 if opts.quick else 0.2
     out: dict[str, Any] = {"notes": []}
+    if target.kind == "cpu":
+        out["allocator"] = {"mmap_threshold": int(os.environ["MALLOC_MMAP_THRESHOLD_"]), "mallopt": allocator}
     results: list[gemm.GemmResult] = []
     for prec in plan.precisions:
         for sh in plan.shapes:
@@ -179,6 +186,12 @@ def measure_all(opts: ProfileOptions, target: Target, plan: WorkList,
                                                          cpu_threads(opts.procs), quick=opts.quick)
             except PlannerError as exc:
                 out["notes"].append(f"parallel engine probe skipped: {exc.line()}")
+            for other in opts.block_models[:1]:  # ZeRO-2's reduction at a second model size
+                try:
+                    out["engine"] += engine.measure_zero2(other.to_dict(), 1, s_, plan.block_precisions[0],
+                                                          cpu_threads(opts.procs), quick=opts.quick)
+                except PlannerError as exc:
+                    out["notes"].append(f"ZeRO-2 engine probe of {other.name} skipped: {exc.line()}")
     if target.kind == "cpu":
         from planner.profiler import optimizer
         out["optimizer"] = optimizer.measure(list(plan.block_precisions), cpu_threads(opts.procs), quick=opts.quick)

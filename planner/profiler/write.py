@@ -313,7 +313,70 @@ def parallel_section(rows: list[dict[str, Any]], opts: ProfileOptions, data: dic
         out[prec].update(zero3_microbatch_s=max(z3["microbatch_s"] - per_mb, 0.0),
                          zero3_step_s=max(z3["step_s"] - (t1 - per_mb), 0.0), measured_z3=z3,
                          predicted_z3={"microbatch_s": per_mb, "step_s": t1 - per_mb})
+    zero2_section(rows, opts, data, block, framework, optimizer, out)
     return out
+
+
+PARALLEL_KEYS = ("microbatch_s", "dp_step_s", "pipe_microbatch_s", "pipe_bubble", "zero3_microbatch_s",
+                 "zero3_step_s", "concurrency")
+
+
+def zero2_section(rows: list[dict[str, Any]], opts: ProfileOptions, data: dict[str, Any], block: dict[str, Any],
+                  framework: dict[str, Any], optimizer: dict[str, Any] | None, parallel: dict[str, Any]) -> None:
+    """ZeRO-2's cost per micro-batch beyond the first, beyond the cost model's terms, from the
+    DP2 ZeRO-0 / DP2 ZeRO-2 rows of each measured model (the profiled one's from
+    measure_parallel, the further block model's from measure_zero2): per model,
+
+        residual = (ZeRO-2's measured per micro-batch - ZeRO-0's)
+                   - (the same difference the cost model predicts with the terms above),
+
+    and over the models' parameter counts psi (each rank reduces the whole gradient) the line
+    residual = zero2_fixed_s + zero2_param_s x psi (line_through; one model: through the
+    origin). Written into parallel[precision] in place."""
+    from planner.cost import estimate
+    from planner.cost.params import stage_params
+    from planner.profiler.engine import split
+    from planner.specs.plan import Plan
+    from planner.specs.train import TrainSpec
+    models = {None: opts.model, **{m.name: m for m in opts.block_models}}
+    fw_step = {p: {"microbatch_s": f["microbatch_s"], "step_s": f["step_s"]} for p, f in framework.items()}
+    points: dict[str, list[dict[str, Any]]] = {}
+    for name, model in models.items():
+        dp_rows, z2_rows = split(rows, "dp", name), split(rows, "z2", name)
+        for prec, z2 in z2_rows.items():
+            if prec not in dp_rows or prec not in parallel:
+                continue
+            b, s = next((r["micro_batch"], r["seq"]) for r in rows
+                        if r.get("layout") == "z2" and r.get("model") == name and r["precision"] == prec)
+            prof = profile_from_dict({**{k: v for k, v in data.items() if k != "step"}, "step": {
+                "block": block, "optimizer": optimizer or {}, "framework": fw_step,
+                "parallel": {prec: {k: parallel[prec][k] for k in PARALLEL_KEYS}}}}, data["name"])
+
+            def per_mb(zero: int) -> float:
+                t1, t4 = (estimate(model, _cluster(prof, 2), TrainSpec(global_batch=2 * b * m, seq_len=s, precision=prec),
+                                   Plan(dp=2, zero=zero, micro_batch=b, grad_accum=m, precision=prec)).step_time_s
+                          for m in (1, 4))
+                return (t4 - t1) / 3.0
+            meas = z2["microbatch_s"] - dp_rows[prec]["microbatch_s"]
+            pred = per_mb(2) - per_mb(0)
+            psi = max(stage_params(model, Plan(dp=2, zero=2, precision=prec)))
+            points.setdefault(prec, []).append({"model": model.name, "psi": psi, "measured_s": meas, "predicted_s": pred,
+                                                "residual_s": max(meas - pred, 0.0)})
+    for prec, pts in points.items():
+        fixed, per_param = line_through([p["psi"] for p in pts], [p["residual_s"] for p in pts])
+        parallel[prec].update(zero2_fixed_s=fixed, zero2_param_s=per_param, measured_zero2=pts)
+
+
+def line_through(x: list[float], y: list[float]) -> tuple[float, float]:
+    """(intercept, slope) of y = intercept + slope x over the points with y > 0, least squares
+    on relative error (planner/calibrate/solver.py line_relative: the intercept kept >= 0, else
+    through the origin); a negative slope, or no point with y > 0, is 0 (nothing measured)."""
+    from planner.calibrate.solver import line_relative
+    pts = [(a, b) for a, b in zip(x, y) if b > 0]
+    if not pts:
+        return 0.0, 0.0
+    slope, intercept = line_relative([a for a, _ in pts], [b for _, b in pts])
+    return (intercept, slope) if slope >= 0 else (0.0, 0.0)
 
 
 def dataclass_replace(obj: Any, **kw: Any) -> Any:
@@ -336,6 +399,7 @@ def measured_section(raw: dict[str, Any], env: dict[str, Any], opts: ProfileOpti
                     "procs": opts.procs, "max_tp": opts.max_tp},
         "wall_s": raw["wall_s"],
         "load_average": raw.get("load"),
+        "allocator": raw.get("allocator"),
         "gemm": [r.to_dict() for r in raw["gemm"]],
         "gemm_square": [r.to_dict() for r in raw["gemm_square"]],
         "engine": raw.get("engine") or [],

@@ -119,6 +119,14 @@ class Parallel:
     zero3_step_s: float = 0.0
     """DP2 ZeRO-3: seconds per step beyond the same (its optimizer over partitions, its
     reductions). 0 where not measured."""
+    zero2_fixed_s: float = 0.0
+    zero2_param_s: float = 0.0
+    """DP2 ZeRO-2 (the profiled precision; planner/profiler/engine.py measure_zero2 adds a second
+    model size): seconds per micro-batch beyond a step's first that ZeRO-2 costs beyond DP2
+    ZeRO-0 and the cost model's terms = zero2_fixed_s + zero2_param_s x the stage's parameters.
+    DeepSpeed's ZeRO-2 reduces every micro-batch's gradients (stage_1_and_2.py average_tensor:
+    one dist.reduce per partition owner, bucket by bucket), where ZeRO 0/1 reduce once per step;
+    on a CPU in line (its accelerator's streams are no-ops). 0 where not measured."""
     concurrency: float = 1.0
     """DP2 / one process, per micro-batch, same micro-batch and sequence: how much longer a rank's
     CPU-bound work takes while another rank computes beside it (the cores share execution units,
@@ -171,6 +179,7 @@ class StepProbes:
                 "parallel": {p: {"microbatch_s": x.microbatch_s, "dp_step_s": x.dp_step_s,
                                  "pipe_microbatch_s": x.pipe_microbatch_s, "pipe_bubble": x.pipe_bubble,
                                  "zero3_microbatch_s": x.zero3_microbatch_s, "zero3_step_s": x.zero3_step_s,
+                                 "zero2_fixed_s": x.zero2_fixed_s, "zero2_param_s": x.zero2_param_s,
                                  "concurrency": x.concurrency}
                              for p, x in self.parallel.items()},
                 "optimizer": {p: {"param_s": o.param_s, "points": o.points} for p, o in self.optimizer.items()}}
@@ -229,7 +238,8 @@ def step_from_dict(raw: Any, precisions: tuple[str, ...]) -> StepProbes:
         parallel[prec] = Parallel(**{k: _number(x.get(k), f"{where}.{k}", positive=False)
                                      for k in ("microbatch_s", "dp_step_s", "pipe_microbatch_s", "pipe_bubble")},
                                   **{k: _number(x.get(k, 0.0), f"{where}.{k}", positive=False)
-                                     for k in ("zero3_microbatch_s", "zero3_step_s")},
+                                     for k in ("zero3_microbatch_s", "zero3_step_s", "zero2_fixed_s",
+                                               "zero2_param_s")},
                                   concurrency=_number(x.get("concurrency", 1.0), f"{where}.concurrency"))
     optimizer = {}
     for prec, o in (raw.get("optimizer") or {}).items():

@@ -3,6 +3,7 @@ the cost model composes them (planner/cost/block.py, probes.py), pinned to hand-
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 
@@ -440,3 +441,98 @@ def test_block_classes_weigh_each_term_by_its_own_multiplier():
     with pytest.raises(ProfileError) as exc:
         step_from_dict({"block": {"bf16": {"scale": 2.0, "overhead_s": 0, "gemm_scale": 0.8}}}, PRECISIONS)
     assert "step.block.bf16" in exc.value.line()
+
+
+def test_profiler_runs_under_the_executors_allocator():
+    """The CPU probes run with the executor's mmap threshold (planner.profiler.device): twenty
+    100 kB mallocs, below glibc's default 128 KiB threshold (so from the heap: mallinfo2's
+    hblks, the mmap'd chunks, unchanged), become their own mmap'd chunks once executor_allocator() has run (at least half of them:
+    the heap's free chunks may still serve a few); the engine and
+    executor processes get the same figure in their environment."""
+    import inspect
+    import subprocess
+    import sys
+
+    from planner.profiler import device, engine
+    from planner.runtime.train import launch
+    assert device.EXECUTOR_MMAP_THRESHOLD == 65536
+    assert "str(EXECUTOR_MMAP_THRESHOLD)" in inspect.getsource(launch.rank_environment)
+    assert "str(EXECUTOR_MMAP_THRESHOLD)" in inspect.getsource(engine._launch)
+    code = """
+import ctypes, os, sys
+class MI(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6"); libc.mallinfo2.restype = MI; libc.malloc.restype = ctypes.c_void_p
+def mmapped_after_mallocs():
+    before = libc.mallinfo2().hblks
+    ps = [libc.malloc(100_000) for _ in range(20)]
+    n = libc.mallinfo2().hblks - before
+    for p in ps:
+        libc.free(ctypes.c_void_p(p))
+    return n
+if sys.argv[1] == "executor":
+    from planner.profiler.device import executor_allocator
+    print(executor_allocator(), os.environ["MALLOC_MMAP_THRESHOLD_"])
+print(mmapped_after_mallocs())
+"""
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    runs = {how: subprocess.run([sys.executable, "-c", code, how], capture_output=True, text=True, env=env)
+            for how in ("default", "executor")}
+    if any("mallinfo2" in r.stderr for r in runs.values()):
+        pytest.skip("no glibc >= 2.33 here")
+    assert runs["default"].stdout.split() == ["0"], runs["default"].stderr
+    ok, threshold, mmapped = runs["executor"].stdout.split()
+    assert (ok, threshold) == ("True", "65536") and int(mmapped) >= 10, runs["executor"].stderr
+
+
+def test_zero2_probe_adds_one_reduction_per_micro_batch_beyond_the_first():
+    """DP2 ZeRO-2 measured 0.006 s + 2e-9 s per parameter per micro-batch beyond the first
+    (tiny chatglm3-6b: psi parameters on each rank): accumulation 4 adds 3 x (0.006 + 2e-9 psi)
+    to dp_sync; accumulation 1, ZeRO-1 and one process add nothing; 4 processes of a
+    2-process profile stretch it 2x."""
+    from planner.cost import estimate
+    from planner.cost.params import stage_params
+    base = _par(microbatch_s=0.0, dp_step_s=0.0)
+    plain = with_step(StepProbes(parallel={"bf16": base}))
+    dev = with_step(StepProbes(parallel={"bf16": dataclasses.replace(base, zero2_fixed_s=0.006,
+                                                                     zero2_param_s=2e-9)}))
+    psi = max(stage_params(MODEL, Plan(dp=2, zero=2)))
+    assert psi > 1_000_000  # tiny chatglm3-6b: ~1.2 M
+    for world, plan, added in (
+            (2, Plan(dp=2, zero=2, micro_batch=1, grad_accum=4), 3 * (0.006 + 2e-9 * psi)),
+            (2, Plan(dp=2, zero=2, micro_batch=4, grad_accum=1), 0.0),
+            (2, Plan(dp=2, zero=1, micro_batch=1, grad_accum=4), 0.0),
+            (4, Plan(dp=4, zero=2, micro_batch=1, grad_accum=2), 2 * (0.006 + 2e-9 * psi))):
+        cl, cl0 = parse_cluster(f"{world}xcpu", dev), parse_cluster(f"{world}xcpu", plain)
+        train = dataclasses.replace(TRAIN, global_batch=plan.dp * plan.micro_batch * plan.grad_accum)
+        got = estimate(MODEL, cl, train, plan).time.dp_sync - estimate(MODEL, cl0, train, plan).time.dp_sync
+        assert got == pytest.approx(added, rel=1e-12, abs=1e-15), (world, plan)
+
+
+def test_zero2_fit_is_a_line_over_the_model_sizes():
+    from planner.profiler.write import line_through
+    assert line_through([1.0, 3.0], [2.0, 4.0]) == pytest.approx((1.0, 1.0))
+    # a negative intercept (slope 2, intercept -1) refits through the origin on relative error:
+    # x / y = 1, 2/3: slope = (5/3) / (13/9) = 15/13
+    assert line_through([1.0, 2.0], [1.0, 3.0]) == pytest.approx((0.0, 15 / 13))
+    assert line_through([2.0], [3.0]) == pytest.approx((0.0, 1.5))  # one model: through the origin
+    assert line_through([1.0, 2.0], [0.0, 0.0]) == (0.0, 0.0)  # nothing beyond the model
+
+
+def test_data_parallel_collectives_do_not_hide_on_a_cpu():
+    """DeepSpeed's CPU accelerator has no streams: its collectives run in line. dp_comm of a CPU
+    cluster hides nothing whatever dp_overlap says; the same plan on a GPU still hides."""
+    from planner.cost.estimate import dp_comm
+    from planner.cost import engines
+    plan = Plan(dp=2, zero=2, micro_batch=2, grad_accum=2)
+    cpu = parse_cluster("2xcpu", find_device("cpu")[0])
+    f = cluster_factors(cpu, plan=plan)
+    psi, mb, bwd = (1_000_000,), (1.0,), (0.6,)  # a window larger than the collectives
+    hidden = dp_comm(cpu, plan, engines.engine_for(plan), psi, f.replace(dp_overlap=0.9), mb, bwd)
+    exposed = dp_comm(cpu, plan, engines.engine_for(plan), psi, f.replace(dp_overlap=0.0), mb, bwd)
+    assert hidden == exposed > 0
+    gpu = parse_cluster("2xA100", find_device("A100-80GB")[0])
+    g = cluster_factors(gpu, plan=plan)
+    assert dp_comm(gpu, plan, engines.engine_for(plan), psi, g.replace(dp_overlap=0.9), mb, bwd) < \
+        dp_comm(gpu, plan, engines.engine_for(plan), psi, g.replace(dp_overlap=0.0), mb, bwd)

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from planner import dsconfig
 from planner.errors import ExecutionError
+from planner.profiler.device import EXECUTOR_MMAP_THRESHOLD
 from planner.runtime.preflight import checks as preflight
 from planner.runtime.observe.metrics import build_metrics, failure_metrics
 from planner.runtime.preflight.buildlock import stale_lock_problem
@@ -148,7 +149,7 @@ def rank_environment(prep: Prepared, timeout: float) -> dict[str, str]:
     env = rank_env(world, LOCAL_WORLD_SIZE=str(world), DEEPSPEED_TIMEOUT=str(max(1, int(timeout // 60) + 1)))
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
     if prep.cluster.device.kind == "cpu":
-        env.update(DS_ACCELERATOR="cpu", MALLOC_MMAP_THRESHOLD_="65536")
+        env.update(DS_ACCELERATOR="cpu", MALLOC_MMAP_THRESHOLD_=str(EXECUTOR_MMAP_THRESHOLD))
     return env
 
 
