@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,20 @@ def plan_document(plan: Plan, model: ModelSpec, cluster: ClusterSpec, train: Tra
             "inputs": {"model": model.to_dict(), "cluster": cluster.to_dict(), "train": train.to_dict(),
                        "scale": scale, "model_arg": model_arg, "profile": cluster.device.path,
                        "command": command}}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunSpecs:
+    """A run directory's plan.json read back into specs (load_run): what every reader of a run
+    directory starts from (the exports' RunFiles and the report's RunData extend it)."""
+
+    run_dir: Path
+    plan: Plan
+    model: ModelSpec
+    cluster: ClusterSpec
+    train: TrainSpec
+    doc: dict[str, Any]
+    """plan.json as read."""
 
 
 def load_run(path: str | Path) -> tuple[Plan, ModelSpec, ClusterSpec, TrainSpec, dict[str, Any]]:

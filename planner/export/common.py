@@ -9,11 +9,7 @@ from typing import Any
 
 from planner import dsconfig
 from planner.errors import SpecError
-from planner.rundir import load_run, read_json
-from planner.specs.cluster import ClusterSpec
-from planner.specs.model import ModelSpec
-from planner.specs.plan import Plan
-from planner.specs.train import TrainSpec
+from planner.rundir import RunSpecs, load_run, read_json
 from planner.specs.validate import runtime_problems
 
 PLANNER_ONLY_KEYS = (("pipeline", "stage_layers"),)
@@ -21,13 +17,7 @@ PLANNER_ONLY_KEYS = (("pipeline", "stage_layers"),)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class RunFiles:
-    run_dir: Path
-    plan: Plan
-    model: ModelSpec
-    cluster: ClusterSpec
-    train: TrainSpec
-    doc: dict[str, Any]
+class RunFiles(RunSpecs):
     ds_config: dict[str, Any]
     """ds_config.json as written (or as planner.dsconfig would write it, when absent)."""
 

@@ -18,8 +18,8 @@ from typing import Any
 import pandas as pd
 
 from planner.errors import SpecError
-from planner.rundir import load_run, read_json
-from planner.specs import ClusterSpec, ModelSpec, Plan, TrainSpec
+from planner.rundir import RunSpecs, load_run, read_json
+from planner.specs import Plan
 
 PLAN_FIELDS = [f.name for f in dataclasses.fields(Plan)]
 TUPLE_FIELDS = ("stage_layers", "recompute_layers")
@@ -41,14 +41,7 @@ class StudyData:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class RunData:
-    run_dir: Path
-    plan: Plan
-    model: ModelSpec
-    cluster: ClusterSpec
-    train: TrainSpec
-    doc: dict[str, Any]
-    """plan.json as read."""
+class RunData(RunSpecs):
     estimate: dict[str, Any]
     """estimate.json "estimate" (Estimate.to_json) of the chosen plan."""
     baseline: dict[str, Any] | None

@@ -16,8 +16,11 @@ from planner.specs.model import ModelSpec
 from planner.specs.dtypes import activation_bytes
 
 GB = 2.0 ** 30
-"""Serving memory is counted in GiB, as the engines and nvidia-smi count it: an "80 GB" A100 has
-80 GiB (81,920 MiB in nvidia-smi), so the profiles' memory_gb is read as GiB here."""
+"""Serving memory is reported in GiB, as the engines print it. The capacity they fill is the
+CUDA driver's total (vLLM V1 vllm/v1/worker/gpu_worker.py: requested_memory =
+MemorySnapshot().total_memory x gpu_memory_utilization, the total of torch.cuda.mem_get_info),
+the same figure training's peak is checked against: DeviceProfile.memory_bytes (the profile's
+memory_total_mib, 79.14 GiB on an A100 80GB; nvidia-smi's 81,920 MiB is not allocatable)."""
 GPU_MEMORY_UTILIZATION = 0.9
 """vLLM's --gpu-memory-utilization default: the share of device memory the engine may fill [PA]."""
 SGLANG_MEM_FRACTION = {1: 0.88, 2: 0.87, 4: 0.85, 8: 0.81}
@@ -122,10 +125,11 @@ def engine_budget(cluster: ClusterSpec, dep: Deployment) -> float:
     prefill_chunk to it)."""
     if dep.prefill_chunk:
         return float(dep.prefill_chunk)
-    gib = cluster.device.memory_gb
-    if dep.engine == "vllm":
-        return 8192.0 if gib >= 70 and "A100" not in cluster.device.name.upper() else 2048.0
-    if dep.engine == "sglang":
+    if dep.engine == "vllm":  # vLLM compares the driver's total (get_device_total_memory) with 70 GiB
+        return 8192.0 if cluster.device.memory_bytes >= 70 * GB and "A100" not in cluster.device.name.upper() \
+            else 2048.0
+    if dep.engine == "sglang":  # SGLang reads nvidia-smi's memory.total: the marketed GiB (memory_gb)
+        gib = cluster.device.memory_gb
         return 2048.0 if gib < 35 else 8192.0 if gib < 160 else 16384.0
     return math.inf
 
@@ -139,7 +143,8 @@ def serve_memory(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, worklo
     + (k + 1) x ffn_hidden / tp) x 2 bytes: residual, normed input and the FFN's input and
     activation outputs, its largest live set; plus max_batch rows of fp32 logits / tp);
     runtime: the profile's memory_overhead_gb (CUDA context, NCCL, CUDA graphs); KV cache: the
-    rest of gpu_memory_utilization (0.9) x capacity, in whole blocks of block_size tokens (SGLang:
+    rest of gpu_memory_utilization (0.9) x capacity (the driver's total, DeviceProfile.memory_bytes,
+    as training uses), in whole blocks of block_size tokens (SGLang:
     mem_fraction_static x capacity minus the weights; activations and runtime outside it).
     Blocks are allocated as tokens are computed (planner/serve/scheduler.py), so no sequence
     reserves the longest length: batch_limit is the sequences of the workload's mean length
@@ -150,7 +155,7 @@ def serve_memory(model: ModelSpec, cluster: ClusterSpec, dep: Deployment, worklo
     longest = workload.max_total()
     budget = engine_budget(cluster, dep)
     chunk = longest if math.isinf(budget) else int(budget)
-    capacity = cluster.device.memory_gb * GB * memory_fraction(dep)
+    capacity = cluster.device.memory_bytes * memory_fraction(dep)
     weights = weight_bytes(model, dep) / t
     e = activation_bytes(dep.weight_precision)
     act = chunk * (2 * model.hidden + (model.ffn_in_matrices + 1) * model.ffn_size / t) * e

@@ -88,7 +88,8 @@ class DeviceProfile:
     """gpu or cpu."""
     aliases: tuple[str, ...] = ()
     memory_gb: float
-    """Device memory as marketed, GB (the "80" of an A100 80GB)."""
+    """Device memory, GB: as marketed in the shipped profiles (the "80" of an A100 80GB); a profile
+    `planner profile` measured holds torch's total_memory / 1e9 here (the driver's total)."""
     memory_total_mib: float = 0.0
     """What a training process can allocate: the device's total memory as the CUDA driver reports
     it (torch.cuda.get_device_properties(i).total_memory, printed in MiB; the "GiB total capacity"

@@ -18,7 +18,8 @@ MIB = 2.0 ** 20
 
 
 @pytest.mark.parametrize("name, mib", [("A100-80GB", 81039), ("A100-40GB", 40448), ("H100-SXM", 81082),
-                                       ("B200", 182631), ("V100", 32510)])
+                                       ("B200", 182631), ("V100", 32510), ("H200", 143156), ("L40S", 45455),
+                                       ("A6000", 48676), ("RTX-4090", 24248)])
 def test_capacity_is_the_drivers_total(name, mib):
     dev = load_profile(PROFILES / f"{name}.json")
     assert dev.memory_total_mib == mib and dev.memory_bytes == mib * MIB
@@ -31,8 +32,17 @@ def test_a100_80gb_holds_85_gb_and_40gb_42_gb():
 
 
 def test_without_the_drivers_total_memory_gb_is_1e9_bytes():
-    dev = load_profile(PROFILES / "L40S.json")
+    data = json.loads((PROFILES / "L40S.json").read_text())
+    del data["memory_total_mib"]
+    dev = profile_from_dict(data)
     assert dev.memory_total_mib == 0.0 and dev.memory_bytes == 48e9
+
+
+def test_every_gpu_profile_states_the_drivers_total():
+    for path in sorted(PROFILES.glob("*.json")):
+        data = json.loads(path.read_text())
+        if isinstance(data, dict) and data.get("kind") == "gpu":
+            assert data.get("memory_total_mib", 0) > 0 and data["sources"]["memory_total_mib"], path.name
 
 
 def test_the_estimate_compares_with_the_drivers_total():

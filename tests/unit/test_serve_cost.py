@@ -127,13 +127,20 @@ def test_tp_all_reduces():
 
 
 def test_memory_and_kv_capacity():
-    # 0.001 GiB device (1,073,741.824 B): 0.9 of it usable - weights 140,928 - activations of the
+    # a device whose driver reports 1.024 MiB (memory_total_mib; = 0.001 GiB, 1,073,741.824 B; its
+    # marketed memory_gb 0.001 = 1,000,000 B is not what the engine fills): 0.9 of it usable - weights 140,928 - activations of the
     # profiling step of max_num_batched_tokens = 150 tokens (150 x (2 x 64 + 2 x 128) x 2 B + 64 x 100
     # fp32 logits) = 966,367.64 - 140,928 - 115,200 - 25,600 = 684,639.64 B -> 167 blocks of 16 x 256 B
-    tiny = dataclasses.replace(DEVICE, memory_gb=0.001)
+    tiny = dataclasses.replace(DEVICE, memory_gb=0.001, memory_total_mib=1.024)
     dep = Deployment(max_batch=64, prefill_chunk=150)
     mem = serve_memory(MODEL, cluster(device=tiny), dep, Workload(prompt_len=100, output_len=50))
     assert mem["capacity"] == pytest.approx(0.9 * 0.001)                   # GiB
+    # one capacity for training and serving: DeviceProfile.memory_bytes (training's peak check)
+    assert mem["capacity"] * 2**30 == pytest.approx(0.9 * cluster(device=tiny).memory_bytes)
+    # without the driver's total, memory_gb x 1e9 (as training): 0.9 x 1,000,000 B, not 0.9 x 2^30 x 0.001
+    marketed = serve_memory(MODEL, cluster(device=dataclasses.replace(DEVICE, memory_gb=0.001)), dep,
+                            Workload(prompt_len=100, output_len=50))
+    assert marketed["capacity"] == pytest.approx(0.9 * 1e6 / 2**30)
     assert mem["weights"] == pytest.approx(140_928 / 2**30)
     assert mem["activations"] == pytest.approx((115_200 + 25_600) / 2**30)
     assert mem["kv_blocks"] == 167
