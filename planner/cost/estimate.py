@@ -55,7 +55,7 @@ def dp_comm(cluster: ClusterSpec, plan: Plan, engine: Engine, psi: tuple[int, ..
     # the engine's collectives say whether they overlap (overlap_comm); on a CPU nothing does:
     # DeepSpeed's CPU accelerator has no streams (Stream() None, stream() a no-op context), so
     # every collective runs in line (measured: DP2 ZeRO-2's per-micro-batch reductions add their
-    # whole time to each micro-batch beyond the first, planner/profiler/engine.py measure_zero2)
+    # whole time to each micro-batch beyond the first, planner/profiler/engine.py measure_parallel)
     hide = 0.0 if cluster.device.kind == "cpu" else f.dp_overlap
     # ZeRO-0 flattens up to FALLBACK_BUCKET elements per all-reduce; ZeRO-1/2 reduce and gather
     # reduce_bucket_size / allgather_bucket_size elements per collective

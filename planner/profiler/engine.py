@@ -39,7 +39,7 @@ one dist.reduce per partition owner, in line on a CPU, whose accelerator's strea
 no-ops)."""
 
 ZERO2_LAYOUTS = ({"name": "dp", "dp": 2, "pp": 1}, {"name": "z2", "dp": 2, "pp": 1, "zero": 2})
-"""measure_zero2's layouts: ZeRO-2's cost per micro-batch beyond the first is a gradient
+"""measure_parallel's layouts of a further model: ZeRO-2's cost per micro-batch beyond the first is a gradient
 reduction over every parameter, so a second model size separates its per-parameter and fixed
 parts (planner.profiler.write.zero2_fit)."""
 
@@ -52,23 +52,18 @@ def measure(model: dict[str, Any], b: int, s: int, precisions: list[str], thread
 
 
 def measure_parallel(model: dict[str, Any], b: int, s: int, precisions: list[str], threads: int,
-                     timeout_s: float = 600.0, quick: bool = False) -> list[dict[str, Any]]:
-    """The engine probe on 2 processes, each LAYOUTS entry in every precision (ZeRO-3: the
-    first, the profiled one) with 1 and 4 micro-batches per step; rows tagged with their layout
-    ("dp", "pp", "z3"). quick: 1 warm-up step and 3 timed (else the probe's 2 and 4)."""
+                     timeout_s: float = 600.0, quick: bool = False,
+                     other: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The engine probe on 2 processes, each LAYOUTS entry in every precision (ZeRO-3 and
+    ZeRO-2: the first, the profiled one) with 1 and 4 micro-batches per step; rows tagged with
+    their layout ("dp", "pp", "z3", "z2"). With `other` (a further model), ZERO2_LAYOUTS of it
+    too at micro-batch 1, in the same processes, rows tagged with its name ("model").
+    quick: 1 warm-up step and 3 timed (else the probe's 2 and 4)."""
+    layouts = [dict(lay, precisions=precisions[:1]) if lay.get("zero") in (2, 3) else lay for lay in LAYOUTS]
+    if other is not None:
+        layouts += [dict(lay, precisions=precisions[:1], model=other, b=1) for lay in ZERO2_LAYOUTS]
     return _launch({"model": model, "b": b, "s": s, "precisions": precisions, "threads": threads,
-                    "layouts": [dict(lay, precisions=precisions[:1]) if lay.get("zero") in (2, 3) else lay
-                                for lay in LAYOUTS], **({"steps": 3, "warmup": 1} if quick else {})},
-                   2, timeout_s)
-
-
-def measure_zero2(model: dict[str, Any], b: int, s: int, precision: str, threads: int,
-                  timeout_s: float = 600.0, quick: bool = False) -> list[dict[str, Any]]:
-    """DP2 ZeRO-0 and DP2 ZeRO-2 (ZERO2_LAYOUTS) of another model (the profile's further block
-    model), 1 and 4 micro-batches per step, one precision; rows tagged with the model's name."""
-    rows = _launch({"model": model, "b": b, "s": s, "precisions": [precision], "threads": threads,
-                    "layouts": list(ZERO2_LAYOUTS), **({"steps": 3, "warmup": 1} if quick else {})}, 2, timeout_s)
-    return [dict(r, model=model["name"]) for r in rows]
+                    "layouts": layouts, **({"steps": 3, "warmup": 1} if quick else {})}, 2, timeout_s)
 
 
 def _launch(args: dict[str, Any], world: int, timeout_s: float) -> list[dict[str, Any]]:
@@ -113,7 +108,7 @@ def split(rows: list[dict[str, Any]], layout: str = "1", model: str | None = Non
     """Per precision: measured seconds per micro-batch and per step (fixed part), from the
     steps with 1 and 4 micro-batches (ACCUMULATIONS), of one layout ("1": one process, rows
     without a layout are its; "dp", "pp": measure_parallel's) and one model (None: the profiled
-    model's rows, which carry no "model"; else measure_zero2's of that name)."""
+    model's rows, which carry no "model"; else those of the model of that name)."""
     out = {}
     rows = [r for r in rows if r.get("layout", "1") == layout and r.get("model") == model]
     for prec in dict.fromkeys(r["precision"] for r in rows):

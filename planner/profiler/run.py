@@ -182,16 +182,12 @@ def measure_all(opts: ProfileOptions, target: Target, plan: WorkList,
         if opts.procs >= 2 and opts.model.layers >= 2:
             # DP2 and PP2 on two processes: the data-parallel step and the pipe schedule as they run
             try:
+                # ZeRO-2's reduction at a second model size too (the further block model, micro-batch 1)
+                other = opts.block_models[0].to_dict() if opts.block_models else None
                 out["engine"] += engine.measure_parallel(opts.model.to_dict(), b, s_, list(plan.block_precisions),
-                                                         cpu_threads(opts.procs), quick=opts.quick)
+                                                         cpu_threads(opts.procs), quick=opts.quick, other=other)
             except PlannerError as exc:
                 out["notes"].append(f"parallel engine probe skipped: {exc.line()}")
-            for other in opts.block_models[:1]:  # ZeRO-2's reduction at a second model size
-                try:
-                    out["engine"] += engine.measure_zero2(other.to_dict(), 1, s_, plan.block_precisions[0],
-                                                          cpu_threads(opts.procs), quick=opts.quick)
-                except PlannerError as exc:
-                    out["notes"].append(f"ZeRO-2 engine probe of {other.name} skipped: {exc.line()}")
     if target.kind == "cpu":
         from planner.profiler import optimizer
         out["optimizer"] = optimizer.measure(list(plan.block_precisions), cpu_threads(opts.procs), quick=opts.quick)

@@ -325,7 +325,7 @@ def zero2_section(rows: list[dict[str, Any]], opts: ProfileOptions, data: dict[s
                   framework: dict[str, Any], optimizer: dict[str, Any] | None, parallel: dict[str, Any]) -> None:
     """ZeRO-2's cost per micro-batch beyond the first, beyond the cost model's terms, from the
     DP2 ZeRO-0 / DP2 ZeRO-2 rows of each measured model (the profiled one's from
-    measure_parallel, the further block model's from measure_zero2): per model,
+    measure_parallel, the further block model's from the same probe, micro-batch 1): per model,
 
         residual = (ZeRO-2's measured per micro-batch - ZeRO-0's)
                    - (the same difference the cost model predicts with the terms above),

@@ -121,7 +121,7 @@ class Parallel:
     reductions). 0 where not measured."""
     zero2_fixed_s: float = 0.0
     zero2_param_s: float = 0.0
-    """DP2 ZeRO-2 (the profiled precision; planner/profiler/engine.py measure_zero2 adds a second
+    """DP2 ZeRO-2 (the profiled precision; planner/profiler/engine.py measure_parallel adds a second
     model size): seconds per micro-batch beyond a step's first that ZeRO-2 costs beyond DP2
     ZeRO-0 and the cost model's terms = zero2_fixed_s + zero2_param_s x the stage's parameters.
     DeepSpeed's ZeRO-2 reduces every micro-batch's gradients (stage_1_and_2.py average_tensor:

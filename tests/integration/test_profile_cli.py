@@ -42,9 +42,14 @@ def test_quick_profile_writes_a_usable_profile(tmp_path):
     assert set(prof.step.block) == {"bf16", "fp32"} and all(b.points == 10 for b in prof.step.block.values())
     assert set(prof.step.framework) == {"bf16", "fp32"}, m["notes"]  # the engine probe ran
     assert {r["grad_accum"] for r in m["engine"]} == {1, 4}
-    # the 2-process engine probe: DP2 and PP2 in both precisions, DP2 ZeRO-3 in the profiled one
+    # the 2-process engine probe: DP2 and PP2 in both precisions, DP2 ZeRO-3 and ZeRO-2 in the
+    # profiled one, and DP2 ZeRO-0 / ZeRO-2 of the small model (ZeRO-2's line over two sizes)
     assert {(r.get("layout", "1"), r["precision"]) for r in m["engine"]} == \
-        {(lay, p) for lay in ("1", "dp", "pp") for p in ("bf16", "fp32")} | {("z3", "bf16")}
+        {(lay, p) for lay in ("1", "dp", "pp") for p in ("bf16", "fp32")} | {("z3", "bf16"), ("z2", "bf16")}
+    assert {(r["layout"], r["micro_batch"]) for r in m["engine"] if r.get("model") == "chatglm3-6b-small"} == \
+        {("dp", 1), ("z2", 1)}
+    assert [p["model"] for p in data["step"]["parallel"]["bf16"]["measured_zero2"]] == \
+        ["chatglm3-6b-tiny", "chatglm3-6b-small"]
     assert set(prof.step.parallel) == {"bf16", "fp32"}, m["notes"]
     assert {r["precision"] for r in m["comm"]["groups"]["2"]["in_step"]["rows"]} == {"bf16", "fp32"}
     assert 2 in prof.step.tp_allreduce and prof.step.tp_allreduce[2].busbw_gbps > 0

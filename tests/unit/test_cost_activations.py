@@ -254,26 +254,15 @@ def test_the_cost_model_charges_what_the_executor_keeps(name: str, attention: st
     """Saved-tensor hooks (planner.model.recompute.saved_for_backward) on the second of two blocks
     on a CPU: its own storages equal block_activation_bytes, the storages both blocks keep equal
     shared_bytes (the kernel the CPU runs: attention dropout takes the math path)."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     from planner.cost.attention import attention_kernel
-    from planner.model.attention import StageCache
-    from planner.model.block import Block
-    from planner.model.recompute import saved_for_backward, storage_bytes
-    from planner.model.parallel.groups import TPGroup
+    from planner.model.recompute import storage_bytes
+    from saved_blocks import two_blocks_saved
     spec = dataclasses.replace(scale(preset(name), "tiny"), hidden_dropout=p, attention_dropout=p)
     b, s = 2, 24
     kernel = attention_kernel(spec, TrainSpec(global_batch=b, seq_len=s, attention=attention), "cpu")
-    cache = StageCache(spec, TPGroup())
-    blocks = torch.nn.ModuleList(Block(spec, i, recompute == "full", recompute == "selective",
-                                         attention=attention, cache=cache) for i in range(2)).to(torch.bfloat16)
-    x = torch.randn(b, s, spec.hidden, dtype=torch.bfloat16, requires_grad=True) * 1.0
-    pos, seg = torch.arange(s).repeat(b, 1), torch.ones(b, s, dtype=torch.long)
-    with saved_for_backward(blocks.parameters()) as first:
-        h = blocks[0]((x, pos, seg))
-    with saved_for_backward(blocks.parameters()) as second:
-        blocks[1](h)
-    own = storage_bytes({k: v for k, v in second.items() if k not in first})
-    shared = storage_bytes({k: v for k, v in second.items() if k in first})
+    own_saved, shared_saved, _ = two_blocks_saved(spec, b, s, attention, recompute)
+    own, shared = storage_bytes(own_saved), storage_bytes(shared_saved)
     assert own == memory.block_activation_bytes(spec, s, b, 1, sequence_parallel=False, recompute=recompute,
                                                 act_bytes=2.0, kernel=kernel)
     assert shared == memory.shared_bytes(spec, s, b, 1, act_bytes=2.0, kernel=kernel,

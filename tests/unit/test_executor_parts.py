@@ -17,8 +17,6 @@ from planner.specs import preset, scale
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
-from planner.model.attention import StageCache  # noqa: E402
-from planner.model.block import Block  # noqa: E402
 from planner.model.embedding import PositionEmbedding, WordEmbedding  # noqa: E402
 from planner.model.attention import rotary_dims  # noqa: E402
 from planner.model.glm import GLMModel  # noqa: E402
@@ -26,6 +24,7 @@ from planner.model.head import FinalNorm, LMLoss, OutputLayer, lm_loss  # noqa: 
 from planner.model.recompute import block_flags, saved_for_backward, storage_bytes  # noqa: E402
 from planner.model.norms import RMSNorm  # noqa: E402
 from planner.model.parallel.groups import TPGroup  # noqa: E402
+from saved_blocks import two_blocks_saved  # noqa: E402
 from planner.model.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                            vocab_parallel_cross_entropy)
 
@@ -238,17 +237,7 @@ def test_block_keeps_exactly_the_documented_tensors(name: str, attention: str, p
     blocks; what both blocks save is the stage's shared part (mask, cos/sin, ids)."""
     spec = dataclasses.replace(scale(preset(name), "tiny"), hidden_dropout=p, attention_dropout=p)
     b, s = 3, 40
-    cache = StageCache(spec, TPGroup())
-    blocks = torch.nn.ModuleList(Block(spec, i, recompute == "full", recompute == "selective",
-                                         attention=attention, cache=cache) for i in range(2)).to(torch.bfloat16)
-    x = torch.randn(b, s, spec.hidden, dtype=torch.bfloat16, requires_grad=True) * 1.0
-    pos, seg = torch.arange(s).repeat(b, 1), torch.ones(b, s, dtype=torch.long)
-    with saved_for_backward(blocks.parameters()) as first:
-        h = blocks[0]((x, pos, seg))
-    with saved_for_backward(blocks.parameters()) as second:
-        out = blocks[1](h)
-    own = {k: v for k, v in second.items() if k not in first}
-    shared = {k: v for k, v in second.items() if k in first}
+    own, shared, out = two_blocks_saved(spec, b, s, attention, recompute)
     assert storage_bytes(own) == block_bytes(spec, b, s, attention, p, recompute)
     assert storage_bytes(shared) == shared_bytes(spec, b, s, attention, p, recompute)
     out[0].float().sum().backward()

@@ -41,12 +41,15 @@ def run(port: int, model: dict[str, Any], b: int, s: int, precisions: list[str],
     from planner.specs.model import ModelSpec
     from planner.specs.plan import Plan
     from planner.specs.train import TrainSpec
-    spec = ModelSpec.from_dict(model)
+    b0 = b
     cluster = parse_cluster(f"{world}xcpu")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         os.chdir(tmp)  # the config's monitors write under the working directory, as in a run directory
         for lay in layouts or [{"name": "1", "dp": 1, "pp": 1}]:
+            # a layout may name another model and micro-batch (the ZeRO-2 probe's second size)
+            spec = ModelSpec.from_dict(lay.get("model", model))
+            b = lay.get("b", b0)
             for prec in lay.get("precisions", precisions):
                 for m in ACCUMULATIONS:
                     plan = Plan(dp=lay.get("dp", 1), pp=lay.get("pp", 1), zero=lay.get("zero", 0), micro_batch=b,
@@ -80,7 +83,8 @@ def run(port: int, model: dict[str, Any], b: int, s: int, precisions: list[str],
                     rows.append({"layout": lay["name"], "dp": plan.dp, "pp": plan.pp, "zero": plan.zero,
                                  "processes": world,
                                  "precision": prec, "micro_batch": b, "seq": s, "grad_accum": m,
-                                 "step_s": statistics.median(times), "steps": times})
+                                 "step_s": statistics.median(times), "steps": times,
+                                 **({"model": spec.name} if "model" in lay else {})})
                     del engine
     if rank == 0:
         with open(out_path, "w") as fh:
