@@ -246,9 +246,31 @@ AMAX_HISTORY = 1024
 fp32 history of this length for each of its three FP8 tensors (input, weight, output gradient)."""
 
 
-def fp8_bytes(blocks: int, block_psi: float, zero3: bool) -> float:
+BF16_WEIGHT_BYTES = 2.0
+"""The bf16 weight an fp8 plan otherwise holds per element (the engine's params, counted at bf16)."""
+
+
+def fp8_bytes(blocks: int, block_psi: float, zero3: bool, param_gather: bool = False) -> float:
     """Extra device bytes of fp8 training for a stage of `blocks` blocks: the FP8 weight copies
     (FP8_WEIGHT_BYTES per element of each block's weights; under ZeRO-3 / FULL_SHARD only the
-    gathered unit and the prefetched one hold them) and the amax histories (kept for every block)."""
+    gathered unit and the prefetched one hold them) and the amax histories (kept for every block).
+
+    param_gather (Megatron-Core --fp8-param-gather, the runtime's fp8_param_gather, with the
+    distributed optimizer): the weights are held in FP8 only (Transformer Engine's fp8_model_init;
+    the fp32 master shard in the optimizer re-quantizes them after each step), so the blocks' bf16
+    copy the engine's params count, BF16_WEIGHT_BYTES per element, is not there: it comes off
+    (negative extra). The caller passes it only where the runtime and the plan have it."""
     live = min(blocks, 2) if zero3 else blocks
-    return live * block_psi * FP8_WEIGHT_BYTES + blocks * TE_LINEARS * 3 * AMAX_HISTORY * 4.0
+    extra = live * block_psi * FP8_WEIGHT_BYTES + blocks * TE_LINEARS * 3 * AMAX_HISTORY * 4.0
+    if param_gather:
+        extra -= blocks * block_psi * BF16_WEIGHT_BYTES
+    return extra
+
+
+def fp8_param_gather(plan) -> bool:
+    """Whether an fp8 plan holds its weights in FP8 only: its runtime's fp8_param_gather
+    (profiles/runtimes/<name>.json, sourced there) with the distributed optimizer (ZeRO-1):
+    Megatron-LM's validate_args rejects --fp8-param-gather without it; Megatron-FSDP (ZeRO-3)
+    shards the weights and is left at the bf16 accounting."""
+    from planner.cost.runtime import get_runtime
+    return plan.precision == "fp8" and plan.zero == 1 and get_runtime(plan.runtime).fp8_param_gather

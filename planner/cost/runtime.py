@@ -79,6 +79,10 @@ class Runtime:
     """Whether the distributed optimizer's post-step parameter all-gather runs bucket by bucket
     in the next step's forward (Megatron-Core --overlap-param-gather: each bucket's gather is
     waited on in the forward pre-hook of its first module), hidden behind that forward."""
+    fp8_param_gather: bool = False
+    """Whether its fp8 recipes keep the weights in FP8 with no bf16 copy (Megatron-Core
+    --fp8-param-gather, set by Megatron-Bridge's fp8 mixed-precision recipes): with the
+    distributed optimizer, planner.cost.memory.fp8_param_gather / fp8_bytes."""
     device_factors: bool
     """Use the GPU profile's fitted factors (DeepSpeed's) rather than this file's."""
     factors: Mapping[str, float] = field(default_factory=dict)
@@ -105,6 +109,7 @@ def _load(path: Path) -> Runtime:
                    fused_cross_entropy=bool(data.get("fused_cross_entropy", False)),
                    grad_reduce_fp32=bool(data.get("grad_reduce_fp32", False)),
                    param_gather_overlap=bool(data.get("param_gather_overlap", False)),
+                   fp8_param_gather=bool(data.get("fp8_param_gather", False)),
                    factors={k: float(v) for k, v in data.get("factors", {}).items()},
                    by_device={d: {k: float(v) for k, v in fs.items()} for d, fs in data.get("by_device", {}).items()},
                    sources=data.get("sources", {}), path=str(path),

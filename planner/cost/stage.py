@@ -38,7 +38,7 @@ def stage_bytes(fp: engines.Footprint, plan: Plan, lc: LayerCosts, stage: int, b
     ep_p, ep_g, ep_o = lc.block_expert_bytes  # MoE: the experts' states (their own ZeRO group)
     params, grads, opt = params + blocks * ep_p, grads + blocks * ep_g, opt + blocks * ep_o
     if plan.precision == "fp8":
-        params += memory.fp8_bytes(blocks, lc.block_psi, plan.zero == 3)
+        params += memory.fp8_bytes(blocks, lc.block_psi, plan.zero == 3, memory.fp8_param_gather(plan))
     backward = acts + logits + sum(back)
     if step_only > backward:
         buckets += step_only - backward

@@ -38,7 +38,7 @@ class StageModel:
         f = cluster_factors(cluster, plan.runtime, plan)
         self.pp = p = plan.pp
         # fp8's weight copies and amax histories (planner.cost.memory.fp8_bytes), per stage
-        self.fp8 = (plan.precision == "fp8", plan.zero == 3)
+        self.fp8 = (plan.precision == "fp8", plan.zero == 3, memory.fp8_param_gather(plan))
         self.lc = lc
         self.selective = plan.recompute == "selective"
         self.frag = f.memory_fragmentation
@@ -94,7 +94,7 @@ class StageModel:
         if step > backward:
             buckets += step - backward
             back += step - backward
-        fp8 = memory.fp8_bytes(n, self.lc.block_psi, self.fp8[1]) if self.fp8[0] else 0.0
+        fp8 = memory.fp8_bytes(n, self.lc.block_psi, self.fp8[1], self.fp8[2]) if self.fp8[0] else 0.0
         return held + back + acts + logits + self.fixed + fp8 + self.frag * (acts + logits + buckets)
 
     def time(self, i: int, n: int, k: int) -> float:

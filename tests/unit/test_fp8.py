@@ -48,6 +48,26 @@ def test_fp8_bytes_by_hand() -> None:
     assert memory.fp8_bytes(3, 1e6, False) == 3 * 1e6 * 2 + 3 * 4 * 3 * 1024 * 4
     # ZeRO-3 / FULL_SHARD: only the gathered unit and the prefetched one hold copies
     assert memory.fp8_bytes(3, 1e6, True) == 2 * 1e6 * 2 + 3 * 4 * 3 * 1024 * 4
+    # --fp8-param-gather: the FP8 weight and its transpose (2 B) replace the bf16 weight (2 B): the amax alone
+    assert memory.fp8_bytes(3, 1e6, False, True) == 3 * 1e6 * 2 - 3 * 1e6 * 2 + 3 * 4 * 3 * 1024 * 4 == 147_456
+
+
+def test_megatron_core_fp8_holds_no_bf16_weight_copy_with_the_distributed_optimizer() -> None:
+    """Megatron-Bridge's fp8 recipes set fp8_param_gather=True (profiles/runtimes/megatron-core.json
+    sources it): an fp8 ZeRO-1 plan's params are the bf16 plan's plus the amax histories only,
+    32 blocks x 4 linears x 3 tensors x 1024 x 4 B = 1,572,864 B; the FP8 weight and its transpose
+    (2 B per element) replace the bf16 weight (2 B). Without it the difference is 2 B x the blocks'
+    weights more (tens of GB here), halved 1 B more: both fail."""
+    assert rtm.get_runtime("megatron-core").fp8_param_gather
+    assert not rtm.get_runtime("deepspeed").fp8_param_gather and not rtm.get_runtime("fsdp").fp8_param_gather
+    assert memory.fp8_param_gather(PLAN)
+    est8 = estimate(MODEL, H100, TRAIN, PLAN)
+    est16 = estimate(MODEL, H100, dataclasses.replace(TRAIN, precision="bf16"),
+                     dataclasses.replace(PLAN, precision="bf16"))
+    assert est8.stage_memory[0].params - est16.stage_memory[0].params == pytest.approx(32 * 4 * 3 * 1024 * 4, rel=1e-9)
+    # DDP (no distributed optimizer) and Megatron-FSDP keep the bf16 weight beside the FP8 copies
+    assert not memory.fp8_param_gather(dataclasses.replace(PLAN, zero=0))
+    assert not memory.fp8_param_gather(dataclasses.replace(PLAN, zero=3))
 
 
 def test_fp8_plan_holds_the_weight_copies_and_the_search_solver_agrees() -> None:
@@ -55,7 +75,7 @@ def test_fp8_plan_holds_the_weight_copies_and_the_search_solver_agrees() -> None
     est16 = estimate(MODEL, H100, dataclasses.replace(TRAIN, precision="bf16"),
                      dataclasses.replace(PLAN, precision="bf16"))
     lc = layer_costs(MODEL, H100, TRAIN, PLAN)
-    extra = memory.fp8_bytes(MODEL.layers, lc.block_psi, False)
+    extra = memory.fp8_bytes(MODEL.layers, lc.block_psi, False, True)
     assert est8.stage_memory[0].params - est16.stage_memory[0].params == pytest.approx(extra)
     sm = StageModel(H100, PLAN, lc)
     mem = stage_memory(PLAN, lc, (MODEL.layers,), (0,), 0.1, False)[0]
