@@ -8,7 +8,7 @@ micro-batch). Per precision:
 
     per micro-batch = (step with 4 - step with 1) / 3,  per step = step with 1 - per micro-batch,
 
-and what the cost model's terms leave of them (planner.profiler.write.step_section): the
+and what the cost model's terms leave of them (planner.profiler.steps.step_section): the
 micro-batch's blocks (through the block probe), embedding and head, and the optimizer's
 memory-bound update are subtracted; the rest is step.framework.<precision> (planner/specs/step.py).
 No communication: one process. A failure is reported as a note; the profile is written without it.
@@ -41,7 +41,7 @@ no-ops)."""
 ZERO2_LAYOUTS = ({"name": "dp", "dp": 2, "pp": 1}, {"name": "z2", "dp": 2, "pp": 1, "zero": 2})
 """measure_parallel's layouts of a further model: ZeRO-2's cost per micro-batch beyond the first is a gradient
 reduction over every parameter, so a second model size separates its per-parameter and fixed
-parts (planner.profiler.write.zero2_fit)."""
+parts (planner.profiler.steps.zero2_section)."""
 
 
 def measure(model: dict[str, Any], b: int, s: int, precisions: list[str], threads: int,

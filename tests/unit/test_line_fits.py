@@ -19,7 +19,7 @@ import pytest
 
 from planner.calibrate.solver import golden_section, line_relative
 from planner.profiler.fit import fit_alpha_beta
-from planner.profiler.write import fit_line
+from planner.profiler.steps import fit_line
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 

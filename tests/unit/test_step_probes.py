@@ -15,7 +15,7 @@ from planner.profiler import comm
 from planner.specs import Plan, TrainSpec, parse_cluster, preset, scale
 from planner.specs.hardware import find_device
 from planner.specs.hardware import PRECISIONS
-from planner.profiler.write import fit_line
+from planner.profiler.steps import fit_line
 from planner.specs.step import BlockProbe, InStepLink, StepProbes, step_from_dict
 
 MODEL = scale(preset("chatglm3-6b"), "tiny")  # h 128, 4 layers
@@ -269,9 +269,9 @@ def test_profile_writes_the_parallel_section_from_the_two_process_probe():
     """One process 0.20 / 0.80 s -> 0.20 s per micro-batch, 0 per step; DP2 steps of 1 and 4
     micro-batches 0.35 / 1.10 s -> 0.25 s per micro-batch, 0.10 s per step; PP2 0.18 / 0.54 s ->
     0.12 per micro-batch, 0.06 per step: each minus the cost model's terms for the same plan
-    with the block and framework probes (planner.profiler.write.parallel_section)."""
+    with the block and framework probes (planner.profiler.steps.parallel_section)."""
     from planner.cost import estimate
-    from planner.profiler import write
+    from planner.profiler import steps
     from planner.profiler.run import ProfileOptions
     from planner.specs import profile_from_dict
     rows = [{"layout": lay, "precision": "bf16", "micro_batch": 4, "seq": 128, "grad_accum": m, "step_s": s}
@@ -283,9 +283,9 @@ def test_profile_writes_the_parallel_section_from_the_two_process_probe():
     data = dict({k: v for k, v in data.items() if k != "step"}, name="t", builtin=False, gpus_per_node=2)
     block = {"bf16": {"scale": 2.0, "overhead_s": 1e-3}}
     opts = ProfileOptions(model=MODEL, precision="bf16", procs=2)
-    framework = write.framework_section(rows, opts, data, block)
+    framework = steps.framework_section(rows, opts, data, block)
     assert framework["bf16"]["measured_microbatch_s"] == pytest.approx(0.20)  # (0.80 - 0.20) / 3
-    par = write.parallel_section(rows, opts, data, block, framework)["bf16"]
+    par = steps.parallel_section(rows, opts, data, block, framework)["bf16"]
     # two ranks at once: 0.25 s per micro-batch against one process's 0.20 -> concurrency 1.25,
     # with which every CPU-bound term of a 2-process plan is costed
     assert par["concurrency"] == pytest.approx(1.25, rel=1e-12)
@@ -407,7 +407,7 @@ def test_block_classes_fit_recovers_per_class_multipliers():
     """Points whose measured time is 0.8 G + 1.5 C + 11 E + 1 ms exactly: the fit gives them back
     (the sizes differ enough to separate the classes); a column that would need a negative
     multiplier is dropped (0), fewer than 6 points give nothing."""
-    from planner.profiler.write import fit_classes
+    from planner.profiler.steps import fit_classes
     parts = [(g, c, e) for g, c, e in ((1e-3, 2e-4, 1e-4), (4e-3, 4e-4, 2e-4), (16e-3, 8e-4, 4e-4),
                                        (2e-3, 1e-3, 1e-4), (8e-3, 4e-3, 8e-4), (3e-3, 1e-4, 9e-4), (5e-3, 2e-3, 3e-4))]
     meas = [0.8 * g + 1.5 * c + 11.0 * e + 1e-3 for g, c, e in parts]
@@ -511,7 +511,7 @@ def test_zero2_probe_adds_one_reduction_per_micro_batch_beyond_the_first():
 
 
 def test_zero2_fit_is_a_line_over_the_model_sizes():
-    from planner.profiler.write import line_through
+    from planner.profiler.steps import line_through
     assert line_through([1.0, 3.0], [2.0, 4.0]) == pytest.approx((1.0, 1.0))
     # a negative intercept (slope 2, intercept -1) refits through the origin on relative error:
     # x / y = 1, 2/3: slope = (5/3) / (13/9) = 15/13
