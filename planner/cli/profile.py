@@ -10,7 +10,7 @@ from planner.errors import SpecError
 
 
 @click.command()
-@click.option("--quick", is_flag=True, help="A sub-minute pass: fewer shapes, points, message sizes and repeats.")
+@click.option("--quick", is_flag=True, help="A pass of about a minute: fewer shapes, points, message sizes and repeats.")
 @click.option("--out", "out", default=None, metavar="PROFILE.JSON",
               help="Where to write the profile (default profiles/<device>-measured.json).")
 @click.option("--model", "model_arg", default=None, metavar="NAME|CONFIG.JSON",

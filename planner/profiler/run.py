@@ -20,7 +20,7 @@ class ProfileOptions:
     precision: str = "bf16"
     """Precision of the GEMM sweep (efficiency curve) and the block timings."""
     quick: bool = False
-    """A sub-minute pass: fewer shapes, points, sizes and repeats."""
+    """A pass of about a minute on a 2-core CPU: fewer shapes, points, sizes and repeats."""
     procs: int = 2
     """Processes for the collective benchmarks; group sizes 2, 4, ... up to procs."""
     max_tp: int = 2

@@ -26,7 +26,9 @@ def test_quick_profile_writes_a_usable_profile(tmp_path):
     out = tmp_path / "cpu-quick.json"
     r, wall = _profile(tmp_path, "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
-    assert wall < 90, f"--quick took {wall:.0f} s"
+    # quiet 2-core machine, 2026-12-02: 66-81 s (engine probes 63 s of it: DP2, PP2, ZeRO-3, ZeRO-2 at two
+    # model sizes); the full pass takes ~240 s, so 150 s still tells a quick pass from a full one
+    assert wall < 150, f"--quick took {wall:.0f} s"
     prof = load_profile(out)  # the planner's own loader accepts it
     data = json.loads(out.read_text())
     assert data["builtin"] is False and prof.kind in ("cpu", "gpu")
