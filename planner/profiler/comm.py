@@ -19,6 +19,7 @@ import warnings
 from typing import Any, Callable
 
 from planner.errors import PlannerError
+from planner.rundir import atomic_write_json
 from planner.runtime.procs import free_port
 from planner.profiler.fit import OPS, bus_factor, fit_alpha_beta
 
@@ -163,9 +164,7 @@ def _worker(rank: int, n: int, port: int, sizes: list[int], repeats: int, window
             del fn
     steps = in_step(rank, n, block, repeats, sync, device) if block else []
     if rank == 0:  # whole or not at all: the parent reads the file only once it is complete
-        with open(out_path + ".part", "w") as fh:
-            json.dump({"collectives": results, "in_step": steps}, fh)
-        os.replace(out_path + ".part", out_path)
+        atomic_write_json(out_path, {"collectives": results, "in_step": steps})
     dist.barrier()
     dist.destroy_process_group()
     # Leave without the interpreter's teardown: C++ threads of gloo / torch still joinable when static
@@ -224,9 +223,7 @@ def run_group(n: int, sizes: list[int], *, backend: str, repeats: int = 3, windo
                                  "check memory and the backend")
         return done
     finally:
-        for p in (out_path, out_path + ".part"):
-            if os.path.exists(p):
-                os.unlink(p)
+        os.unlink(out_path)
 
 
 def _read_results(path: str) -> dict[str, Any] | None:
