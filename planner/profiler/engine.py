@@ -38,7 +38,7 @@ micro-batch: deepspeed/runtime/zero/stage_1_and_2.py average_tensor reduces each
 one dist.reduce per partition owner, in line on a CPU, whose accelerator's streams are
 no-ops)."""
 
-ZERO2_LAYOUTS = ({"name": "dp", "dp": 2, "pp": 1}, {"name": "z2", "dp": 2, "pp": 1, "zero": 2})
+ZERO2_LAYOUTS = tuple(lay for lay in LAYOUTS if lay["name"] in ("dp", "z2"))
 """measure_parallel's layouts of a further model: ZeRO-2's cost per micro-batch beyond the first is a gradient
 reduction over every parameter, so a second model size separates its per-parameter and fixed
 parts (planner.profiler.steps.zero2_section)."""
